@@ -1,0 +1,178 @@
+"""Where a run executes: the embedded local cluster, dask-cuda, or an existing scheduler.
+
+Every worker advertises ``GPU`` slots and its pool as resources: ``GPU=1,rollout=1`` or
+``GPU=1,trainer=1``. The scheduler plugin reads the pool from the worker's own
+resources, so a cluster started from the command line works the same::
+
+    dask scheduler --preload digenrl.schedulers.preload
+    dask worker tcp://HOST:8786 --nthreads 2 --resources "GPU=1,rollout=1"
+    dask worker tcp://HOST:8786 --nthreads 2 --resources "GPU=1,trainer=1"
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import dask
+from distributed import Client, LocalCluster
+
+from digenrl.config import ClusterConfig, ConfigError
+from digenrl.schedulers.options import ROLLOUT, TRAINER
+from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resources
+
+__all__ = ["ClusterHandle", "start_cluster", "pool_counts", "PooledLocalCluster",
+           "worker_resources", "DASK_CONFIG"]
+
+logger = logging.getLogger(__name__)
+
+#: Dask settings a run relies on (see digenrl.schedulers.plugin for why).
+DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None}
+
+
+def worker_resources(pool: str, gpus: int = 1) -> dict[str, float]:
+    return {"GPU": gpus, pool: 1}
+
+
+class _PoolTagging:
+    """Tags each new worker spec with the next pool that still needs workers."""
+
+    _pool_sizes: dict[str, int]
+
+    def _next_pool(self) -> str:
+        counts = {p: 0 for p in self._pool_sizes}
+        for spec in self.worker_spec.values():
+            pool = pool_from_resources(spec.get("options", {}).get("resources") or {})
+            if pool in counts:
+                counts[pool] += 1
+        for pool, want in self._pool_sizes.items():
+            if counts[pool] < want:
+                return pool
+        return next(iter(self._pool_sizes))
+
+    def _spec_name(self, pool: str, name: Any) -> Any:
+        """Local workers are named ``rollout-0``, ``trainer-0``, ..."""
+        taken = set(self.worker_spec)
+        i = 0
+        while f"{pool}-{i}" in taken:
+            i += 1
+        return f"{pool}-{i}"
+
+    def new_worker_spec(self):  # called by SpecCluster.scale for each new worker
+        [(name, spec)] = super().new_worker_spec().items()
+        spec = copy.deepcopy(spec)
+        pool = self._next_pool()
+        opts = spec.setdefault("options", {})
+        opts["resources"] = {**(opts.get("resources") or {}), **worker_resources(pool)}
+        return {self._spec_name(pool, name): spec}
+
+
+class PooledLocalCluster(_PoolTagging, LocalCluster):
+    """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``."""
+
+    def __init__(self, rollout_workers: int, trainer_workers: int, **kwargs: Any):
+        self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
+        super().__init__(n_workers=0, **kwargs)
+        self.scale(rollout_workers + trainer_workers)
+
+
+def _cuda_cluster(rollout: int, trainer: int, cfg: ClusterConfig):
+    """A LocalCUDACluster, one worker per GPU, the first GPUs in the rollout pool."""
+    from dask_cuda import LocalCUDACluster  # imported only when GPUs are asked for
+    from dask_cuda.utils import get_n_gpus
+
+    n = get_n_gpus()
+    if rollout + trainer > n:
+        raise ConfigError(f"cluster.rollout_workers + cluster.trainer_workers: expected at "
+                          f"most the {n} visible GPUs, got {rollout + trainer}")
+
+    class PooledLocalCUDACluster(_PoolTagging, LocalCUDACluster):
+        def _spec_name(self, pool, name):
+            return name  # dask-cuda names workers after their GPU
+
+        def __init__(self, **kw):
+            self._pool_sizes = {ROLLOUT: rollout, TRAINER: trainer}
+            super().__init__(**kw)
+
+    return PooledLocalCUDACluster(
+        n_workers=rollout + trainer, threads_per_worker=cfg.threads_per_worker,
+        dashboard_address=cfg.dashboard_address)
+
+
+@dataclass
+class ClusterHandle:
+    client: Client
+    cluster: Any | None
+    description: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            if self.cluster is not None:
+                self.cluster.close()
+
+    @property
+    def dashboard_link(self) -> str | None:
+        try:
+            return self.client.dashboard_link
+        except Exception:  # a scheduler without a dashboard
+            return None
+
+
+def pool_counts(client: Client) -> dict[str, list[str]]:
+    """Worker names per pool tag (and ``untagged``), from the workers' resources."""
+    out: dict[str, list[str]] = {ROLLOUT: [], TRAINER: [], "untagged": []}
+    for addr, w in client.scheduler_info(n_workers=-1)["workers"].items():
+        res = w.get("resources") or {}
+        if res.get("GPU", 0) <= 0:
+            out["untagged"].append(str(w.get("name", addr)))
+            continue
+        out[pool_from_resources(res) or "untagged"].append(str(w.get("name", addr)))
+    return out
+
+
+def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:
+    """Start (or connect to) the cluster ``cfg`` describes, with the plugin installed."""
+    dask.config.set(DASK_CONFIG)
+    cluster = None
+    kind = "existing"
+    if cfg.scheduler is not None:
+        try:
+            client = Client(cfg.scheduler, timeout="20s")
+        except OSError as e:
+            raise ConfigError(f"cluster.scheduler: expected a reachable Dask scheduler, "
+                              f"got {cfg.scheduler!r} ({e})") from None
+    else:
+        if cfg.gpus:
+            try:
+                cluster = _cuda_cluster(cfg.rollout_workers, cfg.trainer_workers, cfg)
+                kind = "dask-cuda"
+            except ImportError as e:
+                logger.warning("GPUs were asked for but dask-cuda cannot be imported (%s); "
+                               "falling back to a CPU LocalCluster with emulated GPU slots. "
+                               "Install it with: pip install 'digenrl[cuda]'", e)
+        if cluster is None:
+            cluster = PooledLocalCluster(
+                cfg.rollout_workers, cfg.trainer_workers, processes=True,
+                threads_per_worker=cfg.threads_per_worker,
+                dashboard_address=cfg.dashboard_address, memory_limit=cfg.memory_limit,
+                silence_logs=logging.WARNING)
+            kind = "local"
+        client = Client(cluster)
+        client.wait_for_workers(cfg.rollout_workers + cfg.trainer_workers, timeout=120)
+    client.register_plugin(DigenRLSchedulerPlugin())
+    counts = pool_counts(client)
+    if pools:
+        for pool in (ROLLOUT, TRAINER):
+            if not counts[pool]:
+                raise ConfigError(
+                    f"cluster: the {pool} pool has no workers (workers by pool: {counts}); "
+                    f"start workers with --resources 'GPU=1,{pool}=1'")
+    elif not counts[ROLLOUT] and not counts[TRAINER]:
+        raise ConfigError(f"cluster: no worker advertises a GPU slot (workers: {counts}); "
+                          "start workers with --resources 'GPU=1,rollout=1'")
+    description = {"kind": kind, "scheduler": client.scheduler.address, "pools": counts}
+    return ClusterHandle(client, cluster, description)

@@ -1,0 +1,605 @@
+"""Run configuration: one frozen dataclass per component, validated at construction.
+
+Every check names the field (dotted path from the top of the config), what was expected
+and what arrived. Nothing here imports torch, Dask or task code, so the scheduler plugin
+and the simulator can read a configuration too.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from digenrl.schedulers.options import MODES, ScheduleOptions
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "SamplerConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "RewardConfig",
+    "TrainConfig",
+    "ScheduleConfig",
+    "ScheduleOptions",
+    "ClusterConfig",
+    "StoreConfig",
+    "RunConfig",
+    "MODES",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "apply_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names the field."""
+
+
+def _fail(path: str, expected: str, got: Any) -> None:
+    raise ConfigError(f"{path}: expected {expected}, got {got!r}")
+
+
+def _require(cond: bool, path: str, expected: str, got: Any) -> None:
+    if not cond:
+        _fail(path, expected, got)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(v: Any, path: str, minimum: int = 1) -> None:
+    _require(_is_int(v) and v >= minimum, path, f"an integer >= {minimum}", v)
+
+
+def _finite(v: Any, path: str, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v <= hi
+    bounds = []
+    if lo is not None:
+        bounds.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        bounds.append(f"<= {hi}")
+    _require(ok, path, "a finite number" + (" " + " and ".join(bounds) if bounds else ""), v)
+
+
+def _choice(v: Any, path: str, options: typing.Iterable[str]) -> None:
+    options = sorted(options)
+    _require(v in options, path, f"one of {options}", v)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy (a diffusers flow-matching transformer) and the VAE.
+
+    With ``path`` unset, both are built from the sizes below with seeded random weights
+    (nothing is downloaded). With ``path`` set, ``transformer/``, ``vae/`` and
+    ``scheduler/`` are loaded from that local diffusers pipeline folder with
+    ``from_pretrained``; the sizes below are then ignored. The folder must be readable
+    from every worker.
+    """
+
+    path: str | None = None
+    image_size: int = 64
+    latent_channels: int = 4
+    vae_channels: tuple[int, ...] = (32, 64, 64)
+    vae_layers_per_block: int = 1
+    transformer_layers: int = 8
+    attention_heads: int = 4
+    attention_head_dim: int = 32
+    patch_size: int = 2
+    prompt_tokens: int = 8
+    prompt_embed_dim: int = 64
+    pooled_embed_dim: int = 32
+    init_seed: int | None = None
+
+    def validate(self, p: str = "model") -> None:
+        if self.path is not None:
+            _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
+                     "a path to a local diffusers pipeline folder", self.path)
+            folder = Path(self.path).expanduser()
+            _require(folder.is_dir(), f"{p}.path", "an existing folder", self.path)
+            for sub in ("transformer", "vae"):
+                _require((folder / sub / "config.json").is_file(), f"{p}.path",
+                         f"a diffusers pipeline folder with {sub}/config.json", self.path)
+            return
+        _positive_int(self.latent_channels, f"{p}.latent_channels")
+        _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
+                 and all(_is_int(c) and c > 0 and c % 8 == 0 for c in self.vae_channels),
+                 f"{p}.vae_channels", "a non-empty list of positive multiples of 8",
+                 self.vae_channels)
+        _positive_int(self.vae_layers_per_block, f"{p}.vae_layers_per_block")
+        _positive_int(self.image_size, f"{p}.image_size", 8)
+        factor = self.vae_scale_factor
+        _require(self.image_size % factor == 0, f"{p}.image_size",
+                 f"a multiple of the VAE scale factor {factor}", self.image_size)
+        _positive_int(self.patch_size, f"{p}.patch_size")
+        _require(self.latent_size % self.patch_size == 0, f"{p}.image_size",
+                 f"a latent size (image_size / {factor}) divisible by patch_size "
+                 f"{self.patch_size}", self.image_size)
+        _positive_int(self.transformer_layers, f"{p}.transformer_layers")
+        _positive_int(self.attention_heads, f"{p}.attention_heads")
+        _positive_int(self.attention_head_dim, f"{p}.attention_head_dim")
+        _positive_int(self.prompt_tokens, f"{p}.prompt_tokens")
+        _positive_int(self.prompt_embed_dim, f"{p}.prompt_embed_dim")
+        _positive_int(self.pooled_embed_dim, f"{p}.pooled_embed_dim")
+        if self.init_seed is not None:
+            _require(_is_int(self.init_seed) and self.init_seed >= 0, f"{p}.init_seed",
+                     "a non-negative integer or null", self.init_seed)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_channels) - 1)
+
+    @property
+    def latent_size(self) -> int:
+        return self.image_size // self.vae_scale_factor
+
+
+# ------------------------------------------------------------------------- sampler
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The Flow-GRPO SDE sampler (DESIGN.md section 3)."""
+
+    num_steps: int = 8
+    shift: float = 3.0
+    noise_level: float = 0.7
+    guidance_scale: float = 1.0
+    timestep_fraction: float = 0.5
+
+    def validate(self, p: str = "sampler") -> None:
+        _positive_int(self.num_steps, f"{p}.num_steps", 2)
+        _finite(self.shift, f"{p}.shift", 0.0, lo_open=True)
+        _finite(self.noise_level, f"{p}.noise_level", 0.0, lo_open=True)
+        _finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
+        _finite(self.timestep_fraction, f"{p}.timestep_fraction", 0.0, 1.0, lo_open=True)
+        n = self.trained_steps
+        _require(1 <= n <= self.num_steps - 1, f"{p}.timestep_fraction",
+                 f"a fraction leaving 1..{self.num_steps - 1} trained steps of "
+                 f"{self.num_steps} (the last, near-clean step is never trained)",
+                 f"{self.timestep_fraction} ({n} steps)")
+
+    @property
+    def trained_steps(self) -> int:
+        return int(self.num_steps * self.timestep_fraction)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which prompts each iteration draws and how many images per prompt."""
+
+    prompts_per_iteration: int = 4
+    samples_per_prompt: int = 4
+    prompt_set: str = "simple_animals"
+    prompts: tuple[str, ...] = ()
+    same_noise_in_group: bool = False
+
+    def validate(self, p: str = "data") -> None:
+        _positive_int(self.prompts_per_iteration, f"{p}.prompts_per_iteration")
+        _positive_int(self.samples_per_prompt, f"{p}.samples_per_prompt", 2)
+        _require(isinstance(self.prompts, tuple)
+                 and all(isinstance(s, str) and s.strip() for s in self.prompts),
+                 f"{p}.prompts", "a list of non-empty strings", self.prompts)
+        if not self.prompts:
+            from digenrl.prompts import PROMPT_SETS
+
+            _choice(self.prompt_set, f"{p}.prompt_set", PROMPT_SETS)
+        _require(isinstance(self.same_noise_in_group, bool), f"{p}.same_noise_in_group",
+                 "true or false", self.same_noise_in_group)
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How samples are batched into denoise tasks."""
+
+    chunk_size: int = 4
+
+    def validate(self, p: str = "rollout") -> None:
+        _positive_int(self.chunk_size, f"{p}.chunk_size")
+
+
+# -------------------------------------------------------------------------- reward
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """A weighted sum of registered rewards, e.g. ``{jpeg_compressibility: 1.0}``.
+
+    ``on_error``: ``raise`` stops the run with an error naming the reward and the
+    samples; ``drop`` leaves such samples out of training and counts them.
+    """
+
+    components: Mapping[str, float] = field(
+        default_factory=lambda: {"jpeg_compressibility": 1.0})
+    on_error: str = "raise"
+
+    def validate(self, p: str = "reward") -> None:
+        from digenrl.tasks.rewards import REWARDS
+
+        _require(isinstance(self.components, Mapping) and len(self.components) > 0,
+                 f"{p}.components", "a non-empty mapping of reward name to weight",
+                 self.components)
+        for name, weight in self.components.items():
+            _choice(name, f"{p}.components", REWARDS)
+            _finite(weight, f"{p}.components.{name}")
+        _choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.components.items())), self.on_error))
+
+
+# --------------------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Flow-GRPO loss and the AdamW step that publishes each policy version."""
+
+    learning_rate: float = 2e-3
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4
+    advantage_clip: float = 5.0
+    advantage_std: str = "group"
+    kl_beta: float = 0.0
+    off_policy_correction: str = "decoupled"
+    importance_weight_cap: float = 2.0
+    reduce_fanin: int = 8
+
+    def validate(self, p: str = "train") -> None:
+        _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
+        _finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0)
+        _finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0)
+        _require(self.adam_beta1 < 1 and self.adam_beta2 < 1, f"{p}.adam_beta1/adam_beta2",
+                 "values below 1", (self.adam_beta1, self.adam_beta2))
+        _finite(self.adam_eps, f"{p}.adam_eps", 0.0, lo_open=True)
+        _finite(self.weight_decay, f"{p}.weight_decay", 0.0)
+        _finite(self.max_grad_norm, f"{p}.max_grad_norm", 0.0, lo_open=True)
+        _finite(self.clip_range, f"{p}.clip_range", 0.0, 1.0, lo_open=True)
+        _finite(self.advantage_clip, f"{p}.advantage_clip", 0.0, lo_open=True)
+        _choice(self.advantage_std, f"{p}.advantage_std", ("group", "batch"))
+        _finite(self.kl_beta, f"{p}.kl_beta", 0.0)
+        _choice(self.off_policy_correction, f"{p}.off_policy_correction",
+                ("decoupled", "clip"))
+        _finite(self.importance_weight_cap, f"{p}.importance_weight_cap", 1.0)
+        _positive_int(self.reduce_fanin, f"{p}.reduce_fanin", 2)
+
+
+# ------------------------------------------------------------------------ schedule
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Mode and the switches that ablate it. ``null`` keeps the mode's preset.
+
+    ``stale_groups``: with ``max_staleness = k > 0``, how many leading prompt groups of
+    iteration ``i`` are generated with version ``i - k`` (so they can start before the
+    trainer finishes iteration ``i - 1``, filling its tail bubble); the other groups are
+    generated with version ``i``. ``null``: all groups (every sample ``k`` versions old).
+    The choice is static, so a run's numbers never depend on timing.
+    """
+
+    mode: str = "digenrl"
+    max_staleness: int | None = None
+    gap: bool | None = None
+    tsp: bool | None = None
+    tag: bool | None = None
+    stale_groups: int | None = None
+    slots_per_worker: int = 2
+
+    def validate(self, p: str = "schedule") -> None:
+        _choice(self.mode, f"{p}.mode", MODES)
+        if self.stale_groups is not None:
+            _require(_is_int(self.stale_groups) and self.stale_groups >= 0,
+                     f"{p}.stale_groups", "a non-negative integer or null (all groups)",
+                     self.stale_groups)
+        if self.max_staleness is not None:
+            _require(_is_int(self.max_staleness) and 0 <= self.max_staleness <= 8,
+                     f"{p}.max_staleness", "an integer from 0 to 8 or null",
+                     self.max_staleness)
+        for name in ("gap", "tsp", "tag"):
+            v = getattr(self, name)
+            _require(v is None or isinstance(v, bool), f"{p}.{name}",
+                     "true, false or null", v)
+        _positive_int(self.slots_per_worker, f"{p}.slots_per_worker")
+        if self.mode == "colocated":
+            _require(not self.tag, f"{p}.tag",
+                     "false or null in colocated mode (there is no trainer pool)", self.tag)
+            _require(not self.max_staleness, f"{p}.max_staleness",
+                     "0 or null in colocated mode (its phases are synchronous)",
+                     self.max_staleness)
+
+    def options(self) -> ScheduleOptions:
+        preset = dict(MODES[self.mode])
+        for name in ("gap", "tsp", "tag", "max_staleness"):
+            if getattr(self, name) is not None:
+                preset[name] = getattr(self, name)
+        return ScheduleOptions(mode=self.mode, slots_per_worker=self.slots_per_worker,
+                               **preset)
+
+
+# ------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the run executes.
+
+    No ``scheduler``: an embedded LocalCluster of worker processes, each advertising one
+    emulated ``GPU`` slot, ``rollout_workers`` tagged ``rollout`` and ``trainer_workers``
+    tagged ``trainer``. ``gpus``: a dask-cuda LocalCUDACluster, one worker per GPU.
+    ``scheduler``: an existing cluster whose workers carry the pool tags.
+    """
+
+    scheduler: str | None = None
+    gpus: bool = False
+    rollout_workers: int = 1
+    trainer_workers: int = 1
+    threads_per_worker: int = 2
+    torch_threads: int = 1
+    dashboard_address: str | None = ":8787"
+    memory_limit: str = "auto"
+
+    def validate(self, p: str = "cluster") -> None:
+        if self.scheduler is not None:
+            _require(isinstance(self.scheduler, str) and "://" in self.scheduler
+                     or (isinstance(self.scheduler, str) and ":" in self.scheduler),
+                     f"{p}.scheduler", "a scheduler address such as tcp://host:8786",
+                     self.scheduler)
+            _require(not self.gpus, f"{p}.gpus",
+                     "false when a scheduler address is given (the cluster exists)",
+                     self.gpus)
+        _require(isinstance(self.gpus, bool), f"{p}.gpus", "true or false", self.gpus)
+        _positive_int(self.rollout_workers, f"{p}.rollout_workers")
+        _positive_int(self.trainer_workers, f"{p}.trainer_workers")
+        _positive_int(self.threads_per_worker, f"{p}.threads_per_worker")
+        _positive_int(self.torch_threads, f"{p}.torch_threads")
+        if self.dashboard_address is not None:
+            _require(isinstance(self.dashboard_address, str), f"{p}.dashboard_address",
+                     "an address such as ':8787' or null", self.dashboard_address)
+
+    @property
+    def total_workers(self) -> int:
+        return self.rollout_workers + self.trainer_workers
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What the output store keeps besides the always-written arrays."""
+
+    save_images: bool = True
+    save_latents: bool = False
+
+    def validate(self, p: str = "store") -> None:
+        for name in ("save_images", "save_latents"):
+            v = getattr(self, name)
+            _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
+
+
+# ----------------------------------------------------------------------------- run
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    iterations: int = 40
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _require(_is_int(self.seed) and self.seed >= 0, "seed", "a non-negative integer",
+                 self.seed)
+        _positive_int(self.iterations, "iterations")
+        for name in ("model", "sampler", "data", "rollout", "reward", "train",
+                     "schedule", "cluster", "store"):
+            getattr(self, name).validate(name)
+        spp = self.data.samples_per_prompt
+        chunk = self.rollout.chunk_size
+        _require(spp % chunk == 0 or chunk % spp == 0, "rollout.chunk_size",
+                 f"a divisor or a multiple of data.samples_per_prompt ({spp})", chunk)
+        total = self.data.samples_per_iteration
+        _require(total % chunk == 0, "rollout.chunk_size",
+                 f"a divisor of the samples per iteration "
+                 f"(prompts_per_iteration x samples_per_prompt = {total})", chunk)
+
+    # Derived totals, logged at start.
+    @property
+    def chunks_per_iteration(self) -> int:
+        return self.data.samples_per_iteration // self.rollout.chunk_size
+
+    @property
+    def micro_steps_per_iteration(self) -> int:
+        return self.chunks_per_iteration * self.sampler.trained_steps
+
+    @property
+    def denoise_tasks_per_iteration(self) -> int:
+        return self.chunks_per_iteration * self.sampler.num_steps
+
+    def derived(self) -> dict[str, int]:
+        return {
+            "images_per_iteration": self.data.samples_per_iteration,
+            "chunks_per_iteration": self.chunks_per_iteration,
+            "denoise_tasks_per_iteration": self.denoise_tasks_per_iteration,
+            "micro_steps_per_iteration": self.micro_steps_per_iteration,
+            "trained_steps": self.sampler.trained_steps,
+        }
+
+
+# ------------------------------------------------------------------ dict <-> config
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "sampler": SamplerConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "reward": RewardConfig,
+    "train": TrainConfig,
+    "schedule": ScheduleConfig,
+    "cluster": ClusterConfig,
+    "store": StoreConfig,
+}
+
+
+def _coerce(value: Any, hint: Any, path: str) -> Any:
+    """Convert a YAML value to the field's declared type, or fail naming the field."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        errors = []
+        for a in non_none:
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if hint is Any:
+        return value
+    if origin is tuple:
+        _require(isinstance(value, (list, tuple)), path, "a list", value)
+        item = args[0] if args else Any
+        return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (collections.abc.Mapping, dict) or hint in (dict, Mapping):
+        _require(isinstance(value, Mapping), path, "a mapping", value)
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if hint is bool:
+        _require(isinstance(value, bool), path, "true or false", value)
+        return value
+    if hint is int:
+        _require(_is_int(value), path, "an integer", value)
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads 1e-4 (no dot) as a string; accept what float() accepts.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+                 "a number", value)
+        return float(value)
+    if hint is str:
+        _require(isinstance(value, str), path, "a string", value)
+        return value
+    if hint is type(None):
+        _require(value is None, path, "null", value)
+        return None
+    return value
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    _require(isinstance(data, Mapping), path or "config", "a mapping", data)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"{sub}: unknown field; valid fields of "
+                              f"{path or 'the config'} are {sorted(names)}")
+        if cls is RunConfig and key in _SECTIONS:
+            kwargs[key] = _build(_SECTIONS[key], value if value is not None else {}, key)
+        else:
+            kwargs[key] = _coerce(value, hints[key], sub)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    """Build and validate a :class:`RunConfig` from nested plain data."""
+    return _build(RunConfig, data, "")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """The resolved configuration as plain data (saved with every run)."""
+    return _plain(config)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (``train.learning_rate``) in nested plain config data."""
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, Mapping):
+                raise ConfigError(f"{dotted}: {part!r} is not a section")
+            node[part] = child = dict(child)
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None,
+                overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config: expected an existing YAML file, got {str(path)!r}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: expected valid YAML in {str(path)!r}: {e}") from None
+        if loaded is not None:
+            _require(isinstance(loaded, Mapping), "config", "a YAML mapping at the top",
+                     type(loaded).__name__)
+            data = dict(loaded)
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return config_from_dict(data)

@@ -1,0 +1,63 @@
+"""Which samples an iteration generates and how they are chunked into tasks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["IterationPlan"]
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """Samples ``0 .. n-1`` of one iteration, group-major: sample ``s`` belongs to prompt
+    group ``s // samples_per_prompt``. ``chunks`` are consecutive ``[start, stop)``
+    sample ranges, one per denoise chain."""
+
+    iteration: int
+    prompts: tuple[str, ...]
+    samples_per_prompt: int
+    chunks: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def uniform(cls, iteration: int, prompts, samples_per_prompt: int,
+                chunk_size: int) -> "IterationPlan":
+        n = len(prompts) * samples_per_prompt
+        if n % chunk_size:
+            raise ValueError(f"chunk_size: expected a divisor of {n}, got {chunk_size}")
+        chunks = tuple((s, s + chunk_size) for s in range(0, n, chunk_size))
+        return cls(iteration, tuple(prompts), samples_per_prompt, chunks)
+
+    def __post_init__(self) -> None:
+        covered = [s for a, b in self.chunks for s in range(a, b)]
+        if covered != list(range(self.num_samples)):
+            raise ValueError(f"chunks: expected consecutive ranges covering 0..{self.num_samples - 1},"
+                             f" got {self.chunks}")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.samples_per_prompt
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def group_of(self, sample: int) -> int:
+        return sample // self.samples_per_prompt
+
+    def sample_ids(self, chunk: int) -> tuple[int, ...]:
+        a, b = self.chunks[chunk]
+        return tuple(range(a, b))
+
+    def chunk_prompts(self, chunk: int) -> tuple[str, ...]:
+        return tuple(self.prompts[self.group_of(s)] for s in self.sample_ids(chunk))
+
+    def group_sample_ids(self, group: int) -> tuple[int, ...]:
+        a = group * self.samples_per_prompt
+        return tuple(range(a, a + self.samples_per_prompt))
+
+    def groups_of_chunk(self, chunk: int) -> list[int]:
+        return sorted({self.group_of(s) for s in self.sample_ids(chunk)})
+
+    def chunks_of_group(self, group: int) -> list[int]:
+        ids = set(self.group_sample_ids(group))
+        return [c for c in range(len(self.chunks)) if ids & set(self.sample_ids(c))]

@@ -1,0 +1,58 @@
+"""Scheduling switches. Pure data: the plugin, the policy and the simulator share it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ScheduleOptions", "MODES", "POOLS", "ROLLOUT", "TRAINER", "COLOCATED",
+           "PUBLISH_KIND"]
+
+ROLLOUT = "rollout"
+TRAINER = "trainer"
+COLOCATED = "colocated"
+#: The worker pools a worker can be tagged with (a resource of that name).
+POOLS = (ROLLOUT, TRAINER)
+#: The task kind whose completion makes a new policy version available.
+PUBLISH_KIND = "publish"
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """What the scheduling policy does: a mode's preset with any switch overridden.
+
+    ``pools``: rollout tasks only on rollout workers and training tasks only on
+    trainers (otherwise every GPU worker is one ``colocated`` pool).
+    ``gap``: a group's training starts as soon as it is scored, and denoising finishes
+    groups one after another (otherwise training waits for the whole iteration).
+    ``tsp``: any trainer takes any micro-step (otherwise a chunk's micro-steps all run
+    on the trainer the chunk is assigned to, as in data-parallel training).
+    ``tag``: idle trainers take rollout tasks while no training work is runnable.
+    ``max_staleness``: rollouts of iteration i start only once version i - k exists.
+    ``slots_per_worker``: GPU tasks released to one worker at once (one runs, the rest
+    wait on the worker and hide the scheduler round trip).
+    """
+
+    mode: str
+    pools: bool
+    gap: bool
+    tsp: bool
+    tag: bool
+    max_staleness: int
+    slots_per_worker: int = 2
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ScheduleOptions":
+        return cls(**data)
+
+
+#: Each mode is a preset of the scheduling switches; the graph is the same for all.
+MODES: dict[str, dict[str, Any]] = {
+    "colocated": dict(pools=False, gap=False, tsp=False, tag=False, max_staleness=0),
+    "disaggregated": dict(pools=True, gap=False, tsp=False, tag=False, max_staleness=0),
+    "digenrl": dict(pools=True, gap=True, tsp=True, tag=True, max_staleness=1),
+}

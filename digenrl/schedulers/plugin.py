@@ -1,0 +1,289 @@
+"""The Dask scheduler plugin: a thin adapter between Dask and :mod:`.policy`.
+
+Mechanism (a pull model). Every task carrying the ``digenrl`` annotation is *parked*
+when it enters the scheduler: its worker restriction names an address no worker has, so
+when its inputs are ready Dask moves it to ``no-worker`` instead of sending it anywhere.
+The plugin reports that to the policy; whenever the policy decides to release a task to
+a worker, the plugin sets the task's restriction to that one worker and transitions it
+to ``processing`` -- Dask then sends it there as usual. Every decision (pool, TAG,
+priority, staleness) is therefore taken by the policy at the last moment, and a task
+never waits on a worker it should not run on.
+
+Dask behaviours relied on (each is checked by ``tests/schedulers/test_dask_contract.py``):
+
+1. A task whose worker restrictions name no connected worker goes to ``no-worker`` and
+   stays there, also when new workers join.
+2. Changing ``TaskState.worker_restrictions`` of a ``no-worker`` task and recommending
+   ``processing`` sends it to the named worker.
+3. ``SchedulerPlugin.update_graph`` runs before the new tasks are first transitioned,
+   so restrictions set there apply from the start.
+4. Tasks restricted to a single worker are never moved by work stealing, and restricted
+   tasks bypass scheduler-side queuing.
+5. ``distributed.scheduler.no-workers-timeout`` is unset, so parked tasks never time out.
+6. Per-key layer annotations reach the plugin's ``update_graph`` as ``annotations``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Hashable
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol import pickle
+
+from digenrl.schedulers.options import POOLS, ScheduleOptions
+from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+
+__all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
+           "StalenessBoundError", "pool_from_resources"]
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "digenrl"
+ANNOTATION = "digenrl"
+#: The restriction of a parked task: an address no worker can ever have.
+PARKED = "tcp://digenrl-parked.invalid:9"
+
+
+class StalenessBoundError(ValueError):
+    """A task would train samples older than ``max_staleness`` allows."""
+
+
+def pool_from_resources(resources: dict[str, float]) -> str | None:
+    """A worker's pool: the pool-named resource it advertises (``rollout=1``)."""
+    tags = [p for p in POOLS if resources.get(p, 0) > 0]
+    return tags[0] if len(tags) == 1 else None
+
+
+class DigenRLSchedulerPlugin(SchedulerPlugin):
+    """Pools, pipelining, TAG and the staleness bound for tasks annotated ``digenrl``.
+
+    Registered by ``digenrl run`` (``client.register_plugin``) or installed at scheduler
+    start with ``dask scheduler --preload digenrl.schedulers.preload``. Each run calls
+    the ``digenrl_begin_run`` handler with its schedule options; telemetry is served by
+    ``digenrl_state`` and ``digenrl_tasks``.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler = None
+        self.run: str | None = None
+        self.policy: SchedulingPolicy | None = None
+        self.records: list[dict[str, Any]] = []
+        self.record_offset = 0
+        self._flush_pending = False
+        self._meta: dict[Hashable, dict[str, Any]] = {}
+        self._decisions: dict[Hashable, Any] = {}
+        self._to_err: dict[Hashable, str] = {}
+        self.warnings: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "digenrl_begin_run": self.begin_run,
+            "digenrl_end_run": self.end_run,
+            "digenrl_state": self.state,
+            "digenrl_tasks": self.task_records,
+        })
+
+    def begin_run(self, run: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Start scheduling a run: a fresh policy over the workers present now."""
+        if self.run is not None and self.run != run and self._live_tasks():
+            raise RuntimeError(f"run {self.run!r} is still active on this scheduler; "
+                               "digenrl schedules one run at a time")
+        self.run = run
+        self.policy = SchedulingPolicy(ScheduleOptions.from_dict(options))
+        self.records, self.record_offset = [], 0
+        self._meta.clear()
+        self._decisions.clear()
+        self._to_err.clear()
+        self.warnings = []
+        for addr in list(self.scheduler.workers):
+            self._add_worker(addr)
+        return self.state()
+
+    def end_run(self, run: str) -> None:
+        if self.run == run:
+            self.run = None
+
+    def _live_tasks(self) -> bool:
+        return any(k in self.scheduler.tasks for k in self._meta)
+
+    # -------------------------------------------------------------------- workers
+
+    def _add_worker(self, address: str) -> None:
+        ws = self.scheduler.workers.get(address)
+        if ws is None or self.policy is None:
+            return
+        resources = dict(ws.resources or {})
+        pool = pool_from_resources(resources)
+        if self.policy.options.pools and pool is None:
+            msg = (f"worker {ws.name} ({address}) has no pool tag; start it with "
+                   f"--resources 'GPU=1,rollout=1' or 'GPU=1,trainer=1' to use it")
+            logger.warning(msg)
+            self.warnings.append(msg)
+        self.policy.add_worker(address, str(ws.name), pool, int(resources.get("GPU", 0)))
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        self._add_worker(worker)
+        self._schedule_flush()
+
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str, **kw) -> None:
+        if self.policy is not None:
+            self.policy.remove_worker(worker)
+            self._schedule_flush()
+
+    # ---------------------------------------------------------------------- tasks
+
+    def update_graph(self, scheduler, *, keys, tasks, annotations, **kwargs) -> None:
+        meta = annotations.get(ANNOTATION)
+        if not meta:
+            return
+        if self.policy is None:
+            logger.error("digenrl tasks arrived but no run has begun (call "
+                         "digenrl_begin_run first); %d tasks stay parked", len(meta))
+        infos = []
+        for key, m in meta.items():
+            ts = scheduler.tasks.get(key)
+            if ts is None or ts.state not in ("released", "waiting"):
+                continue
+            ts.worker_restrictions = {PARKED}
+            ts.host_restrictions = None
+            ts.loose_restrictions = False
+            self._meta[key] = m
+            infos.append(TaskInfo.from_meta(key, m))
+        if self.policy is not None:
+            self._to_err.update(self.policy.add_tasks(infos))
+
+    def transition(self, key, start, finish, *args, stimulus_id: str, **kwargs) -> None:
+        meta = self._meta.get(key)
+        if meta is None or self.policy is None:
+            return
+        if finish == "no-worker":
+            if key in self._to_err:
+                self._schedule_flush()
+                return
+            self.policy.task_ready(key, self._locality(key))
+            self._schedule_flush()
+        elif start == "processing":
+            if finish == "memory":
+                self._record(key, meta, kwargs)
+                self.policy.task_done(key, kwargs.get("worker"))
+            elif finish == "erred":
+                self.policy.task_failed(key)
+            else:
+                self.policy.task_lost(key)
+                self._park(key)
+            self._schedule_flush()
+        elif finish in ("released", "waiting"):
+            self._park(key)
+            if start == "no-worker":
+                self.policy.task_lost(key)
+        elif finish == "forgotten":
+            self.policy.task_forgotten(key)
+            self._meta.pop(key, None)
+            self._decisions.pop(key, None)
+            self._to_err.pop(key, None)
+
+    def _park(self, key) -> None:
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None:
+            ts.worker_restrictions = {PARKED}
+
+    def _locality(self, key) -> dict[str, int]:
+        ts = self.scheduler.tasks[key]
+        loc: dict[str, int] = defaultdict(int)
+        for dts in ts.dependencies:
+            for ws in dts.who_has or ():
+                loc[ws.address] += dts.nbytes
+        return loc
+
+    # ----------------------------------------------------------------- decisions
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_pending and self.scheduler is not None:
+            self._flush_pending = True
+            self.scheduler.loop.add_callback(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self.policy is None:
+            return
+        s = self.scheduler
+        stimulus_id = f"digenrl-release-{time.time()}"
+        for key in [k for k in self._to_err if k in s.tasks and s.tasks[k].state == "no-worker"]:
+            exc = StalenessBoundError(self._to_err.pop(key))
+            recs = s.transition(key, "erred", exception=pickle.dumps(exc), cause=key,
+                                stimulus_id=stimulus_id)
+            s.transitions(recs, stimulus_id)
+        recs = {}
+        failed = []
+        for d in self.policy.decide():
+            ts = s.tasks.get(d.key)
+            if ts is None or ts.state != "no-worker" or d.worker not in s.workers:
+                failed.append(d.key)
+                continue
+            ts.worker_restrictions = {d.worker}
+            recs[d.key] = "processing"
+            self._decisions[d.key] = d
+        if recs:
+            s.transitions(recs, stimulus_id)
+        for key in recs:
+            ts = s.tasks.get(key)
+            if ts is not None and ts.state == "no-worker":
+                ts.worker_restrictions = {PARKED}
+                failed.append(key)
+        for key in failed:
+            self.policy.release_failed(key)
+
+    # ----------------------------------------------------------------- telemetry
+
+    def _record(self, key, meta, kwargs) -> None:
+        worker = kwargs.get("worker")
+        start = stop = None
+        for ss in kwargs.get("startstops") or ():
+            if ss.get("action") == "compute":
+                start, stop = ss["start"], ss["stop"]
+        d = self._decisions.get(key)
+        ws = self.scheduler.workers.get(worker)
+        self.records.append({
+            "key": str(key),
+            "kind": meta["kind"],
+            "worker": worker,
+            "worker_name": str(ws.name) if ws is not None else worker,
+            "pool": self.policy.pool_of(worker) or "",
+            "start": start,
+            "stop": stop,
+            "iteration": meta["iteration"],
+            "policy_version": meta["policy_version"],
+            "timestep": -1 if meta.get("timestep") is None else meta["timestep"],
+            "chunk": -1 if meta.get("chunk") is None else meta["chunk"],
+            "ready": self.policy.ready_since(key) or 0.0,
+            "released": d.time if d is not None else 0.0,
+            "tag": bool(d.tag) if d is not None else False,
+            "stolen": bool(d.stolen) if d is not None else False,
+            "nbytes": int(kwargs.get("nbytes") or 0),
+        })
+
+    def task_records(self, start: int = 0) -> dict[str, Any]:
+        """Completed-task records from index ``start`` on (indices count from the run's
+        beginning); records before ``start`` are dropped, so pass back ``next``."""
+        drop = start - self.record_offset
+        if drop > 0:
+            del self.records[:drop]
+            self.record_offset = start
+        begin = max(0, start - self.record_offset)
+        out = self.records[begin:]
+        return {"records": out, "next": self.record_offset + begin + len(out)}
+
+    def state(self) -> dict[str, Any]:
+        snap = self.policy.snapshot() if self.policy is not None else {}
+        snap.update({"run": self.run, "warnings": list(self.warnings),
+                     "records": self.record_offset + len(self.records)})
+        return snap

@@ -1,0 +1,529 @@
+"""The scheduling policy: pure decisions, no Dask, no torch.
+
+The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
+added, become ready, finish or are lost -- and asks it for decisions: which ready task to
+release to which worker. Every rule of DESIGN.md section 5 lives here:
+
+* **pools**: a task runs only on a worker of its pool (with ``pools`` off every GPU
+  worker is one ``colocated`` pool);
+* **GAP**: rollout tasks are ordered depth-first over chunks, so groups finish one after
+  another, and a group's training starts as soon as it is scored. Without GAP, rollout
+  is breadth-first and an iteration's training waits until all its rollout work is done
+  (the barrier of the synchronous designs);
+* **TSP**: any trainer takes any micro-step. Without TSP a chunk's micro-steps all run
+  on the one trainer the chunk maps to (data-parallel training);
+* **TAG**: a trainer with no runnable training work takes one rollout task at a time;
+  once training work is runnable no rollout task is released to a trainer;
+* **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
+  ``i - max_staleness`` has been published; a training task that would consume samples
+  more than ``max_staleness`` versions old is rejected when it is added.
+
+GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
+(one runs, the others wait on the worker and hide the scheduler round trip). Tasks that
+need no GPU are released at once to the worker of their pool holding most of their
+input bytes. A ready task's *affinity* is the worker holding most of its input bytes; a
+worker first takes tasks with affinity to it or to nobody, and only then takes (steals)
+a task waiting for another, busy worker.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Mapping
+
+from digenrl.schedulers.options import COLOCATED, PUBLISH_KIND, ROLLOUT, TRAINER, ScheduleOptions
+
+__all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
+           "HELD_REASONS"]
+
+Key = Hashable
+
+# Task states inside the policy.
+ADDED, HELD, READY, RELEASED, DONE = "added", "held", "ready", "released", "done"
+
+#: Why a ready task is not running yet (telemetry).
+HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """What the policy knows of a task: its annotation, nothing from its key."""
+
+    key: Key
+    kind: str
+    pool: str
+    iteration: int
+    policy_version: int
+    gpu: bool
+    timestep: int | None = None
+    chunk: int | None = None
+    group: int | None = None
+    behaviour_version: int | None = None
+    samples: int = 0
+
+    @classmethod
+    def from_meta(cls, key: Key, meta: Mapping[str, Any]) -> "TaskInfo":
+        return cls(key=key, kind=meta["kind"], pool=meta["pool"],
+                   iteration=int(meta["iteration"]),
+                   policy_version=int(meta["policy_version"]), gpu=bool(meta["gpu"]),
+                   timestep=meta.get("timestep"), chunk=meta.get("chunk"),
+                   group=meta.get("group"), behaviour_version=meta.get("behaviour_version"),
+                   samples=int(meta.get("samples") or 0))
+
+
+@dataclass
+class WorkerInfo:
+    address: str
+    name: str
+    pool: str
+    slots: int
+    speed: float = 1.0
+    inflight: set = field(default_factory=set)      # GPU tasks released, not finished
+    cpu_inflight: set = field(default_factory=set)  # other tasks released, not finished
+    tag_inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: Key
+    worker: str
+    time: float
+    tag: bool = False          # a rollout task released to a trainer
+    stolen: bool = False       # taken from another worker's affinity
+
+
+def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
+    """Why ``info`` can never run under ``options`` (None when it can)."""
+    if info.pool not in (ROLLOUT, TRAINER):
+        return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
+    if info.behaviour_version is not None:
+        staleness = info.policy_version - info.behaviour_version
+        if staleness > options.max_staleness:
+            return (f"task {info.key!r} would train samples of policy version "
+                    f"{info.behaviour_version} at version {info.policy_version}: staleness "
+                    f"{staleness} exceeds max_staleness={options.max_staleness}")
+        if staleness < 0:
+            return (f"task {info.key!r} would train samples of policy version "
+                    f"{info.behaviour_version} at the older version {info.policy_version}")
+    return None
+
+
+class SchedulingPolicy:
+    """Feed it events; call :meth:`decide` for the releases to make now."""
+
+    def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
+        self.options = options
+        self.clock = clock
+        self.tasks: dict[Key, TaskInfo] = {}
+        self.state: dict[Key, str] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.where: dict[Key, str] = {}            # released task -> worker
+        self.version = -1                          # newest published policy version
+        self.rejected: dict[Key, str] = {}
+        self._seq = itertools.count()
+        # Ready GPU rollout tasks: no affinity / affinity to a worker / all (for stealing).
+        self._shared: list = []
+        self._affine: dict[str, list] = defaultdict(list)
+        self._all_rollout: list = []
+        self._affinity: dict[Key, str | None] = {}
+        # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
+        self._train: list = []
+        self._pinned: dict[str, list] = defaultdict(list)
+        self._pin: dict[Key, str | None] = {}
+        # Ready tasks needing no GPU slot, with their input locality.
+        self._cpu_ready: dict[Key, Mapping[str, int]] = {}
+        self._locality: dict[Key, Mapping[str, int]] = {}
+        # Held tasks by iteration.
+        self._held_stale: dict[int, set] = defaultdict(set)
+        self._held_barrier: dict[int, set] = defaultdict(set)
+        # Rollout work outstanding per iteration (for the barrier without GAP).
+        self._rollout_pending: dict[int, set] = defaultdict(set)
+        self._barrier_open: set[int] = set()
+        self._ready_since: dict[Key, float] = {}
+        # Telemetry.
+        self.counters: dict[str, int] = defaultdict(int)
+        self.decisions: list[Decision] = []
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, address: str, name: str, pool: str | None, slots: int,
+                   speed: float = 1.0) -> None:
+        """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
+        in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
+        not used."""
+        if slots < 1:
+            return
+        if not self.options.pools:
+            pool = COLOCATED
+        elif pool not in (ROLLOUT, TRAINER):
+            return
+        self.workers[address] = WorkerInfo(address, name, pool, slots, speed)
+        self._repin()
+
+    def remove_worker(self, address: str) -> list[Key]:
+        """A worker left. Returns the tasks that were released to it (Dask brings them
+        back as ready once their inputs exist again)."""
+        w = self.workers.pop(address, None)
+        if w is None:
+            return []
+        lost = list(w.inflight | w.cpu_inflight)
+        for key in lost:
+            self.where.pop(key, None)
+            if self.state.get(key) == RELEASED:
+                self.state[key] = ADDED
+        self._repin()
+        return lost
+
+    def pool_of(self, address: str) -> str | None:
+        w = self.workers.get(address)
+        return w.pool if w else None
+
+    def _pool_workers(self, pool: str) -> list[WorkerInfo]:
+        if not self.options.pools:
+            return list(self.workers.values())
+        return [w for w in self.workers.values() if w.pool == pool]
+
+    def _trainers(self) -> list[WorkerInfo]:
+        return sorted(self._pool_workers(TRAINER), key=lambda w: w.name)
+
+    # -------------------------------------------------------------------- tasks
+
+    def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
+        """Tasks entered the scheduler. Returns the rejected ones with the reason."""
+        rejected = {}
+        for info in infos:
+            if info.key in self.tasks:
+                continue
+            why = validate_task(info, self.options)
+            self.tasks[info.key] = info
+            self.state[info.key] = ADDED
+            if why is not None:
+                self.rejected[info.key] = why
+                rejected[info.key] = why
+                continue
+            if info.pool == ROLLOUT:
+                self._rollout_pending[info.iteration].add(info.key)
+        return rejected
+
+    def _priority(self, info: TaskInfo) -> tuple:
+        t = info.timestep
+        stage = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}.get(info.kind, t or 0)
+        chunk = info.chunk if info.chunk is not None else 1 << 30
+        if info.pool == ROLLOUT:
+            if self.options.gap:
+                return (info.iteration, chunk, stage)
+            return (info.iteration, stage, chunk)
+        # Training: older iterations first; a group's micro-steps in timestep order.
+        return (info.iteration, chunk, stage)
+
+    def _eligible_now(self, info: TaskInfo) -> str | None:
+        """The reason ``info`` must still be held, or None."""
+        if info.pool == ROLLOUT:
+            if info.iteration - self.options.max_staleness > self.version:
+                return "staleness"
+        elif not self.options.gap and info.iteration >= 0 \
+                and info.iteration not in self._barrier_open:
+            if self._rollout_pending.get(info.iteration):
+                return "barrier"
+            self._barrier_open.add(info.iteration)
+        return None
+
+    def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
+        """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held."""
+        info = self.tasks.get(key)
+        if info is None or key in self.rejected:
+            return
+        if self.state.get(key) in (READY, HELD, RELEASED):
+            return  # a repeated event; DONE tasks may be recomputed after a loss
+        self._locality[key] = dict(locality or {})
+        self._ready_since.setdefault(key, self.clock())
+        why = self._eligible_now(info)
+        if why == "staleness":
+            self.state[key] = HELD
+            self._held_stale[info.iteration].add(key)
+            return
+        if why == "barrier":
+            self.state[key] = HELD
+            self._held_barrier[info.iteration].add(key)
+            return
+        self._enqueue(info)
+
+    def _enqueue(self, info: TaskInfo) -> None:
+        key = info.key
+        self.state[key] = READY
+        loc = self._locality.get(key, {})
+        if not info.gpu:
+            self._cpu_ready[key] = loc
+            return
+        entry = (self._priority(info), next(self._seq), key)
+        if info.pool == ROLLOUT:
+            aff = self._affinity_of(loc)
+            self._affinity[key] = aff
+            heapq.heappush(self._affine[aff] if aff else self._shared, entry)
+            heapq.heappush(self._all_rollout, entry)
+        else:
+            pin = self._pin_of(info)
+            self._pin[key] = pin
+            heapq.heappush(self._pinned[pin] if pin else self._train, entry)
+
+    def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
+        best, best_bytes, tie = None, 0, False
+        for addr, nbytes in loc.items():
+            if addr not in self.workers or nbytes <= 0:
+                continue
+            if nbytes > best_bytes:
+                best, best_bytes, tie = addr, nbytes, False
+            elif nbytes == best_bytes:
+                tie = True
+        return None if tie else best
+
+    def _pin_of(self, info: TaskInfo) -> str | None:
+        if self.options.tsp or info.chunk is None:
+            return None
+        trainers = self._trainers()
+        if not trainers:
+            return None
+        return trainers[info.chunk % len(trainers)].address
+
+    def _repin(self) -> None:
+        """Trainer membership changed: re-target pinned ready tasks."""
+        if self.options.tsp:
+            return
+        entries = [e for heap in self._pinned.values() for e in heap] + self._train
+        self._pinned = defaultdict(list)
+        self._train = []
+        for entry in entries:
+            key = entry[2]
+            if self.state.get(key) != READY:
+                continue
+            pin = self._pin_of(self.tasks[key])
+            self._pin[key] = pin
+            heapq.heappush(self._pinned[pin] if pin else self._train, entry)
+        for heap in self._pinned.values():
+            heapq.heapify(heap)
+
+    def task_done(self, key: Key, worker: str | None = None) -> None:
+        info = self.tasks.get(key)
+        if info is None:
+            return
+        self._unrelease(key)
+        self.state[key] = DONE
+        self._locality.pop(key, None)
+        self._ready_since.pop(key, None)
+        if info.pool == ROLLOUT:
+            pending = self._rollout_pending.get(info.iteration)
+            if pending is not None:
+                pending.discard(key)
+                if not pending:
+                    self._open_barrier(info.iteration)
+        if info.kind == PUBLISH_KIND and info.policy_version > self.version:
+            self.version = info.policy_version
+            self._release_stale_holds()
+
+    def task_lost(self, key: Key) -> None:
+        """A released task went back to waiting (its worker died, or an input was lost)."""
+        if key in self.tasks:
+            self._unrelease(key)
+            self.state[key] = ADDED
+
+    def task_failed(self, key: Key) -> None:
+        if key in self.tasks:
+            self._unrelease(key)
+            self.state[key] = DONE
+            self._ready_since.pop(key, None)
+
+    def task_forgotten(self, key: Key) -> None:
+        info = self.tasks.pop(key, None)
+        if info is None:
+            return
+        self._unrelease(key)
+        self.state.pop(key, None)
+        self._cpu_ready.pop(key, None)
+        self._locality.pop(key, None)
+        self._affinity.pop(key, None)
+        self._pin.pop(key, None)
+        self._ready_since.pop(key, None)
+        self.rejected.pop(key, None)
+        self._held_stale.get(info.iteration, set()).discard(key)
+        self._held_barrier.get(info.iteration, set()).discard(key)
+        pending = self._rollout_pending.get(info.iteration)
+        if pending is not None:
+            pending.discard(key)
+
+    def release_failed(self, key: Key) -> None:
+        """The adapter could not place a released task (its worker vanished): retry."""
+        if self.state.get(key) != RELEASED:
+            return
+        self._unrelease(key)
+        info = self.tasks[key]
+        self._enqueue(info)
+
+    def _unrelease(self, key: Key) -> None:
+        addr = self.where.pop(key, None)
+        if addr is None:
+            return
+        w = self.workers.get(addr)
+        if w is None:
+            return
+        if key in w.inflight:
+            w.inflight.discard(key)
+            info = self.tasks.get(key)
+            if info is not None and info.pool == ROLLOUT and w.pool == TRAINER:
+                w.tag_inflight -= 1
+        w.cpu_inflight.discard(key)
+
+    def _open_barrier(self, iteration: int) -> None:
+        self._barrier_open.add(iteration)
+        for key in sorted(self._held_barrier.pop(iteration, ()), key=self._sort_key):
+            if self.state.get(key) == HELD:
+                self._enqueue(self.tasks[key])
+
+    def _release_stale_holds(self) -> None:
+        limit = self.version + self.options.max_staleness
+        for it in sorted(i for i in self._held_stale if i <= limit):
+            for key in sorted(self._held_stale.pop(it), key=self._sort_key):
+                if self.state.get(key) == HELD:
+                    self._enqueue(self.tasks[key])
+
+    def _sort_key(self, key: Key) -> tuple:
+        return self._priority(self.tasks[key])
+
+    # ---------------------------------------------------------------- decisions
+
+    def _pop_valid(self, heap: list):
+        while heap and self.state.get(heap[0][2]) != READY:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _runnable_training(self, w: WorkerInfo) -> bool:
+        if self._pop_valid(self._train) is not None:
+            return True
+        return self._pop_valid(self._pinned.get(w.address, [])) is not None
+
+    def _take_training(self, w: WorkerInfo):
+        own = self._pop_valid(self._pinned.get(w.address, []))
+        shared = self._pop_valid(self._train)
+        pick = min((e for e in (own, shared) if e is not None), default=None)
+        return pick[2] if pick else None
+
+    def _take_rollout(self, w: WorkerInfo) -> tuple[Key | None, bool]:
+        own = self._pop_valid(self._affine.get(w.address, []))
+        shared = self._pop_valid(self._shared)
+        pick = min((e for e in (own, shared) if e is not None), default=None)
+        if pick is not None:
+            return pick[2], False
+        steal = self._pop_valid(self._all_rollout)
+        return (steal[2], True) if steal else (None, False)
+
+    def _release(self, key: Key, w: WorkerInfo, now: float, *, tag: bool = False,
+                 stolen: bool = False) -> Decision:
+        info = self.tasks[key]
+        self.state[key] = RELEASED
+        self.where[key] = w.address
+        if info.gpu:
+            w.inflight.add(key)
+            if tag:
+                w.tag_inflight += 1
+        else:
+            w.cpu_inflight.add(key)
+        self.counters["released"] += 1
+        if tag:
+            self.counters["tag_released"] += 1
+        if stolen:
+            self.counters["stolen"] += 1
+        d = Decision(key, w.address, now, tag, stolen)
+        self.decisions.append(d)
+        return d
+
+    def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
+        candidates = self._pool_workers(info.pool)
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (-loc.get(w.address, 0),
+                                              len(w.inflight) + len(w.cpu_inflight), w.name))
+
+    def decide(self) -> list[Decision]:
+        """Releases to make now (each is final: the task goes to that worker)."""
+        now = self.clock()
+        out: list[Decision] = []
+        for key in sorted(self._cpu_ready, key=self._sort_key):
+            info = self.tasks[key]
+            w = self._place_cpu(info, self._cpu_ready[key])
+            if w is None:
+                continue
+            del self._cpu_ready[key]
+            out.append(self._release(key, w, now))
+        progress = True
+        while progress:
+            progress = False
+            free = sorted((w for w in self.workers.values() if len(w.inflight) < w.slots),
+                          key=lambda w: (len(w.inflight), w.name))
+            for w in free:
+                d = self._decide_one(w, now)
+                if d is not None:
+                    out.append(d)
+                    progress = True
+        return out
+
+    def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
+        opts = self.options
+        if not opts.pools or w.pool == TRAINER:
+            key = self._take_training(w)
+            if key is not None:
+                return self._release(key, w, now)
+        if not opts.pools or w.pool == ROLLOUT:
+            key, stolen = self._take_rollout(w)
+            if key is not None:
+                return self._release(key, w, now, stolen=stolen)
+            return None
+        # A trainer with no runnable training work: trainer-assisted generation.
+        if opts.tag and not w.inflight and not self._runnable_training(w):
+            key, stolen = self._take_rollout(w)
+            if key is not None:
+                return self._release(key, w, now, tag=True, stolen=stolen)
+        return None
+
+    # ---------------------------------------------------------------- telemetry
+
+    def held(self) -> dict[str, int]:
+        """How many ready tasks wait, by reason."""
+        counts = dict.fromkeys(HELD_REASONS, 0)
+        counts["staleness"] = sum(len(s) for s in self._held_stale.values())
+        counts["barrier"] = sum(len(s) for s in self._held_barrier.values())
+        ready = [k for k, s in self.state.items() if s == READY]
+        for key in ready:
+            info = self.tasks[key]
+            if self._pool_workers(info.pool) or (self.options.tag and info.pool == ROLLOUT
+                                                 and self._pool_workers(TRAINER)):
+                counts["slot"] += 1
+            else:
+                counts["no-worker"] += 1
+        return counts
+
+    def ready_since(self, key: Key) -> float | None:
+        return self._ready_since.get(key)
+
+    def snapshot(self) -> dict[str, Any]:
+        pools: dict[str, dict[str, Any]] = {}
+        for w in self.workers.values():
+            p = pools.setdefault(w.pool, {"workers": 0, "slots": 0, "busy": 0, "tag": 0})
+            p["workers"] += 1
+            p["slots"] += w.slots
+            p["busy"] += min(len(w.inflight), 1)
+            p["tag"] += min(w.tag_inflight, 1)
+        return {
+            "options": self.options.as_dict(),
+            "policy_version": self.version,
+            "pools": pools,
+            "workers": {w.address: {"name": w.name, "pool": w.pool,
+                                    "inflight": len(w.inflight),
+                                    "tag": w.tag_inflight} for w in self.workers.values()},
+            "held": self.held(),
+            "rejected": {repr(k): v for k, v in self.rejected.items()},
+            "counters": dict(self.counters),
+            "tasks": len(self.tasks),
+        }

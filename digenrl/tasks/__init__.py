@@ -1,0 +1,1 @@
+"""Task functions: what one Dask task computes. Nothing here knows about scheduling."""

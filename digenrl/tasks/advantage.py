@@ -1,0 +1,61 @@
+"""Group-relative advantages (GRPO) and the reward task."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from digenrl.tasks.rewards import evaluate_rewards
+from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
+
+__all__ = ["score", "group_advantages", "advantage"]
+
+STD_EPS = 1e-4
+
+
+def score(components: Mapping[str, float], on_error: str, prompts: Sequence[str],
+          decoded: DecodeOut) -> RewardOut:
+    """The reward task: the weighted reward of each decoded image of a chunk."""
+    total, per, valid, problems = evaluate_rewards(
+        decoded.images, prompts, decoded.sample_ids, components, on_error)
+    return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
+                     valid=valid, problems=problems)
+
+
+def group_advantages(rewards: np.ndarray, valid: np.ndarray, clip: float,
+                     std: float | None = None) -> np.ndarray:
+    """A = (r - mean_group) / (std + 1e-4), clipped to +-clip; 0 where invalid.
+
+    ``std`` is the group's own (GAP needs it: the batch is not complete yet) unless the
+    batch's is passed. A group with fewer than two valid samples carries no signal and
+    gets zero advantages.
+    """
+    out = np.zeros(len(rewards), dtype=np.float32)
+    r = rewards[valid]
+    if len(r) < 2:
+        return out
+    s = r.std() if std is None else std
+    out[valid] = np.clip((r - r.mean()) / (s + STD_EPS), -clip, clip)
+    return out
+
+
+def advantage(group: int, sample_ids: tuple[int, ...], std_scope: str, clip: float,
+              *parts: RewardOut) -> AdvantageOut:
+    """The advantage task of one prompt group.
+
+    ``parts`` are the reward outputs of the chunks holding the group's samples (or of the
+    whole iteration when ``std_scope == "batch"``).
+    """
+    by_id = {}
+    for p in parts:
+        for i, s in enumerate(p.sample_ids):
+            by_id[s] = (p.rewards[i], p.valid[i])
+    rewards = np.array([by_id[s][0] for s in sample_ids], dtype=np.float64)
+    valid = np.array([by_id[s][1] for s in sample_ids], dtype=bool)
+    batch_std = None
+    if std_scope == "batch":
+        everything = np.array([r for r, v in by_id.values() if v], dtype=np.float64)
+        batch_std = float(everything.std()) if len(everything) else 0.0
+    adv = group_advantages(rewards, valid, clip, batch_std)
+    return AdvantageOut(group=group, sample_ids=tuple(sample_ids), advantages=adv, valid=valid)

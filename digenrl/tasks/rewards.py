@@ -1,0 +1,159 @@
+"""Rewards, in a registry keyed by name.
+
+A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their prompts to
+one float per image. The built-in ones need no model weights. ``device="gpu"`` marks a
+reward that runs a torch module and so needs a GPU slot on the worker that runs it; a
+reward may equally call a remote server from its function.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
+           "evaluate_rewards", "rewards_need_gpu"]
+
+RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    name: str
+    fn: RewardFn
+    device: str = "cpu"
+    description: str = ""
+
+
+REWARDS: dict[str, RewardSpec] = {}
+
+
+class RewardError(ValueError):
+    """A reward failed or returned unusable values for some samples."""
+
+
+def register_reward(name: str, *, device: str = "cpu", description: str = ""):
+    """Decorator registering ``fn(images, prompts) -> rewards`` under ``name``."""
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered; "
+                             f"registered rewards: {sorted(REWARDS)}")
+        REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip())
+        return fn
+
+    return wrap
+
+
+def get_reward(name: str) -> RewardSpec:
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"reward: expected one of {sorted(REWARDS)}, got {name!r}") from None
+
+
+def rewards_need_gpu(components: Mapping[str, float]) -> bool:
+    return any(get_reward(n).device == "gpu" for n in components)
+
+
+def _jpeg_kilobytes(images: np.ndarray) -> np.ndarray:
+    sizes = []
+    for img in images:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000.0)
+    return np.asarray(sizes, dtype=np.float64)
+
+
+@register_reward("jpeg_compressibility")
+def jpeg_compressibility(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Minus the JPEG size (quality 95) in kB, as in DDPO: smaller files score higher."""
+    return -_jpeg_kilobytes(images)
+
+
+@register_reward("jpeg_incompressibility")
+def jpeg_incompressibility(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """The JPEG size (quality 95) in kB, as in DDPO: more detail scores higher."""
+    return _jpeg_kilobytes(images)
+
+
+@register_reward("colorfulness")
+def colorfulness(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Hasler and Suesstrunk's colourfulness metric (2003), on the 0-255 scale."""
+    x = images.astype(np.float64)
+    rg = x[..., 0] - x[..., 1]
+    yb = 0.5 * (x[..., 0] + x[..., 1]) - x[..., 2]
+    axes = (1, 2)
+    std = np.sqrt(rg.std(axis=axes) ** 2 + yb.std(axis=axes) ** 2)
+    mean = np.sqrt(rg.mean(axis=axes) ** 2 + yb.mean(axis=axes) ** 2)
+    return std + 0.3 * mean
+
+
+@register_reward("brightness")
+def brightness(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Mean luma (ITU-R BT.601) in [0, 1]."""
+    x = images.astype(np.float64) / 255.0
+    return (0.299 * x[..., 0] + 0.587 * x[..., 1] + 0.114 * x[..., 2]).mean(axis=(1, 2))
+
+
+def evaluate_rewards(
+    images: np.ndarray,
+    prompts: Sequence[str],
+    sample_ids: Sequence[int],
+    components: Mapping[str, float],
+    on_error: str = "raise",
+) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
+    """The weighted sum of ``components`` for each image.
+
+    Returns ``(total, per_component, valid, problems)``. A reward that raises, returns a
+    wrong shape, or returns NaN/inf for some samples is a :class:`RewardError` naming the
+    reward and those samples when ``on_error == "raise"``; with ``"drop"`` those samples
+    are marked invalid (their total is NaN) and ``problems`` says why.
+    """
+    n = len(images)
+    ids = list(sample_ids)
+    total = np.zeros(n, dtype=np.float64)
+    valid = np.ones(n, dtype=bool)
+    per: dict[str, np.ndarray] = {}
+    problems: list[str] = []
+    for name, weight in components.items():
+        spec = get_reward(name)
+        try:
+            values = spec.fn(images, list(prompts))
+            arr = np.asarray(values, dtype=np.float64)
+        except Exception as e:  # a user reward may raise anything
+            msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
+                   f"for samples {ids}")
+            if on_error == "raise":
+                raise RewardError(msg) from e
+            problems.append(msg)
+            valid[:] = False
+            per[name] = np.full(n, np.nan)
+            continue
+        if arr.shape != (n,):
+            msg = (f"reward {name!r} returned shape {arr.shape}, expected ({n},) "
+                   f"for samples {ids}")
+            if on_error == "raise":
+                raise RewardError(msg)
+            problems.append(msg)
+            valid[:] = False
+            per[name] = np.full(n, np.nan)
+            continue
+        bad = ~np.isfinite(arr)
+        if bad.any():
+            bad_ids = [ids[i] for i in np.flatnonzero(bad)]
+            msg = f"reward {name!r} returned NaN or inf for samples {bad_ids}"
+            if on_error == "raise":
+                raise RewardError(msg)
+            problems.append(msg)
+            valid &= ~bad
+        per[name] = arr
+        total = total + weight * np.where(bad, 0.0, arr)
+    total = np.where(valid, total, np.nan)
+    return total, per, valid, problems

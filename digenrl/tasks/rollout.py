@@ -1,0 +1,92 @@
+"""Rollout tasks: starting noise, one denoising step of a chunk, decoding.
+
+Random draws are per sample: sample ``s`` of iteration ``i`` draws its starting noise
+from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``.
+How samples are chunked into tasks, or which worker runs a task, never changes a draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from digenrl.config import ModelConfig, SamplerConfig
+from digenrl.models import decode_latents, latent_shape, predict_velocity
+from digenrl.seeding import stable_seed
+from digenrl.tasks.resident import resident
+from digenrl.tasks.sde import sde_step
+from digenrl.tasks.types import DecodeOut, Latents, PolicyWeights, StepOut
+
+__all__ = ["RolloutSpec", "draw_normal", "noise", "denoise", "decode"]
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Static per run; small enough to travel inside every rollout task."""
+
+    model: ModelConfig
+    sampler: SamplerConfig
+    seed: int          # the run seed: every random draw of the sampler
+    model_seed: int    # builds the resident VAE (and the transformer before weights load)
+    sigmas: tuple[float, ...]
+    samples_per_prompt: int
+    same_noise_in_group: bool = False
+    save_latents: bool = False
+
+
+def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
+    g = torch.Generator().manual_seed(stable_seed(*parts))
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...]) -> Latents:
+    """x_0 for each sample: pure noise (shared within a group if asked)."""
+    shape = latent_shape(spec.model)
+    rows = []
+    for s in sample_ids:
+        ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
+        what = "group-noise" if spec.same_noise_in_group else "noise"
+        rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
+    return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows))
+
+
+def _conditioning(models, prompts, guidance_scale):
+    embeds, pooled = models.encoder.encode(prompts)
+    uncond = models.encoder.encode([""]) if guidance_scale > 1.0 else None
+    return embeds, pooled, uncond
+
+
+def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
+            iteration: int, t: int, previous: Latents | StepOut) -> StepOut:
+    """One SDE step of a chunk under policy ``weights``: x_t -> x_{t+1} and its log-prob."""
+    models = resident(spec.model, spec.model_seed)
+    x = previous.x if isinstance(previous, Latents) else previous.latent
+    sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
+    with torch.no_grad():
+        model = models.policy(weights)
+        embeds, pooled, uncond = _conditioning(models, prompts, spec.sampler.guidance_scale)
+        v = predict_velocity(model, x, sigma, embeds, pooled, spec.sampler.guidance_scale,
+                             uncond)
+        eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, "sde", iteration, s, t)
+                           for s in previous.sample_ids])
+        step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
+    return StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent,
+                   log_prob=step.log_prob, version=weights.version)
+
+
+def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
+    """Decode a chunk's final latents to images; collect its per-step log-probs."""
+    models = resident(spec.model, spec.model_seed)
+    steps = sorted(steps, key=lambda s: s.timestep)
+    assert [s.timestep for s in steps] == list(range(len(steps))), "missing steps"
+    images = decode_latents(models.vae, steps[-1].latent)
+    log_probs = torch.stack([s.log_prob for s in steps], dim=1).numpy().astype(np.float32)
+    latents = None
+    if spec.save_latents:
+        latents = torch.stack([start.x] + [s.latent for s in steps], dim=1).numpy()
+    versions = {s.version for s in steps}
+    assert len(versions) == 1, f"a trajectory mixed policy versions {versions}"
+    return DecodeOut(sample_ids=start.sample_ids, images=images, log_probs=log_probs,
+                     behaviour_version=versions.pop(), latents=latents)

@@ -1,0 +1,128 @@
+"""What travels between tasks: latents, log-probs, rewards, gradients, weight versions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["PolicyWeights", "TrainerState", "Latents", "StepOut", "DecodeOut", "RewardOut",
+           "AdvantageOut", "MicroStats", "GradOut", "IterationStats"]
+
+
+@dataclass
+class PolicyWeights:
+    """The trainable weights of one policy version.
+
+    They travel as Dask data (a few MB for the default model; a LoRA adapter for a large
+    one). A full 12B model would instead be broadcast from the trainers over NCCL/UCX
+    by the publishing task, with this object carrying only the version and a handle.
+    """
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class TrainerState:
+    """Weights plus AdamW state: what ``optimize`` consumes and produces."""
+
+    version: int
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    step: int = 0
+
+
+@dataclass
+class Latents:
+    """The starting noise x_0 of a chunk's samples."""
+
+    sample_ids: tuple[int, ...]
+    x: torch.Tensor
+
+
+@dataclass
+class StepOut:
+    """One denoising step of a chunk: the next latent and its log-probability."""
+
+    sample_ids: tuple[int, ...]
+    timestep: int
+    latent: torch.Tensor
+    log_prob: torch.Tensor
+    version: int
+
+
+@dataclass
+class DecodeOut:
+    sample_ids: tuple[int, ...]
+    images: np.ndarray            # (n, H, W, 3) uint8
+    log_probs: np.ndarray         # (n, num_steps) float32, at rollout
+    behaviour_version: int
+    latents: np.ndarray | None = None  # (n, num_steps + 1, C, h, w) when asked for
+
+
+@dataclass
+class RewardOut:
+    sample_ids: tuple[int, ...]
+    rewards: np.ndarray           # (n,) float64, NaN where invalid
+    components: dict[str, np.ndarray]
+    valid: np.ndarray             # (n,) bool
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AdvantageOut:
+    group: int
+    sample_ids: tuple[int, ...]
+    advantages: np.ndarray        # (n,) float32, 0 where invalid
+    valid: np.ndarray             # (n,) bool
+
+
+@dataclass
+class MicroStats:
+    """Sums and maxima over the samples of micro-steps, combined by ``reduce``."""
+
+    count: int = 0
+    loss_sum: float = 0.0
+    kl_sum: float = 0.0
+    approx_kl_sum: float = 0.0
+    clipped: int = 0
+    importance_weight_sum: float = 0.0
+    truncated: int = 0
+    staleness_sum: int = 0
+    ratio_dev: float = 0.0          # max |ratio - 1| at the first micro-step, on-policy
+    ratio_dev_count: int = 0        # how many samples that maximum was taken over
+
+    def combine(self, other: "MicroStats") -> "MicroStats":
+        return MicroStats(
+            count=self.count + other.count,
+            loss_sum=self.loss_sum + other.loss_sum,
+            kl_sum=self.kl_sum + other.kl_sum,
+            approx_kl_sum=self.approx_kl_sum + other.approx_kl_sum,
+            clipped=self.clipped + other.clipped,
+            importance_weight_sum=self.importance_weight_sum + other.importance_weight_sum,
+            truncated=self.truncated + other.truncated,
+            staleness_sum=self.staleness_sum + other.staleness_sum,
+            ratio_dev=max(self.ratio_dev, other.ratio_dev),
+            ratio_dev_count=self.ratio_dev_count + other.ratio_dev_count,
+        )
+
+
+@dataclass
+class GradOut:
+    grads: dict[str, torch.Tensor]
+    stats: MicroStats
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    version: int                  # the version this iteration published
+    micro: MicroStats
+    grad_norm: float
