@@ -141,7 +141,7 @@ def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:
     kind = "existing"
     if cfg.scheduler is not None:
         try:
-            client = Client(cfg.scheduler, timeout="20s")
+            client = Client(cfg.scheduler, timeout=f"{cfg.connect_timeout}s")
         except OSError as e:
             raise ConfigError(f"cluster.scheduler: expected a reachable Dask scheduler, "
                               f"got {cfg.scheduler!r} ({e})") from None

@@ -368,6 +368,7 @@ class ClusterConfig:
     torch_threads: int = 1
     dashboard_address: str | None = ":8787"
     memory_limit: str = "auto"
+    connect_timeout: float = 10.0
 
     def validate(self, p: str = "cluster") -> None:
         if self.scheduler is not None:
@@ -383,6 +384,7 @@ class ClusterConfig:
         _positive_int(self.trainer_workers, f"{p}.trainer_workers")
         _positive_int(self.threads_per_worker, f"{p}.threads_per_worker")
         _positive_int(self.torch_threads, f"{p}.torch_threads")
+        _finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
         if self.dashboard_address is not None:
             _require(isinstance(self.dashboard_address, str), f"{p}.dashboard_address",
                      "an address such as ':8787' or null", self.dashboard_address)

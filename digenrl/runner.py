@@ -196,7 +196,7 @@ class Runner:
 
     def _prune(self, keep: dict[Any, Future], next_submit: int) -> None:
         """Drop futures no unsubmitted iteration reads any more."""
-        oldest_version = self.ctx.oldest_version(next_submit)
+        oldest_version = self.ctx.layout.oldest_version(next_submit)
         for k in list(keep):
             if k[0] == "publish" and k[1] < oldest_version and not (
                     k[1] == 0 and self.config.train.kl_beta > 0):
@@ -312,7 +312,8 @@ _TASK_COLUMNS = {
     "key": str, "kind": str, "worker": str, "worker_name": str, "pool": str,
     "start": np.float64, "stop": np.float64, "iteration": np.int32,
     "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
-    "ready": np.float64, "released": np.float64, "tag": bool, "stolen": bool,
+    "ready": np.float64, "released": np.float64, "finished": np.float64, "tag": bool,
+    "stolen": bool,
     "nbytes": np.int64,
 }
 

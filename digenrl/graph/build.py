@@ -1,98 +1,83 @@
-"""The DAG of one iteration, the same for every mode (DESIGN.md section 4).
+"""Bind the DAG of :mod:`digenrl.graph.structure` to task functions, for Dask.
 
-``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
-(chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
-``reduce`` (a fixed tree) -> ``optimize`` -> ``publish`` (the weights of version v+1,
-which later ``denoise`` and ``grad`` tasks read) and ``stats``.
-
-Only the policy version the rollouts of an iteration read depends on the schedule:
-iteration ``i`` trains with version ``i`` and generates its first ``stale_groups``
-groups (all, by default) with version ``max(0, i - k)`` for the bounded staleness
-``k``, the rest with version ``i``. Everything else about scheduling lives in the
-annotations and the scheduler plugin.
+Each node's operation maps to a task function and the run-wide specs it takes first;
+``Dep`` arguments become references to other tasks. Annotations travel per key in the
+layer's annotations (looked up in plain dicts on the scheduler).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
 from digenrl.config import RunConfig
-from digenrl.graph.keys import ANNOTATION, task_meta
+from digenrl.graph.keys import ANNOTATION
 from digenrl.graph.plan import IterationPlan
+from digenrl.graph.structure import (INIT_KEY, Dep, GraphLayout, Node, init_nodes,
+                                     iteration_nodes, optimize_key, publish_key,
+                                     rollout_version)
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.rewards import rewards_need_gpu
 
-__all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph",
-           "publish_key", "rollout_version"]
+__all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph", "publish_key",
+           "optimize_key", "rollout_version", "INIT_KEY"]
 
-Key = tuple
-
-
-def publish_key(version: int) -> Key:
-    return ("publish", version)
-
-
-INIT_KEY: Key = ("init",)
-
-
-def optimize_key(iteration: int) -> Key:
-    return INIT_KEY if iteration < 0 else ("optimize", iteration)
+Key = Hashable
 
 
 @dataclass(frozen=True)
 class GraphContext:
-    """Everything static for a run that the graph builder needs."""
+    """Everything static for a run that the graph needs: its layout and the task specs."""
 
     config: RunConfig
+    layout: GraphLayout
     rollout: rollout.RolloutSpec
     train: train.TrainSpec
-    reward_gpu: bool
-    version_lag: int
-    stale_groups: int | None = None
-
-    def chunk_version(self, plan: IterationPlan, chunk: int) -> int:
-        """The policy version chunk ``chunk`` of ``plan`` is generated with."""
-        i = plan.iteration
-        first_group = plan.groups_of_chunk(chunk)[0]
-        if self.stale_groups is None or first_group < self.stale_groups:
-            return rollout_version(i, self.version_lag)
-        return i
-
-    def oldest_version(self, iteration: int) -> int:
-        """The oldest version any rollout of ``iteration`` reads."""
-        if self.stale_groups == 0:
-            return iteration
-        return rollout_version(iteration, self.version_lag)
 
     @classmethod
-    def from_config(cls, config: RunConfig, version_lag: int | None = None) -> "GraphContext":
+    def from_config(cls, config: RunConfig) -> "GraphContext":
         sigmas = flow_sigmas(config.sampler, config.model)
-        seed = model_seed(config.model, config.seed)
+        mseed = model_seed(config.model, config.seed)
         rspec = rollout.RolloutSpec(
-            model=config.model, sampler=config.sampler, seed=config.seed, model_seed=seed,
-            sigmas=sigmas,
-            samples_per_prompt=config.data.samples_per_prompt,
+            model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
+            sigmas=sigmas, samples_per_prompt=config.data.samples_per_prompt,
             same_noise_in_group=config.data.same_noise_in_group,
             save_latents=config.store.save_latents)
         tspec = train.TrainSpec(
-            model=config.model, sampler=config.sampler, train=config.train, seed=seed,
+            model=config.model, sampler=config.sampler, train=config.train, seed=mseed,
             sigmas=sigmas,
             normaliser=config.data.samples_per_iteration * config.sampler.trained_steps)
-        lag = config.schedule.options().max_staleness if version_lag is None else version_lag
-        return cls(config=config, rollout=rspec, train=tspec,
-                   reward_gpu=rewards_need_gpu(config.reward.components), version_lag=lag,
-                   stale_groups=config.schedule.stale_groups)
+        layout = GraphLayout(
+            num_steps=config.sampler.num_steps, trained_steps=config.sampler.trained_steps,
+            advantage_std=config.train.advantage_std,
+            advantage_clip=config.train.advantage_clip,
+            reduce_fanin=config.train.reduce_fanin, kl=config.train.kl_beta > 0,
+            reward_gpu=rewards_need_gpu(config.reward.components),
+            version_lag=config.schedule.options().max_staleness,
+            stale_groups=config.schedule.stale_groups)
+        return cls(config=config, layout=layout, rollout=rspec, train=tspec)
 
-
-def rollout_version(iteration: int, version_lag: int) -> int:
-    """The policy version iteration ``iteration`` generates with."""
-    return max(0, iteration - version_lag)
+    def binding(self, op: str) -> tuple[Callable, tuple]:
+        """The task function of ``op`` and the specs passed before the node's arguments."""
+        reward = self.config.reward
+        return {
+            "init": (train.init_state, (self.train,)),
+            "noise": (rollout.noise, (self.rollout,)),
+            "denoise": (rollout.denoise, (self.rollout,)),
+            "decode": (rollout.decode, (self.rollout,)),
+            "reward": (adv_tasks.score, (dict(reward.components), reward.on_error)),
+            "advantage": (adv_tasks.advantage, ()),
+            "grad": (train.grad, (self.train,)),
+            "reduce": (train.reduce, ()),
+            "optimize": (train.optimize, (self.train,)),
+            "publish": (train.publish, ()),
+            "stats": (train.iteration_stats, ()),
+        }[op]
 
 
 @dataclass
@@ -103,12 +88,6 @@ class IterationGraph:
     meta: dict[Key, dict[str, Any]] = field(default_factory=dict)
     outputs: dict[str, list[Key]] = field(default_factory=dict)
 
-    def add(self, key: Key, meta: dict[str, Any], func, *args) -> Key:
-        assert key not in self.tasks, key
-        self.tasks[key] = Task(key, func, *args)
-        self.meta[key] = meta
-        return key
-
     @property
     def output_keys(self) -> list[Key]:
         return [k for keys in self.outputs.values() for k in keys]
@@ -118,116 +97,38 @@ class IterationGraph:
 
     def to_hlg(self, name: str) -> HighLevelGraph:
         """One layer whose per-key annotations are looked up in plain dicts."""
-        res = self.resources()
         layer = MaterializedLayer(dict(self.tasks), annotations={
             ANNOTATION: dict(self.meta).get,
-            "resources": res.get,
+            "resources": self.resources().get,
         })
         return HighLevelGraph({name: layer}, {name: set()})
 
 
-def _ref(key: Hashable) -> TaskRef:
-    return TaskRef(key)
+def _bind(ctx: GraphContext, nodes: list[Node]) -> IterationGraph:
+    g = IterationGraph()
+    for node in nodes:
+        func, specs = ctx.binding(node.op)
+        args = [TaskRef(a.key) if isinstance(a, Dep) else a for a in node.args]
+        g.tasks[node.key] = Task(node.key, func, *specs, *args)
+        g.meta[node.key] = node.meta
+    return g
 
 
 def init_graph(ctx: GraphContext) -> IterationGraph:
-    """Version 0: the initial trainer state and its published weights."""
-    g = IterationGraph()
-    g.add(INIT_KEY, task_meta("init", -1, 0), train.init_state, ctx.train)
-    g.add(publish_key(0), task_meta("publish", -1, 0), train.publish, _ref(INIT_KEY))
+    g = _bind(ctx, init_nodes())
     g.outputs = {"publish": [publish_key(0)], "state": [INIT_KEY]}
     return g
 
 
 def iteration_graph(ctx: GraphContext, plan: IterationPlan) -> IterationGraph:
-    """The DAG of iteration ``plan.iteration``; external inputs are the published weights
-    of the versions it reads and the previous optimizer state."""
-    cfg = ctx.config
-    i = plan.iteration
-    tv = i
-    T = cfg.sampler.num_steps
-    trained = cfg.sampler.trained_steps
-    g = IterationGraph()
-
-    # Rollout: one chain of denoise steps per chunk, then decode and reward.
-    step_keys: dict[int, list[Key]] = {}
-    versions = {c: ctx.chunk_version(plan, c) for c in range(len(plan.chunks))}
-    for c in range(len(plan.chunks)):
-        rv = versions[c]
-        ids = plan.sample_ids(c)
-        prompts = plan.chunk_prompts(c)
-        groups = plan.groups_of_chunk(c)
-        common = dict(chunk=c, group=groups[0], samples=len(ids))
-        prev = g.add(("noise", i, c), task_meta("noise", i, rv, **common),
-                     rollout.noise, ctx.rollout, i, ids)
-        chain = [prev]
-        for t in range(T):
-            prev = g.add(("denoise", i, c, t), task_meta("denoise", i, rv, timestep=t, **common),
-                         rollout.denoise, ctx.rollout, _ref(publish_key(rv)), prompts, i, t,
-                         _ref(prev))
-            chain.append(prev)
-        step_keys[c] = chain
-        g.add(("decode", i, c), task_meta("decode", i, rv, **common), rollout.decode,
-              ctx.rollout, *map(_ref, chain))
-        g.add(("reward", i, c), task_meta("reward", i, rv, gpu=ctx.reward_gpu, **common),
-              adv_tasks.score, dict(cfg.reward.components), cfg.reward.on_error, prompts,
-              _ref(("decode", i, c)))
-
-    # Advantages per prompt group.
-    all_rewards = [_ref(("reward", i, c)) for c in range(len(plan.chunks))]
-    for grp in range(plan.num_groups):
-        if cfg.train.advantage_std == "batch":
-            parts = all_rewards
-        else:
-            parts = [_ref(("reward", i, c)) for c in plan.chunks_of_group(grp)]
-        bv = min(versions[c] for c in plan.chunks_of_group(grp))
-        g.add(("advantage", i, grp),
-              task_meta("advantage", i, tv, group=grp, behaviour_version=bv,
-                        samples=cfg.data.samples_per_prompt),
-              adv_tasks.advantage, grp, plan.group_sample_ids(grp),
-              cfg.train.advantage_std, cfg.train.advantage_clip, *parts)
-
-    # Micro-steps: one per chunk and trained timestep, in (chunk, t) order.
-    reference = _ref(publish_key(0)) if cfg.train.kl_beta > 0 else None
-    leaves: list[Key] = []
-    for c in range(len(plan.chunks)):
-        groups = plan.groups_of_chunk(c)
-        advs = [_ref(("advantage", i, grp)) for grp in groups]
-        for t in range(trained):
-            leaves.append(g.add(
-                ("grad", i, c, t),
-                task_meta("grad", i, tv, timestep=t, chunk=c, group=groups[0],
-                          behaviour_version=versions[c], samples=len(plan.sample_ids(c))),
-                train.grad, ctx.train, _ref(publish_key(tv)), reference,
-                plan.chunk_prompts(c), t, _ref(step_keys[c][t]), _ref(step_keys[c][t + 1]),
-                *advs))
-
-    # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
-    fanin = cfg.train.reduce_fanin
-    level, nodes = 0, leaves
-    while True:
-        parents = []
-        for j in range(0, len(nodes), fanin):
-            parents.append(g.add(("reduce", i, level, j // fanin),
-                                 task_meta("reduce", i, tv), train.reduce,
-                                 *map(_ref, nodes[j:j + fanin])))
-        nodes, level = parents, level + 1
-        if len(nodes) == 1:
-            break
-    root = nodes[0]
-
-    g.add(("optimize", i), task_meta("optimize", i, tv), train.optimize, ctx.train,
-          _ref(optimize_key(i - 1)), _ref(root), i)
-    g.add(publish_key(tv + 1), task_meta("publish", i, tv + 1), train.publish,
-          _ref(("optimize", i)))
-    g.add(("stats", i), task_meta("stats", i, tv), train.iteration_stats, _ref(("optimize", i)))
-    n_chunks = len(plan.chunks)
+    g = _bind(ctx, iteration_nodes(ctx.layout, plan))
+    i, n_chunks = plan.iteration, len(plan.chunks)
     g.outputs = {
         "decode": [("decode", i, c) for c in range(n_chunks)],
         "reward": [("reward", i, c) for c in range(n_chunks)],
         "advantage": [("advantage", i, grp) for grp in range(plan.num_groups)],
         "stats": [("stats", i)],
-        "state": [("optimize", i)],
-        "publish": [publish_key(tv + 1)],
+        "state": [optimize_key(i)],
+        "publish": [publish_key(i + 1)],
     }
     return g

@@ -264,8 +264,11 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "policy_version": meta["policy_version"],
             "timestep": -1 if meta.get("timestep") is None else meta["timestep"],
             "chunk": -1 if meta.get("chunk") is None else meta["chunk"],
+            # Scheduler clock (start/stop are the worker's, shifted by Dask's estimate of
+            # its clock offset): compare these three for what happened before what.
             "ready": self.policy.ready_since(key) or 0.0,
             "released": d.time if d is not None else 0.0,
+            "finished": time.time(),
             "tag": bool(d.tag) if d is not None else False,
             "stolen": bool(d.stolen) if d is not None else False,
             "nbytes": int(kwargs.get("nbytes") or 0),

@@ -9,4 +9,4 @@ from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
 
 
 async def dask_setup(scheduler) -> None:
-    await scheduler.register_scheduler_plugin(DigenRLSchedulerPlugin())
+    await scheduler.register_scheduler_plugin(DigenRLSchedulerPlugin(), idempotent=True)

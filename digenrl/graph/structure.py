@@ -1,0 +1,179 @@
+"""The shape of an iteration's DAG as plain data (DESIGN.md section 4).
+
+``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
+(chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
+``reduce`` (a fixed tree) -> ``optimize`` -> ``publish`` (the weights of version v+1,
+which later ``denoise`` and ``grad`` tasks read) and ``stats``.
+
+Each :class:`Node` names its operation, its annotation, and its arguments -- literals
+and :class:`Dep` references to other keys. :mod:`digenrl.graph.build` binds operations
+to task functions for Dask; the simulator reads the same nodes without torch or Dask.
+
+Only the policy version the rollouts of an iteration read depends on the schedule:
+iteration ``i`` trains with version ``i`` and generates its first ``stale_groups``
+groups (all, by default) with version ``max(0, i - k)`` for the bounded staleness
+``k``, the rest with version ``i``. Everything else about scheduling lives in the
+annotations and the scheduler plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterator
+
+from digenrl.graph.keys import task_meta
+from digenrl.graph.plan import IterationPlan
+from digenrl.schedulers.options import PUBLISH_KIND
+
+__all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "publish_key",
+           "optimize_key", "rollout_version", "INIT_KEY"]
+
+Key = Hashable
+INIT_KEY: Key = ("init",)
+
+
+def publish_key(version: int) -> Key:
+    return (PUBLISH_KIND, version)
+
+
+def optimize_key(iteration: int) -> Key:
+    return INIT_KEY if iteration < 0 else ("optimize", iteration)
+
+
+def rollout_version(iteration: int, version_lag: int) -> int:
+    return max(0, iteration - version_lag)
+
+
+@dataclass(frozen=True)
+class Dep:
+    """An argument that is the result of another task."""
+
+    key: Key
+
+
+@dataclass(frozen=True)
+class Node:
+    key: Key
+    op: str
+    meta: dict[str, Any]
+    args: tuple[Any, ...]
+
+    @property
+    def deps(self) -> list[Key]:
+        return [a.key for a in self.args if isinstance(a, Dep)]
+
+
+@dataclass(frozen=True)
+class GraphLayout:
+    """The run settings that shape the DAG."""
+
+    num_steps: int
+    trained_steps: int
+    advantage_std: str = "group"
+    advantage_clip: float = 5.0
+    reduce_fanin: int = 8
+    kl: bool = False
+    reward_gpu: bool = False
+    version_lag: int = 0
+    stale_groups: int | None = None
+
+    def chunk_version(self, plan: IterationPlan, chunk: int) -> int:
+        """The policy version chunk ``chunk`` of ``plan`` is generated with."""
+        first_group = plan.groups_of_chunk(chunk)[0]
+        if self.stale_groups is None or first_group < self.stale_groups:
+            return rollout_version(plan.iteration, self.version_lag)
+        return plan.iteration
+
+    def oldest_version(self, iteration: int) -> int:
+        """The oldest version any rollout of ``iteration`` reads."""
+        if self.stale_groups == 0:
+            return iteration
+        return rollout_version(iteration, self.version_lag)
+
+
+def init_nodes() -> list[Node]:
+    """Version 0: the initial trainer state and its published weights."""
+    return [Node(INIT_KEY, "init", task_meta("init", -1, 0), ()),
+            Node(publish_key(0), "publish", task_meta(PUBLISH_KIND, -1, 0), (Dep(INIT_KEY),))]
+
+
+def iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """The DAG of iteration ``plan.iteration``. Its external inputs are the published
+    weights of the versions it reads and the previous optimizer state."""
+    return list(_iteration_nodes(layout, plan))
+
+
+def _iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> Iterator[Node]:
+    i = plan.iteration
+    tv = i
+    n_chunks = len(plan.chunks)
+    versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
+
+    # Rollout: one chain of denoise steps per chunk, then decode and reward.
+    chains: dict[int, list[Key]] = {}
+    for c in range(n_chunks):
+        rv = versions[c]
+        ids = plan.sample_ids(c)
+        prompts = plan.chunk_prompts(c)
+        common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
+        prev: Key = ("noise", i, c)
+        yield Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids))
+        chain = [prev]
+        for t in range(layout.num_steps):
+            key = ("denoise", i, c, t)
+            yield Node(key, "denoise", task_meta("denoise", i, rv, timestep=t, **common),
+                       (Dep(publish_key(rv)), prompts, i, t, Dep(prev)))
+            chain.append(key)
+            prev = key
+        chains[c] = chain
+        yield Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
+                   tuple(Dep(k) for k in chain))
+        yield Node(("reward", i, c), "reward",
+                   task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
+                   (prompts, Dep(("decode", i, c))))
+
+    # Advantages per prompt group.
+    for grp in range(plan.num_groups):
+        chunks = range(n_chunks) if layout.advantage_std == "batch" else plan.chunks_of_group(grp)
+        bv = min(versions[c] for c in plan.chunks_of_group(grp))
+        yield Node(("advantage", i, grp), "advantage",
+                   task_meta("advantage", i, tv, group=grp, behaviour_version=bv,
+                             samples=plan.samples_per_prompt),
+                   (grp, plan.group_sample_ids(grp), layout.advantage_std,
+                    layout.advantage_clip, *(Dep(("reward", i, c)) for c in chunks)))
+
+    # Micro-steps: one per chunk and trained timestep, in (chunk, t) order.
+    reference = Dep(publish_key(0)) if layout.kl else None
+    leaves: list[Key] = []
+    for c in range(n_chunks):
+        groups = plan.groups_of_chunk(c)
+        for t in range(layout.trained_steps):
+            key = ("grad", i, c, t)
+            leaves.append(key)
+            yield Node(key, "grad",
+                       task_meta("grad", i, tv, timestep=t, chunk=c, group=groups[0],
+                                 behaviour_version=versions[c],
+                                 samples=len(plan.sample_ids(c))),
+                       (Dep(publish_key(tv)), reference, plan.chunk_prompts(c), t,
+                        Dep(chains[c][t]), Dep(chains[c][t + 1]),
+                        *(Dep(("advantage", i, grp)) for grp in groups)))
+
+    # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
+    fanin = layout.reduce_fanin
+    level, nodes = 0, leaves
+    while True:
+        parents = []
+        for j in range(0, len(nodes), fanin):
+            key = ("reduce", i, level, j // fanin)
+            parents.append(key)
+            yield Node(key, "reduce", task_meta("reduce", i, tv),
+                       tuple(Dep(k) for k in nodes[j:j + fanin]))
+        nodes, level = parents, level + 1
+        if len(nodes) == 1:
+            break
+
+    yield Node(("optimize", i), "optimize", task_meta("optimize", i, tv),
+               (Dep(optimize_key(i - 1)), Dep(nodes[0]), i))
+    yield Node(publish_key(tv + 1), "publish", task_meta(PUBLISH_KIND, i, tv + 1),
+               (Dep(("optimize", i)),))
+    yield Node(("stats", i), "stats", task_meta("stats", i, tv), (Dep(("optimize", i)),))

@@ -1,0 +1,2 @@
+"""Simulation: the scheduling policy driven without Dask (discrete events), for property
+tests, emulated clusters and scale studies."""

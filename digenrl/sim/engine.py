@@ -1,0 +1,237 @@
+"""A discrete-event engine that drives the scheduling policy without Dask.
+
+It plays the part of the Dask scheduler and workers: tasks become ready when their
+inputs exist, the policy decides releases, a worker runs its GPU tasks one at a time in
+release order (tasks without a GPU run beside them), and finishing a task makes its
+dependents ready. Task durations come from a cost function; moving an input between
+workers costs what the transfer function says. The driver's behaviour is modelled too:
+iterations are submitted within the same window as :class:`digenrl.runner.Runner` uses.
+
+The same :class:`~digenrl.schedulers.policy.SchedulingPolicy` object the Dask plugin
+uses makes every decision, so what the simulator shows is what the plugin does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Sequence
+
+from digenrl.graph.plan import IterationPlan
+from digenrl.graph.structure import GraphLayout, Node, init_nodes, iteration_nodes
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+
+__all__ = ["SimWorker", "SimRecord", "SimResult", "Simulator", "uniform_plans"]
+
+Key = Hashable
+
+
+@dataclass(frozen=True)
+class SimWorker:
+    name: str
+    pool: str
+    slots: int = 1              # GPU slots the worker advertises
+    speed: float = 1.0          # relative speed: durations are divided by it
+
+
+@dataclass
+class SimRecord:
+    key: Key
+    kind: str
+    worker: str
+    pool: str
+    iteration: int
+    policy_version: int
+    timestep: int
+    chunk: int
+    ready: float
+    released: float
+    start: float
+    stop: float
+    tag: bool
+    gpu: bool
+
+
+@dataclass
+class SimResult:
+    records: list[SimRecord]
+    end: float
+    completed: dict[int, float] = field(default_factory=dict)  # iteration -> optimize stop
+    images: int = 0
+    workers: list[SimWorker] = field(default_factory=list)
+
+    def throughput(self, skip: int = 1) -> float:
+        """Images per second over iterations ``skip..`` (the first includes start-up)."""
+        its = sorted(self.completed)
+        if len(its) <= skip:
+            return float("nan")
+        per = self.images
+        return per * (len(its) - skip) / (self.completed[its[-1]] - self.completed[its[skip - 1]])
+
+
+def uniform_plans(n: int, prompts_per_iteration: int, samples_per_prompt: int,
+                  chunk_size: int) -> list[IterationPlan]:
+    prompts = tuple(f"p{j}" for j in range(prompts_per_iteration))
+    return [IterationPlan.uniform(i, prompts, samples_per_prompt, chunk_size) for i in range(n)]
+
+
+CostFn = Callable[[TaskInfo, SimWorker], float]
+TransferFn = Callable[[Key, TaskInfo, str, str], float]
+
+
+class Simulator:
+    """Runs iterations of a layout on simulated workers under one policy."""
+
+    def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
+                 *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
+                 output_bytes: Callable[[TaskInfo], int] | None = None):
+        self.now = 0.0
+        self.policy = SchedulingPolicy(options, clock=lambda: self.now)
+        self.workers = {w.name: w for w in workers}
+        self.cost = cost
+        self.transfer = transfer
+        self.latency = dispatch_latency
+        self.output_bytes = output_bytes or (lambda info: 1)
+        self._events: list = []
+        self._seq = itertools.count()
+        self.nodes: dict[Key, Node] = {}
+        self.info: dict[Key, TaskInfo] = {}
+        self.waiting: dict[Key, int] = {}
+        self.dependents: dict[Key, list[Key]] = defaultdict(list)
+        self.done: dict[Key, str] = {}          # key -> worker holding its output
+        self.ready_at: dict[Key, float] = {}
+        self.released: dict[Key, tuple[float, str, bool]] = {}
+        self.queue: dict[str, deque] = {w: deque() for w in self.workers}
+        self.busy_until: dict[str, float] = {w: 0.0 for w in self.workers}
+        self.running: dict[str, Key | None] = {w: None for w in self.workers}
+        self.records: list[SimRecord] = []
+        for w in workers:
+            self.policy.add_worker(w.name, w.name, w.pool, w.slots, w.speed)
+
+    # ------------------------------------------------------------------ graph
+
+    def add_nodes(self, nodes: Iterable[Node]) -> None:
+        new = []
+        for node in nodes:
+            self.nodes[node.key] = node
+            info = TaskInfo.from_meta(node.key, node.meta)
+            self.info[node.key] = info
+            new.append(info)
+        self.policy.add_tasks(new)
+        for info in new:
+            deps = self.nodes[info.key].deps
+            missing = [d for d in deps if d not in self.done]
+            self.waiting[info.key] = len(missing)
+            for d in missing:
+                self.dependents[d].append(info.key)
+            if not missing:
+                self._ready(info.key)
+
+    def _ready(self, key: Key) -> None:
+        self.ready_at[key] = self.now
+        loc: dict[str, int] = defaultdict(int)
+        for d in self.nodes[key].deps:
+            holder = self.done.get(d)
+            if holder is not None and d in self.info:
+                loc[holder] += self.output_bytes(self.info[d])
+        self.policy.task_ready(key, loc)
+
+    # ----------------------------------------------------------------- events
+
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _apply_decisions(self) -> None:
+        for d in self.policy.decide():
+            self.released[d.key] = (self.now, d.worker, d.tag)
+            info = self.info[d.key]
+            if info.gpu:
+                self.queue[d.worker].append(d.key)
+                self._start_next(d.worker)
+            else:
+                self._start(d.key, d.worker, self.now + self.latency)
+
+    def _start_next(self, worker: str) -> None:
+        if self.running[worker] is not None or not self.queue[worker]:
+            return
+        key = self.queue[worker].popleft()
+        start = max(self.now + self.latency, self.busy_until[worker])
+        self.running[worker] = key
+        stop = self._start(key, worker, start)
+        self.busy_until[worker] = stop
+
+    def _start(self, key: Key, worker: str, start: float) -> float:
+        info = self.info[key]
+        w = self.workers[worker]
+        fetch = 0.0
+        if self.transfer is not None:
+            for d in self.nodes[key].deps:
+                holder = self.done.get(d)
+                if holder is not None and holder != worker and d in self.info:
+                    fetch = max(fetch, self.transfer(d, self.info[d], holder, worker))
+        duration = self.cost(info, w) / w.speed
+        stop = start + fetch + duration
+        self._push(stop, "finish", (key, worker, start + fetch))
+        return stop
+
+    def _finish(self, key: Key, worker: str, start: float) -> None:
+        info = self.info[key]
+        rel_time, _, tag = self.released[key]
+        self.records.append(SimRecord(
+            key=key, kind=info.kind, worker=worker, pool=self.workers[worker].pool,
+            iteration=info.iteration, policy_version=info.policy_version,
+            timestep=-1 if info.timestep is None else info.timestep,
+            chunk=-1 if info.chunk is None else info.chunk, ready=self.ready_at[key],
+            released=rel_time, start=start, stop=self.now, tag=tag, gpu=info.gpu))
+        self.done[key] = worker
+        self.policy.task_done(key, worker)
+        if info.gpu:
+            self.running[worker] = None
+            self._start_next(worker)
+        for dep in self.dependents.pop(key, ()):
+            self.waiting[dep] -= 1
+            if self.waiting[dep] == 0:
+                self._ready(dep)
+
+    # -------------------------------------------------------------------- run
+
+    def run(self, layout: GraphLayout, plans: Sequence[IterationPlan], *,
+            window: int | None = None, max_time: float = float("inf")) -> SimResult:
+        """Run ``plans`` (iterations 0..n-1) keeping ``window`` iterations beyond the
+        oldest unfinished one submitted, as the driver does."""
+        if window is None:
+            window = self.policy.options.max_staleness + 1
+        self.add_nodes(init_nodes())
+        submitted = 0
+        completed: dict[int, float] = {}
+
+        def submit_upto(limit: int) -> None:
+            nonlocal submitted
+            while submitted < min(limit, len(plans)):
+                self.add_nodes(iteration_nodes(layout, plans[submitted]))
+                submitted += 1
+
+        submit_upto(window + 1)
+        self._apply_decisions()
+        next_done = 0
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            if t > max_time:
+                break
+            self.now = t
+            if kind == "finish":
+                key, worker, start = payload
+                self._finish(key, worker, start)
+                if key[0] == "stats":
+                    completed[key[1]] = t
+                    while next_done in completed:
+                        next_done += 1
+                    submit_upto(next_done + window + 1)
+            # Finish every event at this instant before deciding, as the plugin does.
+            if not self._events or self._events[0][0] > self.now:
+                self._apply_decisions()
+        images = plans[0].num_samples if plans else 0
+        return SimResult(self.records, self.now, completed, images, list(self.workers.values()))

@@ -1,0 +1,88 @@
+"""The iteration DAG: keys, annotations, versions, the reduction tree."""
+
+from collections import Counter
+
+import pytest
+
+from digenrl.graph.plan import IterationPlan
+from digenrl.graph.structure import GraphLayout, iteration_nodes, publish_key
+
+LAYOUT = GraphLayout(num_steps=4, trained_steps=2, reduce_fanin=3)
+
+
+def plan(i=5, prompts=("cat", "dog", "fox"), spp=4, chunk=2):
+    return IterationPlan.uniform(i, prompts, spp, chunk)
+
+
+def test_every_denoise_step_of_every_chunk_is_a_task():
+    nodes = iteration_nodes(LAYOUT, plan())
+    kinds = Counter(n.key[0] for n in nodes)
+    assert kinds["denoise"] == 6 * 4 and kinds["grad"] == 6 * 2
+    assert kinds["noise"] == kinds["decode"] == kinds["reward"] == 6
+    assert kinds["advantage"] == 3 and kinds["optimize"] == kinds["publish"] == 1
+    for n in nodes:
+        assert n.key[0] == n.meta["kind"] and n.meta["iteration"] == 5
+        if n.key[0] in ("denoise", "grad"):
+            assert n.meta["timestep"] == n.key[3] and n.meta["chunk"] == n.key[2]
+        assert n.meta["pool"] == ("rollout" if n.key[0] in ("noise", "denoise", "decode", "reward")
+                                  else "trainer")
+        assert n.meta["gpu"] == (n.key[0] in ("denoise", "decode", "grad", "optimize"))
+
+
+def test_chains_and_dependencies():
+    nodes = {n.key: n for n in iteration_nodes(LAYOUT, plan())}
+    assert nodes[("denoise", 5, 1, 0)].deps == [publish_key(5), ("noise", 5, 1)]
+    assert nodes[("denoise", 5, 1, 3)].deps == [publish_key(5), ("denoise", 5, 1, 2)]
+    assert nodes[("grad", 5, 1, 1)].deps == [publish_key(5), ("denoise", 5, 1, 0),
+                                             ("denoise", 5, 1, 1), ("advantage", 5, 0)]
+    # Group 1 holds samples 4..7 = chunks 2 and 3.
+    assert nodes[("advantage", 5, 1)].deps == [("reward", 5, 2), ("reward", 5, 3)]
+    assert nodes[("optimize", 5)].deps[0] == ("optimize", 4)
+
+
+def test_reduction_tree_is_fixed_and_ordered():
+    nodes = iteration_nodes(LAYOUT, plan())
+    leaves = [n.key for n in nodes if n.key[0] == "grad"]
+    reduces = {n.key: n.deps for n in nodes if n.key[0] == "reduce"}
+    assert reduces[("reduce", 5, 0, 0)] == leaves[:3]
+    assert reduces[("reduce", 5, 1, 0)] == [("reduce", 5, 0, j) for j in range(3)]
+    assert reduces[("reduce", 5, 2, 0)] == [("reduce", 5, 1, 0), ("reduce", 5, 1, 1)]
+    assert next(n for n in nodes if n.key[0] == "optimize").deps[1] == ("reduce", 5, 2, 0)
+
+
+@pytest.mark.parametrize("lag,stale,expected", [
+    (0, None, [5, 5, 5]), (1, None, [4, 4, 4]), (2, None, [3, 3, 3]),
+    (1, 1, [4, 5, 5]), (2, 2, [3, 3, 5]), (1, 0, [5, 5, 5]),
+])
+def test_rollout_versions_follow_the_staleness_bound(lag, stale, expected):
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=lag, stale_groups=stale)
+    nodes = iteration_nodes(layout, plan())
+    by_group = {}
+    for n in nodes:
+        if n.key[0] == "denoise":
+            by_group.setdefault(n.meta["group"], set()).add(n.meta["policy_version"])
+            assert n.deps[0] == publish_key(n.meta["policy_version"])
+        if n.key[0] == "grad":
+            assert n.meta["policy_version"] == 5
+            assert 5 - n.meta["behaviour_version"] <= lag
+    assert [by_group[g].pop() for g in range(3)] == expected
+
+
+def test_chunks_spanning_groups():
+    p = IterationPlan.uniform(0, ("a", "b", "c", "d"), 2, 4)
+    nodes = {n.key: n for n in iteration_nodes(LAYOUT, p)}
+    assert nodes[("advantage", 0, 3)].deps == [("reward", 0, 1)]
+    assert nodes[("grad", 0, 1, 0)].deps[-2:] == [("advantage", 0, 2), ("advantage", 0, 3)]
+
+
+def test_batch_std_advantages_read_every_reward():
+    layout = GraphLayout(num_steps=4, trained_steps=2, advantage_std="batch")
+    nodes = {n.key: n for n in iteration_nodes(layout, plan())}
+    assert len(nodes[("advantage", 5, 0)].deps) == 6
+
+
+def test_plan_rejects_bad_chunks():
+    with pytest.raises(ValueError, match="chunk_size"):
+        IterationPlan.uniform(0, ("a", "b"), 3, 4)
+    with pytest.raises(ValueError, match="chunks"):
+        IterationPlan(0, ("a",), 2, ((0, 1),))

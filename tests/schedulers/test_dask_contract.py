@@ -1,0 +1,98 @@
+"""The Dask behaviours the scheduler plugin relies on (see digenrl.schedulers.plugin).
+
+Each test fails if a Dask upgrade changes the behaviour it names. They run a whole
+cluster in one event loop with the scheduler's state validation switched on.
+"""
+
+from __future__ import annotations
+
+import dask
+from dask._task_spec import Task
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from distributed import Worker
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.utils_test import async_poll_for, gen_cluster, inc, slowinc
+
+from digenrl.schedulers.plugin import PARKED
+
+NTHREADS = [("127.0.0.1", 1), ("127.0.0.1", 1)]
+
+
+class Parker(SchedulerPlugin):
+    name = "parker"
+
+    def __init__(self):
+        self.first_transition = {}
+
+    def update_graph(self, scheduler, *, tasks, annotations, **kw):
+        for key in annotations.get("park", {}):
+            scheduler.tasks[key].worker_restrictions = {PARKED}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        self.first_transition.setdefault(key, (start, finish))
+
+
+async def submit_parked(c, s, key):
+    """Submit a task that a plugin parks in update_graph, as the digenrl plugin does."""
+    s.add_plugin(Parker())
+    with dask.annotate(park=True):
+        f = c.submit(inc, 1, key=key)
+    await async_poll_for(lambda: key in s.tasks and s.tasks[key].state == "no-worker",
+                         timeout=5)
+    return f
+
+
+@gen_cluster(client=True, nthreads=NTHREADS)
+async def test_1_unreachable_restrictions_park_a_task_even_when_workers_join(c, s, a, b):
+    f = await submit_parked(c, s, "parked")
+    async with Worker(s.address, nthreads=1):
+        await async_poll_for(lambda: len(s.workers) == 3, timeout=5)
+        assert s.tasks["parked"].state == "no-worker"
+    assert s.validate
+    del f
+
+
+@gen_cluster(client=True, nthreads=NTHREADS)
+async def test_2_new_restriction_plus_processing_sends_it_there(c, s, a, b):
+    f = await submit_parked(c, s, "parked")
+    s.tasks["parked"].worker_restrictions = {b.address}
+    s.transitions({"parked": "processing"}, stimulus_id="test-release")
+    assert await f == 2
+    assert s.tasks["parked"].who_has == {s.workers[b.address]}
+
+
+@gen_cluster(client=True, nthreads=NTHREADS)
+async def test_3_and_6_update_graph_sees_per_key_annotations_before_any_transition(c, s, a, b):
+    plugin = Parker()
+    s.add_plugin(plugin)
+    dsk = {("x", 0): Task(("x", 0), inc, 1), ("x", 1): Task(("x", 1), inc, 2)}
+    hlg = HighLevelGraph({"x": MaterializedLayer(dsk, annotations={
+        "park": {("x", 0): True}.get})}, {"x": set()})
+    futs = c.get(hlg, list(dsk), sync=False)
+    assert await futs[1] == 3
+    await async_poll_for(lambda: s.tasks[("x", 0)].state == "no-worker", timeout=5)
+    assert s.tasks[("x", 0)].annotations == {"park": True}
+    assert plugin.first_transition[("x", 0)] == ("released", "waiting")
+    assert not any(start == "processing" for start, _ in [plugin.first_transition[("x", 0)]])
+    del futs
+
+
+@gen_cluster(client=True, nthreads=NTHREADS,
+             config={"distributed.scheduler.work-stealing-interval": "10ms"})
+async def test_4_stealing_never_moves_a_task_restricted_to_one_worker(c, s, a, b):
+    assert "stealing" in s.extensions
+    futs = c.map(slowinc, range(20), delay=0.05, workers=[a.address])
+    await c.gather(futs)
+    assert all(s.tasks[f.key].who_has == {s.workers[a.address]} for f in futs)
+
+
+@gen_cluster(client=True, nthreads=NTHREADS)
+async def test_4_restricted_tasks_bypass_queuing(c, s, a, b):
+    futs = c.map(inc, range(50), workers=[a.address, b.address])
+    await async_poll_for(lambda: all(f.key in s.tasks for f in futs), timeout=5)
+    assert not s.queued
+    await c.gather(futs)
+
+
+def test_5_no_workers_timeout_is_unset():
+    assert dask.config.get("distributed.scheduler.no-workers-timeout") is None

@@ -1,0 +1,97 @@
+"""The scheduler plugin on in-process clusters with the scheduler's validation on."""
+
+from __future__ import annotations
+
+from distributed import Event
+from distributed.utils_test import async_poll_for, gen_cluster, inc
+
+from digenrl.schedulers.options import MODES, ScheduleOptions
+from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+
+from plugin_helpers import annotated, task_meta, wait_for_event, worker_name
+
+ROLLOUT = {"resources": {"GPU": 1, "rollout": 1}}
+TRAINER = {"resources": {"GPU": 1, "trainer": 1}}
+POOLED = [("127.0.0.1", 2, ROLLOUT), ("127.0.0.1", 2, TRAINER)]
+
+
+def options(mode="digenrl", **kw):
+    return ScheduleOptions(mode=mode, **{**MODES[mode], **kw}).as_dict()
+
+
+async def install(s, **kw):
+    plugin = DigenRLSchedulerPlugin()
+    await s.register_scheduler_plugin(plugin, idempotent=True)
+    plugin = s.plugins[plugin.name]
+    plugin.begin_run("test", options(**kw))
+    return plugin
+
+
+@gen_cluster(client=True, nthreads=POOLED)
+async def test_pools_come_from_the_workers_own_resources(c, s, r, t):
+    plugin = await install(s, tag=False)
+    tasks = {}
+    for j in range(6):
+        tasks[("denoise", 0, j, 0)] = (worker_name, (j,), task_meta("denoise", 0, 0, chunk=j, timestep=0))
+        tasks[("grad", 0, j, 0)] = (worker_name, (j,), task_meta("grad", 0, 0, chunk=j, timestep=0,
+                                                                  behaviour_version=0))
+    futs = c.get(annotated(tasks), list(tasks), sync=False)
+    names = dict(zip(tasks, await c.gather(futs)))
+    assert {v for k, v in names.items() if k[0] == "denoise"} == {r.name}
+    assert {v for k, v in names.items() if k[0] == "grad"} == {t.name}
+    state = await c.scheduler.digenrl_state()
+    assert state["pools"]["rollout"]["workers"] == 1 and state["pools"]["trainer"]["workers"] == 1
+    assert state["counters"]["released"] == 12
+    recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
+    assert len(recs) == 12 and {rec["pool"] for rec in recs} == {"rollout", "trainer"}
+    assert plugin.run == "test"
+
+
+@gen_cluster(client=True, nthreads=POOLED)
+async def test_a_bad_graph_is_held_until_the_bound_allows_then_released(c, s, r, t):
+    """A rollout of iteration 2 reading version 0 with max_staleness 1 must wait until
+    version 1 is published -- and never run earlier."""
+    plugin = await install(s, max_staleness=1)
+    gate = Event("publish-1")
+    tasks = {
+        ("publish", 0): (inc, (0,), task_meta("publish", -1, 0)),
+        ("publish", 1): (wait_for_event, ("publish-1",), task_meta("publish", 0, 1)),
+        ("denoise", 2, 0, 0): (inc, (("publish", 0),), task_meta("denoise", 2, 0, chunk=0, timestep=0)),
+    }
+    futs = c.get(annotated(tasks), list(tasks), sync=False)
+    await futs[0]
+    await async_poll_for(lambda: s.tasks[("denoise", 2, 0, 0)].state == "no-worker", timeout=5)
+    assert plugin.policy.held()["staleness"] == 1
+    assert s.tasks[("denoise", 2, 0, 0)].state == "no-worker"
+    assert s.validate
+    await gate.set()
+    assert await futs[2] == 2
+    recs = {rec["key"]: rec for rec in (await c.scheduler.digenrl_tasks(start=0))["records"]}
+    # Scheduler clock: released only once version 1's publication had been reported.
+    assert recs[str(("denoise", 2, 0, 0))]["released"] >= recs[str(("publish", 1))]["finished"]
+
+
+@gen_cluster(client=True, nthreads=POOLED)
+async def test_training_beyond_the_bound_fails_with_a_clear_error(c, s, r, t):
+    await install(s, max_staleness=1)
+    tasks = {("grad", 3, 0, 0): (inc, (1,), task_meta("grad", 3, 3, chunk=0, timestep=0,
+                                                       behaviour_version=1))}
+    [f] = c.get(annotated(tasks), list(tasks), sync=False)
+    try:
+        await f
+    except Exception as e:
+        assert "staleness 2 exceeds max_staleness=1" in str(e)
+        assert type(e).__name__ == "StalenessBoundError"
+    else:
+        raise AssertionError("the task ran")
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 2, ROLLOUT), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
+async def test_an_untagged_worker_is_not_used_and_is_reported(c, s, r, untagged):
+    await install(s, tag=False)
+    tasks = {("denoise", 0, j, 0): (worker_name, (j,), task_meta("denoise", 0, 0, chunk=j, timestep=0))
+             for j in range(4)}
+    names = await c.gather(c.get(annotated(tasks), list(tasks), sync=False))
+    assert set(names) == {r.name}
+    state = await c.scheduler.digenrl_state()
+    assert any("has no pool tag" in w for w in state["warnings"])

@@ -1,0 +1,265 @@
+"""The scheduling policy, driven without any cluster."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from digenrl.graph.structure import GraphLayout
+from digenrl.schedulers.options import MODES, ScheduleOptions
+from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
+from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
+
+ROLLOUT_KINDS = {"noise", "denoise", "decode", "reward"}
+TRAIN_GPU = {"grad", "optimize"}
+
+
+def opts(mode="digenrl", **kw):
+    return ScheduleOptions(mode=mode, **{**MODES[mode], **kw})
+
+
+def info(key, kind, pool, iteration=0, version=0, gpu=True, **kw):
+    return TaskInfo(key=key, kind=kind, pool=pool, iteration=iteration,
+                    policy_version=version, gpu=gpu, **kw)
+
+
+def policy_with(options, rollout=1, trainer=1, slots=1):
+    p = SchedulingPolicy(options, clock=lambda: 0.0)
+    for j in range(rollout):
+        p.add_worker(f"r{j}", f"rollout-{j}", "rollout", slots)
+    for j in range(trainer):
+        p.add_worker(f"t{j}", f"trainer-{j}", "trainer", slots)
+    p.version = 0
+    return p
+
+
+# ---------------------------------------------------------------- single rules
+
+
+def test_pools_route_tasks_to_their_workers():
+    p = policy_with(opts("digenrl", tag=False))
+    p.add_tasks([info("d", "denoise", "rollout"), info("g", "grad", "trainer", chunk=0,
+                                                       behaviour_version=0)])
+    p.task_ready("d")
+    p.task_ready("g")
+    where = {d.key: d.worker for d in p.decide()}
+    assert where == {"d": "r0", "g": "t0"}
+
+
+def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
+    p = policy_with(opts("digenrl"), rollout=1, trainer=1, slots=2)
+    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(5)])
+    for j in range(5):
+        p.task_ready(("d", j))
+    first = p.decide()
+    on_trainer = [d for d in first if d.worker == "t0"]
+    assert len(on_trainer) == 1 and on_trainer[0].tag  # one at a time on a trainer
+    assert sum(d.worker == "r0" for d in first) == 2   # the rollout worker's two slots
+    p.add_tasks([info("g", "grad", "trainer", chunk=0, behaviour_version=0)])
+    p.task_ready("g")
+    p.task_done(on_trainer[0].key, "t0")
+    second = p.decide()
+    assert [d.key for d in second] == ["g"]  # training first; no new TAG task
+
+
+def test_without_tag_trainers_never_generate():
+    p = policy_with(opts("digenrl", tag=False))
+    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j) for j in range(3)])
+    for j in range(3):
+        p.task_ready(("d", j))
+    assert {d.worker for d in p.decide()} == {"r0"}
+
+
+def test_rollouts_wait_for_the_staleness_bound_even_in_a_bad_graph():
+    p = policy_with(opts("digenrl", max_staleness=1))
+    # Iteration 3 reading version 0: older than the bound allows (3 - 1 = 2).
+    p.add_tasks([info("bad", "denoise", "rollout", iteration=3, version=0)])
+    p.task_ready("bad")
+    assert p.decide() == [] and p.held()["staleness"] == 1
+    p.add_tasks([info(("publish", v), "publish", "trainer", iteration=v - 1, version=v,
+                      gpu=False) for v in (1, 2)])
+    p.task_done(("publish", 1))
+    assert p.decide() == []
+    p.task_done(("publish", 2))
+    assert [d.key for d in p.decide()] == ["bad"]
+
+
+def test_training_beyond_the_bound_is_rejected():
+    o = opts("digenrl", max_staleness=1)
+    bad = info("g", "grad", "trainer", iteration=3, version=3, behaviour_version=1)
+    assert "staleness 2 exceeds max_staleness=1" in validate_task(bad, o)
+    p = policy_with(o)
+    assert p.add_tasks([bad]) == {"g": validate_task(bad, o)}
+    p.task_ready("g")
+    assert p.decide() == []
+
+
+def test_without_gap_training_waits_for_the_whole_iteration():
+    p = policy_with(opts("disaggregated"))
+    p.add_tasks([info("d0", "denoise", "rollout", chunk=0), info("d1", "denoise", "rollout", chunk=1),
+                 info("a0", "advantage", "trainer", gpu=False, behaviour_version=0)])
+    p.task_ready("d0")
+    p.task_ready("d1")
+    p.task_ready("a0")
+    assert {d.key for d in p.decide()} == {"d0"}
+    p.task_done("d0", "r0")
+    assert [d.key for d in p.decide()] == ["d1"]
+    p.task_done("d1", "r0")
+    assert [d.key for d in p.decide()] == ["a0"]
+
+
+def test_without_tsp_a_chunk_trains_on_its_own_trainer():
+    p = policy_with(opts("disaggregated"), trainer=2, slots=4)
+    grads = [info(("g", c, t), "grad", "trainer", chunk=c, timestep=t, behaviour_version=0)
+             for c in range(2) for t in range(2)]
+    p.add_tasks(grads)
+    p._barrier_open.add(0)
+    for g in grads:
+        p.task_ready(g.key)
+    where = {d.key: d.worker for d in p.decide()}
+    assert where == {("g", 0, 0): "t0", ("g", 0, 1): "t0", ("g", 1, 0): "t1", ("g", 1, 1): "t1"}
+
+
+def test_chains_stay_on_the_worker_that_holds_their_latent():
+    p = policy_with(opts("digenrl", tag=False), rollout=2, slots=1)
+    p.add_tasks([info(("d", c, 1), "denoise", "rollout", chunk=c, timestep=1) for c in range(2)])
+    p.task_ready(("d", 0, 1), {"r1": 100, "r0": 10})
+    p.task_ready(("d", 1, 1), {"r0": 100})
+    assert {d.key: d.worker for d in p.decide()} == {("d", 0, 1): "r1", ("d", 1, 1): "r0"}
+
+
+def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
+    p = policy_with(opts("digenrl", tag=False), rollout=2, slots=2)
+    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j) for j in range(6)]
+                + [info("n", "noise", "rollout", gpu=False)])
+    for j in range(6):
+        p.task_ready(("d", j))
+    p.task_ready("n", {"r1": 5})
+    ds = p.decide()
+    per = defaultdict(int)
+    for d in ds:
+        if d.key != "n":
+            per[d.worker] += 1
+    assert dict(per) == {"r0": 2, "r1": 2}
+    assert next(d.worker for d in ds if d.key == "n") == "r1"
+
+
+def test_a_lost_worker_gives_its_tasks_back():
+    p = policy_with(opts("digenrl", tag=False), rollout=2)
+    p.add_tasks([info("d", "denoise", "rollout")])
+    p.task_ready("d")
+    [d] = p.decide()
+    assert p.remove_worker(d.worker) == ["d"]
+    p.task_ready("d")
+    [again] = p.decide()
+    assert again.worker != d.worker
+
+
+# ------------------------------------------------------------- property based
+
+
+def check_trace(result, options, layout, workers):
+    """Every invariant of the scheduling rules, checked on a finished trace."""
+    recs = {r.key: r for r in result.records}
+    by_iter = defaultdict(list)
+    for r in result.records:
+        by_iter[r.iteration].append(r)
+    pool_of = {w.name: w.pool for w in workers}
+    trainers = sorted(w.name for w in workers if w.pool == "trainer")
+    for r in result.records:
+        assert r.released >= r.ready
+        if options.pools:
+            if r.kind in ROLLOUT_KINDS:
+                assert pool_of[r.worker] == "rollout" or (options.tag and r.tag), r
+            else:
+                assert pool_of[r.worker] == "trainer", r
+        if r.kind in ROLLOUT_KINDS and r.iteration - options.max_staleness >= 0:
+            published = recs[("publish", r.iteration - options.max_staleness)].stop
+            assert r.released >= published, r
+        if r.kind == "grad":
+            assert r.policy_version == r.iteration
+    # Bounded staleness of every trained sample.
+    for it, rs in by_iter.items():
+        behaviour = {r.chunk: r.policy_version for r in rs if r.kind == "denoise"}
+        for r in rs:
+            if r.kind == "grad":
+                assert 0 <= r.policy_version - behaviour[r.chunk] <= options.max_staleness
+    # Without GAP, training waits for every rollout task of its iteration.
+    barrier = {it: max((r.stop for r in rs if r.kind in ROLLOUT_KINDS), default=0.0)
+               for it, rs in by_iter.items()}
+    if not options.gap:
+        for r in result.records:
+            if r.iteration >= 0 and r.kind not in ROLLOUT_KINDS:
+                assert r.released >= barrier[r.iteration], r
+    # GPU slots: never more in flight on a worker than it advertises; TAG one at a time.
+    events = defaultdict(list)
+    for r in result.records:
+        if r.gpu:
+            events[r.worker].append((r.released, 1, r.tag))
+            events[r.worker].append((r.stop, -1, r.tag))
+    slots = {w.name: w.slots for w in workers}
+    for w, evs in events.items():
+        inflight = tag = 0
+        for t, delta, is_tag in sorted(evs, key=lambda e: (e[0], e[1])):
+            inflight += delta
+            tag += delta if is_tag else 0
+            assert inflight <= slots[w]
+            assert tag <= 1
+    # TAG: a rollout task goes to a trainer only while no training task is runnable there.
+    for r in result.records:
+        if not r.tag:
+            continue
+        for g in result.records:
+            if g.kind not in TRAIN_GPU:
+                continue
+            if not options.tsp and g.chunk >= 0 and trainers[g.chunk % len(trainers)] != r.worker:
+                continue
+            runnable = max(g.ready, barrier.get(g.iteration, 0.0) if not options.gap else 0.0)
+            assert not (runnable <= r.released < g.released), (r, g)
+
+
+@st.composite
+def scenarios(draw):
+    mode = draw(st.sampled_from(sorted(MODES)))
+    switches = {} if mode == "colocated" else dict(
+        gap=draw(st.booleans()), tsp=draw(st.booleans()), tag=draw(st.booleans()),
+        max_staleness=draw(st.integers(0, 2)))
+    options = opts(mode, slots_per_worker=draw(st.integers(1, 3)), **switches)
+    num_steps = draw(st.integers(2, 4))
+    spp = draw(st.sampled_from([2, 4]))
+    layout = GraphLayout(num_steps=num_steps, trained_steps=draw(st.integers(1, num_steps - 1)),
+                         reduce_fanin=draw(st.integers(2, 4)),
+                         version_lag=options.max_staleness,
+                         stale_groups=draw(st.one_of(st.none(), st.integers(0, 2))))
+    plans = uniform_plans(draw(st.integers(1, 3)), draw(st.integers(1, 3)), spp,
+                          draw(st.sampled_from([1, 2, spp])))
+    workers = [SimWorker(f"rollout-{j}", "rollout", options.slots_per_worker)
+               for j in range(draw(st.integers(1, 3)))]
+    workers += [SimWorker(f"trainer-{j}", "trainer", options.slots_per_worker)
+                for j in range(draw(st.integers(1, 3)))]
+    durations = {k: draw(st.floats(0.01, 1.0)) for k in
+                 ("noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
+                  "optimize", "publish", "stats", "init")}
+    jitter = draw(st.lists(st.floats(0.5, 2.0), min_size=7, max_size=7))
+    return options, layout, plans, workers, durations, jitter
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_every_schedule_completes_and_keeps_the_rules(scenario):
+    options, layout, plans, workers, durations, jitter = scenario
+
+    def cost(info, worker):
+        j = jitter[hash((info.key, worker.name)) % len(jitter)]
+        return durations[info.kind] * (j if info.gpu else 0.1)
+
+    sim = Simulator(options, workers, cost, dispatch_latency=0.001)
+    result = sim.run(layout, plans)
+    expected = 2 + sum(1 for _ in plans) * 0  # init + publish(0)
+    n_nodes = len(sim.nodes)
+    assert len(result.records) == n_nodes >= expected, "a task never ran (liveness)"
+    assert sorted(result.completed) == list(range(len(plans)))
+    check_trace(result, options, layout, workers)

@@ -1,0 +1,53 @@
+"""The command line: flags reach the config; bad input fails before any work."""
+
+import pytest
+
+from digenrl.cli import build_parser, config_from_args, main
+
+#: No scheduler listens here: reaching it would be a connection error, not a field error.
+UNREACHABLE = "tcp://127.0.0.1:1"
+
+
+def test_flags_override_the_config():
+    args = build_parser().parse_args([
+        "run", "--out", "x.zarr", "--mode", "disaggregated", "--iterations", "7",
+        "--seed", "9", "--reward", "jpeg_incompressibility=2,colorfulness=0.5",
+        "--rollout-workers", "3", "--trainer-workers", "2", "--max-staleness", "2",
+        "--no-tag", "--gap", "--set", "train.kl_beta=0.01", "--set", "schedule.stale_groups=1"])
+    cfg = config_from_args(args)
+    assert cfg.schedule.mode == "disaggregated" and cfg.iterations == 7 and cfg.seed == 9
+    assert cfg.reward.components == {"jpeg_incompressibility": 2.0, "colorfulness": 0.5}
+    assert (cfg.cluster.rollout_workers, cfg.cluster.trainer_workers) == (3, 2)
+    opts = cfg.schedule.options()
+    assert (opts.max_staleness, opts.tag, opts.gap, opts.tsp) == (2, False, True, False)
+    assert cfg.train.kl_beta == 0.01 and cfg.schedule.stale_groups == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--reward", "nonsense"], "reward.components: expected one of"),
+    (["--mode", "fast"], "schedule.mode: expected one of"),
+    (["--set", "data.samples_per_prompt=1"], "data.samples_per_prompt: expected an integer >= 2, got 1"),
+    (["--set", "sampler.num_steps=1"], "sampler.num_steps: expected an integer >= 2, got 1"),
+    (["--set", "rollout.chunk_size=3"], "rollout.chunk_size: expected a divisor or a multiple"),
+    (["--rollout-workers", "0"], "cluster.rollout_workers: expected an integer >= 1, got 0"),
+    (["--set", "model.path=/no/such/folder"], "model.path: expected an existing folder"),
+    (["--set", "nonsense"], "--set: expected SECTION.FIELD=VALUE, got 'nonsense'"),
+    (["--reward", "a=b"], "--reward: expected NAME or NAME=WEIGHT"),
+])
+def test_bad_input_fails_before_any_work(tmp_path, capsys, argv, message):
+    out = tmp_path / "run.zarr"
+    # Each case also names an unreachable scheduler: had the run started any cluster
+    # work, the error would be about the connection, not the field.
+    code = main(["run", "--out", str(out), "--scheduler", UNREACHABLE, *argv]
+                if "--rollout-workers" not in argv else ["run", "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_an_unreachable_scheduler_is_a_clear_error(tmp_path, capsys):
+    code = main(["run", "--out", str(tmp_path / "r.zarr"), "--scheduler", UNREACHABLE,
+                 "--set", "cluster.connect_timeout=1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cluster.scheduler: expected a reachable Dask scheduler" in err

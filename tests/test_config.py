@@ -1,0 +1,66 @@
+"""Configuration: defaults, YAML, overrides and the errors bad input gets."""
+
+from pathlib import Path
+
+import pytest
+
+from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config
+
+TINY = Path(__file__).parent.parent / "workflows" / "configs" / "tiny.yaml"
+
+
+def test_tiny_yaml_is_the_built_in_default():
+    assert load_config(TINY) == RunConfig()
+
+
+def test_round_trip_through_plain_data():
+    cfg = load_config(TINY, {"schedule.mode": "colocated", "train.learning_rate": "3e-4"})
+    assert cfg.train.learning_rate == 3e-4  # YAML 1.1 reads 3e-4 as a string
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_derived_totals():
+    cfg = RunConfig()
+    assert cfg.derived() == {"images_per_iteration": 16, "chunks_per_iteration": 4,
+                             "denoise_tasks_per_iteration": 32,
+                             "micro_steps_per_iteration": 16, "trained_steps": 4}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"reward.components": {"aesthetic": 1.0}},
+     r"reward.components: expected one of \[.*'jpeg_compressibility'.*\], got 'aesthetic'"),
+    ({"schedule.mode": "async"},
+     r"schedule.mode: expected one of \['colocated', 'digenrl', 'disaggregated'\], got 'async'"),
+    ({"data.samples_per_prompt": 1}, r"data.samples_per_prompt: expected an integer >= 2, got 1"),
+    ({"sampler.num_steps": 1}, r"sampler.num_steps: expected an integer >= 2, got 1"),
+    ({"rollout.chunk_size": 3},
+     r"rollout.chunk_size: expected a divisor or a multiple of data.samples_per_prompt \(4\), got 3"),
+    ({"rollout.chunk_size": 8, "data.prompts_per_iteration": 3},
+     r"rollout.chunk_size: expected a divisor of the samples per iteration .* = 12\), got 8"),
+    ({"cluster.trainer_workers": 0}, r"cluster.trainer_workers: expected an integer >= 1, got 0"),
+    ({"model.path": "/nonexistent/model"},
+     r"model.path: expected an existing folder, got '/nonexistent/model'"),
+    ({"sampler.timestep_fraction": 1.0},
+     r"sampler.timestep_fraction: expected a fraction leaving 1..7 trained steps"),
+    ({"train.learning_rate": "fast"}, r"train.learning_rate: expected a number, got 'fast'"),
+    ({"train.lr": 0.1}, r"train.lr: unknown field; valid fields of train are \[.*'learning_rate'"),
+    ({"schedule.mode": "colocated", "schedule.tag": True},
+     r"schedule.tag: expected false or null in colocated mode"),
+    ({"schedule.max_staleness": -1}, r"schedule.max_staleness: expected an integer from 0 to 8"),
+    ({"cluster.scheduler": "nowhere"}, r"cluster.scheduler: expected a scheduler address"),
+])
+def test_bad_values_name_the_field_the_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(ConfigError, match="expected an existing YAML file"):
+        load_config(tmp_path / "missing.yaml")
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="config: expected a YAML mapping at the top, got 'list'"):
+        load_config(f)
+    f.write_text("sampler: [1, 2]\n")
+    with pytest.raises(ConfigError, match="sampler: expected a mapping"):
+        load_config(f)

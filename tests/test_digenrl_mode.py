@@ -1,0 +1,96 @@
+"""Mode ``digenrl`` on real local clusters: what the tasks and samples groups show."""
+
+import numpy as np
+import pytest
+import torch
+
+from digenrl.runner import Runner
+from digenrl.store import open_run
+
+from conftest import small_config
+
+ROLLOUT_KINDS = {"noise", "denoise", "decode", "reward"}
+TRAINING = {"grad", "reduce", "optimize"}
+
+
+def run(cfg, cluster, path):
+    result = Runner(cfg, str(path), cluster=cluster).run()
+    ds = open_run(path)
+    return result, ds, ds["tasks"].to_dataframe()
+
+
+@pytest.fixture(params=["cluster_1x1", "cluster_2x2"])
+def cluster(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_no_sample_is_trained_beyond_the_staleness_bound(cluster_1x1, tmp_path, k):
+    cfg = small_config(**{"iterations": 4, "schedule.max_staleness": k})
+    _, ds, _ = run(cfg, cluster_1x1, tmp_path / "r.zarr")
+    s = ds["samples"]
+    staleness = s.trained_version.values - s.behaviour_version.values
+    assert (staleness <= k).all() and (staleness >= 0).all()
+    expected = np.minimum(np.arange(4), k)[:, None]
+    assert (staleness == expected).all()
+    assert ds["metrics"].staleness_mean.values.tolist() == expected[:, 0].tolist()
+
+
+def test_max_staleness_zero_is_bit_identical_to_disaggregated(cluster_2x2, tmp_path):
+    a, da, _ = run(small_config(**{"schedule.max_staleness": 0}), cluster_2x2, tmp_path / "a")
+    b, db, _ = run(small_config(**{"schedule.mode": "disaggregated"}), cluster_2x2, tmp_path / "b")
+    assert np.array_equal(da["samples"].reward.values, db["samples"].reward.values)
+    wa, wb = a.final_weights.tensors, b.final_weights.tensors
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def pipelined_config(**kw):
+    # Twelve chains (more than the clusters run at once, or there is nothing to
+    # pipeline); two of the six groups may be generated with the previous version.
+    return small_config(**{"iterations": 4, "data.prompts_per_iteration": 6,
+                           "rollout.chunk_size": 1, "schedule.stale_groups": 2, **kw})
+
+
+def test_gap_tsp_tag_as_the_tasks_group_records_them(cluster, tmp_path):
+    result, ds, t = run(pipelined_config(), cluster, tmp_path / "r.zarr")
+    # GAP: in every iteration training starts before its last denoise step is done
+    # (scheduler clock: a grad was released before the last denoise was reported).
+    for i in range(4):
+        it = t[t.iteration == i]
+        assert it[it.kind == "grad"].released.min() < it[it.kind == "denoise"].finished.max(), i
+    # No training task ever runs on a rollout worker.
+    assert not t[t.kind.isin(TRAINING)].pool.eq("rollout").any()
+    # TAG: trainers generate, and never while a grad task is runnable.
+    tag = t[t.tag]
+    assert len(tag) > 0 and tag.pool.eq("trainer").all()
+    assert set(tag.kind) <= ROLLOUT_KINDS
+    grads = t[t.kind == "grad"]
+    for r in tag.released:
+        waiting = grads[(grads.ready <= r) & (grads.released > r)]
+        assert waiting.empty, (r, waiting.key.tolist())
+    # Every rollout task on a trainer was a TAG release.
+    assert t[t.kind.isin(ROLLOUT_KINDS) & t.pool.eq("trainer")].tag.all()
+    assert (ds["samples"].trained_version - ds["samples"].behaviour_version).max() <= 1
+
+
+def test_tsp_spreads_a_chunks_micro_steps_over_trainers(cluster_2x2, tmp_path):
+    cfg = pipelined_config(**{"sampler.num_steps": 6, "sampler.timestep_fraction": 0.67})
+    _, _, t = run(cfg, cluster_2x2, tmp_path / "r.zarr")
+    grads = t[t.kind == "grad"]
+    overlapping = 0
+    for _, g in grads.groupby(["iteration", "chunk"]):
+        rows = list(g.itertuples())
+        for x in rows:
+            for y in rows:
+                if x.worker < y.worker and x.start < y.stop and y.start < x.stop:
+                    overlapping += 1
+    assert overlapping > 0
+    # Without TSP every chunk trains on one trainer.
+    _, _, t2 = run(pipelined_config(**{"schedule.tsp": False}), cluster_2x2, tmp_path / "r2.zarr")
+    assert (t2[t2.kind == "grad"].groupby(["iteration", "chunk"]).worker.nunique() == 1).all()
+
+
+def test_without_tag_trainers_never_generate(cluster_2x2, tmp_path):
+    _, _, t = run(pipelined_config(**{"schedule.tag": False}), cluster_2x2, tmp_path / "r.zarr")
+    assert not t[t.kind.isin(ROLLOUT_KINDS)].pool.eq("trainer").any()
+    assert not t[t.kind.isin(TRAINING)].pool.eq("rollout").any()
