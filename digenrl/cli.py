@@ -52,10 +52,9 @@ def _set_pairs(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+def _add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by the commands that take a run config."""
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny config)")
-    p.add_argument("--out", required=True, help="output Zarr store (a new path)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing store")
     p.add_argument("--mode", help="colocated | disaggregated | digenrl")
     p.add_argument("--iterations", type=int)
     p.add_argument("--seed", type=int)
@@ -77,10 +76,21 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from digenrl.bench import DEFAULT_VARIANTS, VARIANTS
+
     parser = argparse.ArgumentParser(prog="digenrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run RL post-training and write a store")
-    _add_run_arguments(run)
+    _add_config_arguments(run)
+    run.add_argument("--out", required=True, help="output Zarr store (a new path)")
+    run.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    bench = sub.add_parser("bench", help="compare modes and ablations on the same work")
+    _add_config_arguments(bench)
+    bench.add_argument("--out", required=True, help="folder for the stores and results.csv")
+    bench.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                       help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    bench.add_argument("--skip", type=int, default=1,
+                       help="leading iterations left out of the measurement (start-up)")
     return parser
 
 
@@ -124,12 +134,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from digenrl.bench import format_table, run_bench
+
+    config = config_from_args(args)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    try:
+        results = run_bench(config, variants, args.out, skip=args.skip)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(format_table(results))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(getattr(args, "quiet", False))
     try:
-        return {"run": _cmd_run}[args.command](args)
+        return {"run": _cmd_run, "bench": _cmd_bench}[args.command](args)
     except (ConfigError, StoreError) as e:
         if getattr(args, "debug", False):
             raise

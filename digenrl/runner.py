@@ -19,6 +19,7 @@ import numpy as np
 from distributed import Future, wait
 
 from digenrl import __version__
+from digenrl.analysis import busy_seconds
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import RunConfig, config_to_dict
 from digenrl.graph.build import (GraphContext, IterationGraph, init_graph, iteration_graph,
@@ -26,6 +27,7 @@ from digenrl.graph.build import (GraphContext, IterationGraph, init_graph, itera
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import draw_prompts, prompt_pool
+from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import RunStore
 from digenrl.tasks.resident import ResidentPlugin
@@ -151,6 +153,7 @@ class Runner:
         next_submit = 0
         cursor = 0
         last_done = start
+        recent: list[dict] = []
 
         def submit_upto(limit: int) -> None:
             nonlocal next_submit
@@ -176,10 +179,12 @@ class Runner:
             submit_upto(i + 1 + window + 1)
             batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)
             cursor = batch["next"]
-            records = batch["records"]
+            records = list(batch["records"])
             done_at = _optimize_stop(records, i) or time.time()
+            recent = [r for r in recent if (r["stop"] or 0.0) > last_done] + records
+            usage = _window_metrics(recent, self._pools(handle), last_done, done_at)
             summary = self._write_iteration(store, i, values, records, done_at - last_done,
-                                            done_at - start)
+                                            done_at - start, usage)
             last_done = done_at
             result.iterations.append(summary)
             if self.on_iteration is not None:
@@ -207,8 +212,16 @@ class Runner:
 
     # ------------------------------------------------------------------ store
 
+    def _pools(self, handle: ClusterHandle) -> dict[str, list[str]]:
+        """Worker names by the pool they serve in this run's mode."""
+        pools = handle.description.get("pools", {})
+        if self.options.pools:
+            return {p: list(pools.get(p, [])) for p in (ROLLOUT, TRAINER)}
+        return {COLOCATED: [w for p in (ROLLOUT, TRAINER) for w in pools.get(p, [])]}
+
     def _write_iteration(self, store: RunStore, i: int, values: dict, records: list[dict],
-                         seconds: float, wall: float) -> IterationSummary:
+                         seconds: float, wall: float,
+                         usage: dict[str, float]) -> IterationSummary:
         cfg = self.config
         plan = self.plan(i)
         n = plan.num_samples
@@ -283,6 +296,7 @@ class Runner:
             "wall_time": wall,
             "policy_version": float(stats.version),
             "dropped_samples": float(n - valid.sum()),
+            **usage,
         }
         problems = [p for r in rewards for p in r.problems]
         for p in problems:
@@ -309,7 +323,7 @@ class Runner:
 _COLLECTED = ("decode", "reward", "advantage", "stats")
 
 _TASK_COLUMNS = {
-    "key": str, "kind": str, "worker": str, "worker_name": str, "pool": str,
+    "key": str, "kind": str, "gpu": bool, "worker": str, "worker_name": str, "pool": str,
     "start": np.float64, "stop": np.float64, "iteration": np.int32,
     "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
     "ready": np.float64, "released": np.float64, "finished": np.float64, "tag": bool,
@@ -325,6 +339,31 @@ def _task_columns(records: list[dict]) -> dict[str, np.ndarray]:
         if dtype in (np.float64,):
             vals = [np.nan if v is None else v for v in vals]
         out[name] = np.asarray(vals, dtype=dtype) if records else np.zeros(0, dtype)
+    return out
+
+
+def _window_metrics(records: list[dict], pools: dict[str, list[str]], t0: float,
+                    t1: float) -> dict[str, float]:
+    """Per-pool GPU utilisation, TAG GPU-seconds and the mean wait of GPU tasks from
+    ready to released, over the iteration's window ``[t0, t1]``."""
+    import pandas as pd
+
+    out = {f"utilisation_{p}": float("nan") for p in (ROLLOUT, TRAINER, COLOCATED)}
+    out.update({"tag_seconds": 0.0, "gpu_wait_mean": float("nan")})
+    if not records or t1 <= t0:
+        return out
+    df = pd.DataFrame(records).dropna(subset=["start", "stop"])
+    busy = busy_seconds(df, t0, t1)
+    for pool, names in pools.items():
+        if names:
+            out[f"utilisation_{pool}"] = sum(busy.get(w, 0.0) for w in names) / (
+                len(names) * (t1 - t0))
+    tag = df[df["tag"]]
+    out["tag_seconds"] = float(np.clip(np.minimum(tag["stop"], t1) - np.maximum(tag["start"], t0),
+                                       0, None).sum())
+    gpu = df[df["gpu"] & (df["finished"] > t0) & (df["finished"] <= t1)]
+    if len(gpu):
+        out["gpu_wait_mean"] = float((gpu["released"] - gpu["ready"]).mean())
     return out
 
 

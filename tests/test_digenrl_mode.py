@@ -94,3 +94,22 @@ def test_without_tag_trainers_never_generate(cluster_2x2, tmp_path):
     _, _, t = run(pipelined_config(**{"schedule.tag": False}), cluster_2x2, tmp_path / "r.zarr")
     assert not t[t.kind.isin(ROLLOUT_KINDS)].pool.eq("trainer").any()
     assert not t[t.kind.isin(TRAINING)].pool.eq("rollout").any()
+
+
+def test_telemetry_reaches_the_store_and_the_plugin_rpc(cluster_1x1, tmp_path):
+    _, ds, _ = run(pipelined_config(), cluster_1x1, tmp_path / "r.zarr")
+    m = ds["metrics"]
+    for name in ("utilisation_rollout", "utilisation_trainer", "tag_seconds", "gpu_wait_mean"):
+        assert name in m
+    assert ((m.utilisation_trainer.values > 0) & (m.utilisation_trainer.values <= 1)).all()
+    assert np.isnan(m.utilisation_colocated.values).all()
+    assert m.tag_seconds.values.sum() > 0
+    client = cluster_1x1.client
+    state = client.sync(client.scheduler.digenrl_state)
+    assert state["policy_version"] == 4 and state["options"]["mode"] == "digenrl"
+    assert set(state["pools"]) == {"rollout", "trainer"} and "held" in state
+    timeline = client.sync(client.scheduler.digenrl_timeline, since=0.0)
+    assert len(timeline) > 2
+    versions = [s["policy_version"] for s in timeline]
+    assert versions == sorted(versions) and versions[-1] == 4
+    assert any(s["pools"]["trainer"]["tag"] for s in timeline)

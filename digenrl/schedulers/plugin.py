@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Hashable
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -80,6 +80,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._decisions: dict[Hashable, Any] = {}
         self._to_err: dict[Hashable, str] = {}
         self.warnings: list[str] = []
+        #: Samples of (time, policy version, per-pool busy/TAG workers, held tasks).
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=20_000)
+        self._last_sample = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -90,6 +93,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_end_run": self.end_run,
             "digenrl_state": self.state,
             "digenrl_tasks": self.task_records,
+            "digenrl_timeline": self.timeline_since,
         })
 
     def begin_run(self, run: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +108,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._decisions.clear()
         self._to_err.clear()
         self.warnings = []
+        self.timeline.clear()
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
         return self.state()
@@ -241,6 +246,19 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 failed.append(key)
         for key in failed:
             self.policy.release_failed(key)
+        self._sample()
+
+    def _sample(self, every: float = 0.2) -> None:
+        """Append a timeline sample: at most every ``every`` seconds, and always when a
+        new policy version has been published."""
+        now = time.time()
+        last_version = self.timeline[-1]["policy_version"] if self.timeline else None
+        if now - self._last_sample < every and self.policy.version == last_version:
+            return
+        self._last_sample = now
+        snap = self.policy.snapshot()
+        self.timeline.append({"time": now, "policy_version": snap["policy_version"],
+                              "pools": snap["pools"], "held": snap["held"]})
 
     # ----------------------------------------------------------------- telemetry
 
@@ -255,6 +273,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.records.append({
             "key": str(key),
             "kind": meta["kind"],
+            "gpu": bool(meta.get("gpu")),
             "worker": worker,
             "worker_name": str(ws.name) if ws is not None else worker,
             "pool": self.policy.pool_of(worker) or "",
@@ -284,6 +303,12 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         begin = max(0, start - self.record_offset)
         out = self.records[begin:]
         return {"records": out, "next": self.record_offset + begin + len(out)}
+
+    def timeline_since(self, since: float = 0.0) -> list[dict[str, Any]]:
+        """Utilisation samples after ``since`` (seconds since the epoch): per pool the
+        workers with a GPU task in flight and those doing TAG work, the held tasks by
+        reason, the newest policy version."""
+        return [s for s in self.timeline if s["time"] > since]
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}
