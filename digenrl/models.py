@@ -156,7 +156,7 @@ def predict_velocity(
 ) -> torch.Tensor:
     """v(x, sigma | prompt), with classifier-free guidance when ``guidance_scale > 1``."""
     n = x.shape[0]
-    timestep = torch.full((n,), sigma * 1000.0, dtype=torch.float32)
+    timestep = torch.full((n,), sigma * 1000.0, dtype=torch.float32, device=x.device)
     if guidance_scale > 1.0:
         assert uncond is not None
         ue, up = uncond
@@ -180,4 +180,4 @@ def decode_latents(vae: AutoencoderKL, latents: torch.Tensor):
     shift = getattr(vae.config, "shift_factor", 0.0) or 0.0
     images = vae.decode(latents / scale + shift, return_dict=False)[0]
     images = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return images.permute(0, 2, 3, 1).contiguous().numpy()
+    return images.permute(0, 2, 3, 1).contiguous().cpu().numpy()

@@ -1,91 +1,52 @@
-"""The driver of a run: submit iteration graphs, collect results, append the store.
+"""The Flow-GRPO workload: what ``digenrl run`` computes and writes.
 
-The driver keeps the iterations the schedule may run at once in the scheduler (the
-oldest unfinished one plus ``max_staleness + 1`` more), collects each iteration when its
-optimizer step has published the next version, writes it to the store and submits the
-next. Scheduling itself is the plugin's business.
+:class:`FlowGRPOWorkload` binds the iteration DAG to the real task functions (a
+diffusers model on every worker) and turns each iteration's decoded images, rewards,
+advantages and statistics into the ``samples``, ``steps`` and ``metrics`` rows of the
+store. :class:`Runner` runs it with the generic :class:`~digenrl.driver.Driver`.
 """
 
 from __future__ import annotations
 
 import logging
-import platform
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Hashable
 
 import numpy as np
-from distributed import Future, wait
 
-from digenrl import __version__
-from digenrl.analysis import busy_seconds
 from digenrl.cluster import ClusterHandle, start_cluster
-from digenrl.config import RunConfig, config_to_dict
-from digenrl.graph.build import (GraphContext, IterationGraph, init_graph, iteration_graph,
-                                 optimize_key, publish_key)
+from digenrl.config import ConfigError, RunConfig, config_to_dict
+from digenrl.driver import Driver, IterationSummary, RunResult, library_versions
+from digenrl.graph.build import GraphContext
+from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import draw_prompts, prompt_pool
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
-from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import RunStore
+from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import PolicyWeights
 
-__all__ = ["Runner", "RunResult", "IterationSummary", "library_versions"]
+__all__ = ["FlowGRPOWorkload", "Runner", "RunResult", "IterationSummary", "library_versions"]
 
 logger = logging.getLogger("digenrl")
+Key = Hashable
 
 
-def library_versions() -> dict[str, str]:
-    import dask
-    import diffusers
-    import distributed
-    import torch
-    import xarray
-    import zarr
+class FlowGRPOWorkload:
+    """Flow-GRPO post-training of the configured model."""
 
-    return {"digenrl": __version__, "python": platform.python_version(),
-            "dask": dask.__version__, "distributed": distributed.__version__,
-            "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "zarr": zarr.__version__, "xarray": xarray.__version__, "numpy": np.__version__}
+    collected = ("decode", "reward", "advantage", "stats")
 
-
-@dataclass
-class IterationSummary:
-    iteration: int
-    reward_mean: float
-    reward_std: float
-    loss: float
-    images_per_s: float
-    metrics: dict[str, float]
-
-
-@dataclass
-class RunResult:
-    store: str
-    iterations: list[IterationSummary] = field(default_factory=list)
-    final_weights: PolicyWeights | None = None
-
-
-class Runner:
-    """Runs one configuration to completion, writing ``out``."""
-
-    def __init__(self, config: RunConfig, out: str, *, overwrite: bool = False,
-                 cluster: ClusterHandle | None = None,
-                 on_iteration: Callable[[IterationSummary], None] | None = None):
+    def __init__(self, config: RunConfig):
         self.config = config
-        self.out = out
-        self.overwrite = overwrite
-        self._external_cluster = cluster
-        self.on_iteration = on_iteration
         self.options = config.schedule.options()
         self.ctx = GraphContext.from_config(config)
+        self.layout = self.ctx.layout
+        self.iterations = config.iterations
+        self.images_per_iteration = config.data.samples_per_iteration
         self.pool = prompt_pool(config.data.prompt_set, config.data.prompts)
-        self.run_id = uuid.uuid4().hex[:12]
-
-    # ------------------------------------------------------------------ helpers
+        self.checkpoint_spec: CheckpointSpec | None = None
 
     def plan(self, iteration: int) -> IterationPlan:
         d = self.config.data
@@ -93,140 +54,57 @@ class Runner:
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
                                      self.config.rollout.chunk_size)
 
-    def _check(self, graph: IterationGraph) -> None:
-        """Reject a graph the scheduler would refuse, before submitting it."""
-        for key, meta in graph.meta.items():
-            why = validate_task(TaskInfo.from_meta(key, meta), self.options)
-            if why is not None:
-                raise ValueError(why)
+    def bind(self, nodes, outputs) -> IterationGraph:
+        return bind(nodes, self._binding, outputs)
 
-    def _submit(self, client, graph: IterationGraph, name: str) -> dict[Any, Future]:
-        self._check(graph)
-        futures = client.get(graph.to_hlg(name), graph.output_keys, sync=False)
-        return dict(zip(graph.output_keys, futures))
+    def _binding(self, node):
+        if node.op in ("checkpoint", "restore"):
+            assert self.checkpoint_spec is not None, "prepare() sets the store first"
+            func = save_state if node.op == "checkpoint" else load_state
+            return func, (self.checkpoint_spec,)
+        return self.ctx.binding(node)
 
-    # --------------------------------------------------------------------- run
+    def attrs(self) -> dict[str, Any]:
+        return {"config": config_to_dict(self.config), "derived": self.config.derived(),
+                "workload": "flow-grpo"}
 
-    def run(self) -> RunResult:
+    def check_resume(self, attrs: dict[str, Any]) -> None:
+        """A resumed run must do the same work: only iterations, cluster and store
+        settings may differ from the stored config."""
+        stored = dict(attrs.get("config") or {})
+        now = config_to_dict(self.config)
+        differ = sorted(k for k in set(stored) | set(now)
+                        if k not in ("iterations", "cluster", "store")
+                        and stored.get(k) != now.get(k))
+        if differ:
+            raise ConfigError(f"resume: the config differs from the stored run's in "
+                              f"{differ}; resume with the stored config (only iterations, "
+                              f"cluster and store settings may change)")
+
+    def prepare(self, client, store: RunStore) -> None:
+        self.checkpoint_spec = CheckpointSpec(os.path.abspath(store.path))
         cfg = self.config
-        handle = self._external_cluster or start_cluster(cfg.cluster, pools=self.options.pools)
-        try:
-            return self._run(handle)
-        finally:
-            if self._external_cluster is None:
-                handle.close()
-
-    def _run(self, handle: ClusterHandle) -> RunResult:
-        cfg, opts = self.config, self.options
-        client = handle.client
-        derived = cfg.derived()
-        store = RunStore.create(self.out, {
-            "config": config_to_dict(cfg), "schedule": opts.as_dict(),
-            "versions": library_versions(), "cluster": handle.description,
-            "derived": derived, "run": self.run_id,
-        }, overwrite=self.overwrite)
         store.set_static("steps", "sigma", np.asarray(self.ctx.rollout.sigmas[:-1], np.float64),
                          ("step",))
         client.register_plugin(ResidentPlugin(cfg.model, model_seed(cfg.model, cfg.seed),
                                               cfg.cluster.torch_threads,
-                                              max_versions=opts.max_staleness + 3))
-        client.sync(client.scheduler.digenrl_begin_run, run=self.run_id, options=opts.as_dict())
-        pools = handle.description.get("pools", {})
-        logger.info("run %s: mode %s (gap=%s tsp=%s tag=%s max_staleness=%d), %d iterations",
-                    self.run_id, opts.mode, opts.gap, opts.tsp, opts.tag, opts.max_staleness,
-                    cfg.iterations)
-        logger.info("per iteration: %d images (%d prompts x %d), %d chunks, %d denoise tasks, "
-                    "%d micro-steps (%d trained timesteps of %d)",
-                    derived["images_per_iteration"], cfg.data.prompts_per_iteration,
-                    cfg.data.samples_per_prompt, derived["chunks_per_iteration"],
-                    derived["denoise_tasks_per_iteration"], derived["micro_steps_per_iteration"],
-                    derived["trained_steps"], cfg.sampler.num_steps)
-        logger.info("workers: %s", {p: len(w) for p, w in pools.items() if w})
-        if handle.dashboard_link:
-            logger.info("dashboard: %s", handle.dashboard_link)
+                                              max_versions=self.options.max_staleness + 3))
 
-        result = RunResult(store=self.out)
-        start = time.time()
-        keep: dict[Any, Future] = self._submit(client, init_graph(self.ctx), "init")
-        pending: dict[int, dict[Any, Future]] = {}
-        window = opts.max_staleness + 1
-        next_submit = 0
-        cursor = 0
-        last_done = start
-        recent: list[dict] = []
+    def describe(self) -> list[str]:
+        cfg, d = self.config, self.config.derived()
+        return [f"per iteration: {d['images_per_iteration']} images "
+                f"({cfg.data.prompts_per_iteration} prompts x {cfg.data.samples_per_prompt}), "
+                f"{d['chunks_per_iteration']} chunks, {d['denoise_tasks_per_iteration']} denoise "
+                f"tasks, {d['micro_steps_per_iteration']} micro-steps ({d['trained_steps']} "
+                f"trained timesteps of {cfg.sampler.num_steps})"]
 
-        def submit_upto(limit: int) -> None:
-            nonlocal next_submit
-            while next_submit < min(limit, cfg.iterations):
-                graph = iteration_graph(self.ctx, self.plan(next_submit))
-                futs = self._submit(client, graph, f"iteration-{next_submit}")
-                pending[next_submit] = futs
-                for k, f in futs.items():
-                    if k[0] in ("publish", "optimize"):
-                        keep[k] = f
-                next_submit += 1
-                self._prune(keep, next_submit)
-
-        submit_upto(window + 1)
-        for i in range(cfg.iterations):
-            futs = pending.pop(i)
-            wait(list(futs.values()))
-            errors = [f for f in futs.values() if f.status == "error"]
-            if errors:
-                errors[0].result()  # raises the task's exception
-            wanted = {k: f for k, f in futs.items() if k[0] in _COLLECTED}
-            values = dict(zip(wanted, client.gather(list(wanted.values()))))
-            submit_upto(i + 1 + window + 1)
-            batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)
-            cursor = batch["next"]
-            records = list(batch["records"])
-            done_at = _optimize_stop(records, i) or time.time()
-            recent = [r for r in recent if (r["stop"] or 0.0) > last_done] + records
-            usage = _window_metrics(recent, self._pools(handle), last_done, done_at)
-            summary = self._write_iteration(store, i, values, records, done_at - last_done,
-                                            done_at - start, usage)
-            last_done = done_at
-            result.iterations.append(summary)
-            if self.on_iteration is not None:
-                self.on_iteration(summary)
-            logger.info("iteration %d/%d  reward %.4f +- %.4f  loss %+.3e  %.2f images/s",
-                        i + 1, cfg.iterations, summary.reward_mean, summary.reward_std,
-                        summary.loss, summary.images_per_s)
-            del futs, values
-        final = keep[publish_key(cfg.iterations)]
-        result.final_weights = final.result()
-        self._write_weights(store, result.final_weights)
-        client.sync(client.scheduler.digenrl_end_run, run=self.run_id)
-        return result
-
-    def _prune(self, keep: dict[Any, Future], next_submit: int) -> None:
-        """Drop futures no unsubmitted iteration reads any more."""
-        oldest_version = self.ctx.layout.oldest_version(next_submit)
-        for k in list(keep):
-            if k[0] == "publish" and k[1] < oldest_version and not (
-                    k[1] == 0 and self.config.train.kl_beta > 0):
-                del keep[k]
-            elif k != optimize_key(next_submit - 1) and (
-                    k[0] == "optimize" or k == ("init",)):
-                del keep[k]
-
-    # ------------------------------------------------------------------ store
-
-    def _pools(self, handle: ClusterHandle) -> dict[str, list[str]]:
-        """Worker names by the pool they serve in this run's mode."""
-        pools = handle.description.get("pools", {})
-        if self.options.pools:
-            return {p: list(pools.get(p, [])) for p in (ROLLOUT, TRAINER)}
-        return {COLOCATED: [w for p in (ROLLOUT, TRAINER) for w in pools.get(p, [])]}
-
-    def _write_iteration(self, store: RunStore, i: int, values: dict, records: list[dict],
-                         seconds: float, wall: float,
-                         usage: dict[str, float]) -> IterationSummary:
+    def rows(self, i: int, plan: IterationPlan,
+             values: dict[Key, Any]) -> tuple[dict[str, dict], dict[str, float]]:
         cfg = self.config
-        plan = self.plan(i)
         n = plan.num_samples
-        decoded = [values[("decode", i, c)] for c in range(len(plan.chunks))]
-        rewards = [values[("reward", i, c)] for c in range(len(plan.chunks))]
+        chunks = range(len(plan.chunks))
+        decoded = [values[("decode", i, c)] for c in chunks]
+        rewards = [values[("reward", i, c)] for c in chunks]
         advs = [values[("advantage", i, g)] for g in range(plan.num_groups)]
         stats = values[("stats", i)]
 
@@ -244,8 +122,7 @@ class Runner:
             advantage[list(a.sample_ids)] = a.advantages
         log_prob = np.zeros((n, cfg.sampler.num_steps), np.float32)
         behaviour = np.zeros(n, np.int32)
-        images = None
-        latents = None
+        images = latents = None
         for d in decoded:
             ids = list(d.sample_ids)
             log_prob[ids] = d.log_probs
@@ -262,7 +139,7 @@ class Runner:
         samples = {
             "prompt": np.array([plan.prompts[plan.group_of(s)] for s in range(n)]),
             "group": np.array([plan.group_of(s) for s in range(n)], np.int32),
-            "reward": reward.astype(np.float64),
+            "reward": reward,
             "advantage": advantage,
             "valid": valid,
             "behaviour_version": behaviour,
@@ -291,84 +168,46 @@ class Runner:
             "truncated_fraction": m.truncated / count,
             "staleness_mean": m.staleness_sum / count,
             "grad_norm": stats.grad_norm,
-            "images_per_s": n / seconds if seconds > 0 else float("nan"),
-            "iteration_seconds": seconds,
-            "wall_time": wall,
-            "policy_version": float(stats.version),
             "dropped_samples": float(n - valid.sum()),
-            **usage,
         }
-        problems = [p for r in rewards for p in r.problems]
-        for p in problems:
+        for p in (p for r in rewards for p in r.problems):
             logger.warning("iteration %d: %s", i, p)
-        store.append_iteration({
-            "samples": samples,
-            "steps": steps,
-            "metrics": {k: np.asarray(v, np.float64) for k, v in metrics.items()},
-            "tasks": _task_columns(records),
-        })
-        return IterationSummary(i, metrics["reward_mean"], metrics["reward_std"],
-                                metrics["loss"], metrics["images_per_s"], metrics)
+        return {"samples": samples, "steps": steps}, metrics
 
-    def _write_weights(self, store: RunStore, weights: PolicyWeights) -> None:
+    def finish(self, client, store: RunStore, final_weights) -> PolicyWeights:
+        weights = final_weights.result()
         grp = store.root.require_group("weights")
         for name, t in weights.tensors.items():
             arr = t.detach().cpu().numpy()
             grp.create_array(name, shape=arr.shape, dtype=arr.dtype)[...] = arr
         grp.attrs["policy_version"] = weights.version
         store.commit()
+        return weights
 
 
-#: Task kinds whose results the driver gathers (the others stay on the workers).
-_COLLECTED = ("decode", "reward", "advantage", "stats")
+class Runner:
+    """Runs one configuration to completion, writing ``out`` (starting the cluster the
+    config describes unless one is given)."""
 
-_TASK_COLUMNS = {
-    "key": str, "kind": str, "gpu": bool, "worker": str, "worker_name": str, "pool": str,
-    "start": np.float64, "stop": np.float64, "iteration": np.int32,
-    "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
-    "ready": np.float64, "released": np.float64, "finished": np.float64, "tag": bool,
-    "stolen": bool,
-    "nbytes": np.int64,
-}
+    def __init__(self, config: RunConfig, out: str, *, overwrite: bool = False,
+                 resume: bool = False, cluster: ClusterHandle | None = None,
+                 on_iteration: Callable[[IterationSummary], None] | None = None):
+        self.config = config
+        self.out = out
+        self.overwrite = overwrite
+        self.resume = resume
+        self.cluster = cluster
+        self.on_iteration = on_iteration
+        self.workload = FlowGRPOWorkload(config)
 
-
-def _task_columns(records: list[dict]) -> dict[str, np.ndarray]:
-    out = {}
-    for name, dtype in _TASK_COLUMNS.items():
-        vals = [r.get(name) for r in records]
-        if dtype in (np.float64,):
-            vals = [np.nan if v is None else v for v in vals]
-        out[name] = np.asarray(vals, dtype=dtype) if records else np.zeros(0, dtype)
-    return out
-
-
-def _window_metrics(records: list[dict], pools: dict[str, list[str]], t0: float,
-                    t1: float) -> dict[str, float]:
-    """Per-pool GPU utilisation, TAG GPU-seconds and the mean wait of GPU tasks from
-    ready to released, over the iteration's window ``[t0, t1]``."""
-    import pandas as pd
-
-    out = {f"utilisation_{p}": float("nan") for p in (ROLLOUT, TRAINER, COLOCATED)}
-    out.update({"tag_seconds": 0.0, "gpu_wait_mean": float("nan")})
-    if not records or t1 <= t0:
-        return out
-    df = pd.DataFrame(records).dropna(subset=["start", "stop"])
-    busy = busy_seconds(df, t0, t1)
-    for pool, names in pools.items():
-        if names:
-            out[f"utilisation_{pool}"] = sum(busy.get(w, 0.0) for w in names) / (
-                len(names) * (t1 - t0))
-    tag = df[df["tag"]]
-    out["tag_seconds"] = float(np.clip(np.minimum(tag["stop"], t1) - np.maximum(tag["start"], t0),
-                                       0, None).sum())
-    gpu = df[df["gpu"] & (df["finished"] > t0) & (df["finished"] <= t1)]
-    if len(gpu):
-        out["gpu_wait_mean"] = float((gpu["released"] - gpu["ready"]).mean())
-    return out
-
-
-def _optimize_stop(records: list[dict], iteration: int) -> float | None:
-    for r in records:
-        if r["kind"] == "optimize" and r["iteration"] == iteration and r["stop"]:
-            return float(r["stop"])
-    return None
+    def run(self) -> RunResult:
+        handle = self.cluster or start_cluster(self.config.cluster,
+                                               pools=self.workload.options.pools)
+        try:
+            result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
+                            resume=self.resume, on_iteration=self.on_iteration).run()
+        finally:
+            if self.cluster is None:
+                handle.close()
+        result.final_weights = result.final
+        return result

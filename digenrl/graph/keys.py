@@ -17,13 +17,14 @@ __all__ = ["KINDS", "KIND_POOL", "GPU_KINDS", "task_meta", "ANNOTATION"]
 ANNOTATION = "digenrl"
 
 KINDS = ("init", "noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
-         "optimize", PUBLISH_KIND, "stats")
+         "optimize", PUBLISH_KIND, "stats", "checkpoint", "restore")
 
 #: The pool each kind belongs to in the disaggregated modes.
 KIND_POOL = {
     "noise": ROLLOUT, "denoise": ROLLOUT, "decode": ROLLOUT, "reward": ROLLOUT,
     "init": TRAINER, "advantage": TRAINER, "grad": TRAINER, "reduce": TRAINER,
     "optimize": TRAINER, PUBLISH_KIND: TRAINER, "stats": TRAINER,
+    "checkpoint": TRAINER, "restore": TRAINER,
 }
 
 #: Kinds that occupy a GPU slot (a ``reward`` does too when a reward needs the GPU).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 __all__ = ["IterationPlan"]
@@ -59,5 +60,17 @@ class IterationPlan:
         return sorted({self.group_of(s) for s in self.sample_ids(chunk)})
 
     def chunks_of_group(self, group: int) -> list[int]:
-        ids = set(self.group_sample_ids(group))
-        return [c for c in range(len(self.chunks)) if ids & set(self.sample_ids(c))]
+        """The chunks holding any sample of ``group`` (chunks are consecutive ranges)."""
+        a = group * self.samples_per_prompt
+        b = a + self.samples_per_prompt
+        starts = [c[0] for c in self.chunks] if len(self.chunks) < 64 else self._starts()
+        first = bisect.bisect_right(starts, a) - 1
+        last = bisect.bisect_left(starts, b) - 1
+        return list(range(first, last + 1))
+
+    def _starts(self) -> list[int]:
+        cache = self.__dict__.get("_chunk_starts")
+        if cache is None:
+            cache = [c[0] for c in self.chunks]
+            object.__setattr__(self, "_chunk_starts", cache)
+        return cache

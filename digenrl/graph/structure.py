@@ -25,8 +25,9 @@ from digenrl.graph.keys import task_meta
 from digenrl.graph.plan import IterationPlan
 from digenrl.schedulers.options import PUBLISH_KIND
 
-__all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "publish_key",
-           "optimize_key", "rollout_version", "INIT_KEY"]
+__all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
+           "train_nodes", "tail_nodes", "restore_nodes", "publish_key", "optimize_key",
+           "restore_key", "checkpoint_key", "rollout_version", "reduce_root_key", "INIT_KEY"]
 
 Key = Hashable
 INIT_KEY: Key = ("init",)
@@ -38,6 +39,15 @@ def publish_key(version: int) -> Key:
 
 def optimize_key(iteration: int) -> Key:
     return INIT_KEY if iteration < 0 else ("optimize", iteration)
+
+
+def restore_key(version: int) -> Key:
+    """The trainer state of ``version`` read back from its checkpoint."""
+    return ("restore", version)
+
+
+def checkpoint_key(version: int) -> Key:
+    return ("checkpoint", version)
 
 
 def rollout_version(iteration: int, version_lag: int) -> int:
@@ -60,7 +70,21 @@ class Node:
 
     @property
     def deps(self) -> list[Key]:
-        return [a.key for a in self.args if isinstance(a, Dep)]
+        cached = self.__dict__.get("_deps")
+        if cached is None:
+            cached = [a.key for a in self.args if isinstance(a, Dep)]
+            object.__setattr__(self, "_deps", cached)
+        return cached
+
+
+def reduce_root_key(iteration: int, leaves: int, fanin: int) -> Key:
+    """The key of the reduction tree's root over ``leaves`` micro-steps."""
+    level, n = 0, leaves
+    while True:
+        n = -(-n // fanin)
+        if n == 1:
+            return ("reduce", iteration, level, 0)
+        level += 1
 
 
 @dataclass(frozen=True)
@@ -91,58 +115,89 @@ class GraphLayout:
         return rollout_version(iteration, self.version_lag)
 
 
-def init_nodes() -> list[Node]:
-    """Version 0: the initial trainer state and its published weights."""
-    return [Node(INIT_KEY, "init", task_meta("init", -1, 0), ()),
-            Node(publish_key(0), "publish", task_meta(PUBLISH_KIND, -1, 0), (Dep(INIT_KEY),))]
+def init_nodes(checkpoint: bool = False) -> list[Node]:
+    """Version 0: the initial trainer state and its published weights (and, for runs
+    that checkpoint, its checkpoint)."""
+    nodes = [Node(INIT_KEY, "init", task_meta("init", -1, 0), ()),
+             Node(publish_key(0), "publish", task_meta(PUBLISH_KIND, -1, 0), (Dep(INIT_KEY),))]
+    if checkpoint:
+        nodes.append(Node(checkpoint_key(0), "checkpoint", task_meta("checkpoint", -1, 0),
+                          (0, Dep(INIT_KEY))))
+    return nodes
+
+
+def restore_nodes(version: int, publish: bool = False) -> list[Node]:
+    """Read version ``version``'s state back from its checkpoint (a task with no inputs:
+    lineage ends there), and optionally publish its weights from it (resuming a run)."""
+    nodes = [Node(restore_key(version), "restore",
+                  task_meta("restore", version - 1, version), (version,))]
+    if publish:
+        nodes.append(Node(publish_key(version), "publish",
+                          task_meta(PUBLISH_KIND, version - 1, version),
+                          (Dep(restore_key(version)),)))
+    return nodes
 
 
 def iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """The DAG of iteration ``plan.iteration``. Its external inputs are the published
-    weights of the versions it reads and the previous optimizer state."""
-    return list(_iteration_nodes(layout, plan))
+    """The whole DAG of iteration ``plan.iteration``, its optimizer step reading the
+    previous iteration's state directly (as the simulator runs it)."""
+    return (rollout_nodes(layout, plan) + train_nodes(layout, plan)
+            + tail_nodes(layout, plan, optimize_key(plan.iteration - 1)))
 
 
-def _iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> Iterator[Node]:
+def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """noise -> denoise chain -> decode -> reward, per chunk. External inputs: the
+    published weights of the versions the chunks read."""
     i = plan.iteration
-    tv = i
-    n_chunks = len(plan.chunks)
-    versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
-
-    # Rollout: one chain of denoise steps per chunk, then decode and reward.
-    chains: dict[int, list[Key]] = {}
-    for c in range(n_chunks):
-        rv = versions[c]
+    out = []
+    for c in range(len(plan.chunks)):
+        rv = layout.chunk_version(plan, c)
         ids = plan.sample_ids(c)
         prompts = plan.chunk_prompts(c)
         common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
         prev: Key = ("noise", i, c)
-        yield Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids))
+        out.append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids)))
         chain = [prev]
         for t in range(layout.num_steps):
             key = ("denoise", i, c, t)
-            yield Node(key, "denoise", task_meta("denoise", i, rv, timestep=t, **common),
-                       (Dep(publish_key(rv)), prompts, i, t, Dep(prev)))
+            out.append(Node(key, "denoise", task_meta("denoise", i, rv, timestep=t, **common),
+                            (Dep(publish_key(rv)), prompts, i, t, Dep(prev))))
             chain.append(key)
             prev = key
-        chains[c] = chain
-        yield Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
-                   tuple(Dep(k) for k in chain))
-        yield Node(("reward", i, c), "reward",
-                   task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
-                   (prompts, Dep(("decode", i, c))))
+        out.append(Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
+                        tuple(Dep(k) for k in chain)))
+        out.append(Node(("reward", i, c), "reward",
+                        task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
+                        (prompts, Dep(("decode", i, c)))))
+    return out
 
-    # Advantages per prompt group.
+
+def chain_keys_trained(layout: GraphLayout, plan: IterationPlan) -> list[Key]:
+    """The rollout keys the micro-steps read (latents before and after each trained step)."""
+    i = plan.iteration
+    keys = []
+    for c in range(len(plan.chunks)):
+        keys.append(("noise", i, c))
+        keys += [("denoise", i, c, t) for t in range(layout.trained_steps)]
+    return keys
+
+
+def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """advantage per group, grad per chunk and trained timestep, the reduction tree.
+    External inputs: rewards and latents of the rollout, the weights of version i."""
+    i = plan.iteration
+    tv = i
+    n_chunks = len(plan.chunks)
+    versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
+    out = []
     for grp in range(plan.num_groups):
         chunks = range(n_chunks) if layout.advantage_std == "batch" else plan.chunks_of_group(grp)
         bv = min(versions[c] for c in plan.chunks_of_group(grp))
-        yield Node(("advantage", i, grp), "advantage",
-                   task_meta("advantage", i, tv, group=grp, behaviour_version=bv,
-                             samples=plan.samples_per_prompt),
-                   (grp, plan.group_sample_ids(grp), layout.advantage_std,
-                    layout.advantage_clip, *(Dep(("reward", i, c)) for c in chunks)))
-
-    # Micro-steps: one per chunk and trained timestep, in (chunk, t) order.
+        out.append(Node(("advantage", i, grp), "advantage",
+                        task_meta("advantage", i, tv, group=grp, behaviour_version=bv,
+                                  samples=plan.samples_per_prompt),
+                        (grp, plan.group_sample_ids(grp), layout.advantage_std,
+                         layout.advantage_clip, *(Dep(("reward", i, c)) for c in chunks))))
     reference = Dep(publish_key(0)) if layout.kl else None
     leaves: list[Key] = []
     for c in range(n_chunks):
@@ -150,14 +205,14 @@ def _iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> Iterator[Node]
         for t in range(layout.trained_steps):
             key = ("grad", i, c, t)
             leaves.append(key)
-            yield Node(key, "grad",
-                       task_meta("grad", i, tv, timestep=t, chunk=c, group=groups[0],
-                                 behaviour_version=versions[c],
-                                 samples=len(plan.sample_ids(c))),
-                       (Dep(publish_key(tv)), reference, plan.chunk_prompts(c), t,
-                        Dep(chains[c][t]), Dep(chains[c][t + 1]),
-                        *(Dep(("advantage", i, grp)) for grp in groups)))
-
+            before = ("noise", i, c) if t == 0 else ("denoise", i, c, t - 1)
+            out.append(Node(key, "grad",
+                            task_meta("grad", i, tv, timestep=t, chunk=c, group=groups[0],
+                                      behaviour_version=versions[c],
+                                      samples=len(plan.sample_ids(c))),
+                            (Dep(publish_key(tv)), reference, plan.chunk_prompts(c), t,
+                             Dep(before), Dep(("denoise", i, c, t)),
+                             *(Dep(("advantage", i, grp)) for grp in groups))))
     # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
     fanin = layout.reduce_fanin
     level, nodes = 0, leaves
@@ -166,14 +221,31 @@ def _iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> Iterator[Node]
         for j in range(0, len(nodes), fanin):
             key = ("reduce", i, level, j // fanin)
             parents.append(key)
-            yield Node(key, "reduce", task_meta("reduce", i, tv),
-                       tuple(Dep(k) for k in nodes[j:j + fanin]))
+            out.append(Node(key, "reduce", task_meta("reduce", i, tv),
+                            tuple(Dep(k) for k in nodes[j:j + fanin])))
         nodes, level = parents, level + 1
         if len(nodes) == 1:
             break
+    return out
 
-    yield Node(("optimize", i), "optimize", task_meta("optimize", i, tv),
-               (Dep(optimize_key(i - 1)), Dep(nodes[0]), i))
-    yield Node(publish_key(tv + 1), "publish", task_meta(PUBLISH_KIND, i, tv + 1),
-               (Dep(("optimize", i)),))
-    yield Node(("stats", i), "stats", task_meta("stats", i, tv), (Dep(("optimize", i)),))
+
+def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
+               checkpoint: bool = False) -> list[Node]:
+    """The optimizer step from trainer state ``state`` (the previous optimize, or its
+    checkpoint read back) and the reduced gradient; it publishes version i + 1."""
+    i = plan.iteration
+    root = reduce_root_key(i, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
+    out = []
+    if state == restore_key(i):
+        out += restore_nodes(i)
+    out += [
+        Node(("optimize", i), "optimize", task_meta("optimize", i, i),
+             (Dep(state), Dep(root), i)),
+        Node(publish_key(i + 1), "publish", task_meta(PUBLISH_KIND, i, i + 1),
+             (Dep(("optimize", i)),)),
+        Node(("stats", i), "stats", task_meta("stats", i, i), (Dep(("optimize", i)),)),
+    ]
+    if checkpoint:
+        out.append(Node(checkpoint_key(i + 1), "checkpoint",
+                        task_meta("checkpoint", i, i + 1), (i + 1, Dep(("optimize", i)))))
+    return out

@@ -34,6 +34,9 @@ class ResidentModels:
 
     def __init__(self, cfg: ModelConfig, seed: int, max_versions: int = 4):
         self.cfg, self.seed, self.max_versions = cfg, seed, max_versions
+        #: Where this worker computes: its GPU when it has one (dask-cuda gives each
+        #: worker one visible device), else the CPU. Task outputs always return to CPU.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._lock = threading.RLock()
         self._versions: OrderedDict[int, torch.nn.Module] = OrderedDict()
         self._vae = None
@@ -44,7 +47,7 @@ class ResidentModels:
     def vae(self):
         with self._lock:
             if self._vae is None:
-                self._vae = build_vae(self.cfg, self.seed)
+                self._vae = build_vae(self.cfg, self.seed).to(self.device)
             return self._vae
 
     @property
@@ -64,11 +67,20 @@ class ResidentModels:
             if len(self._versions) >= self.max_versions:
                 _, module = self._versions.popitem(last=False)
             else:
-                module = build_transformer(self.cfg, self.seed)
+                module = build_transformer(self.cfg, self.seed).to(self.device)
             module.load_state_dict(weights.tensors, strict=False)
             self._versions[weights.version] = module
             self.loads += 1
             return module
+
+    def conditioning(self, prompts, guidance_scale: float):
+        """Prompt embeddings (and the unconditional ones with guidance) on the device."""
+        embeds, pooled = self.encoder.encode(prompts)
+        uncond = None
+        if guidance_scale > 1.0:
+            ue, up = self.encoder.encode([""])
+            uncond = (ue.to(self.device), up.to(self.device))
+        return embeds.to(self.device), pooled.to(self.device), uncond
 
     def resident_versions(self) -> list[int]:
         with self._lock:

@@ -52,28 +52,24 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...]) -> Lat
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows))
 
 
-def _conditioning(models, prompts, guidance_scale):
-    embeds, pooled = models.encoder.encode(prompts)
-    uncond = models.encoder.encode([""]) if guidance_scale > 1.0 else None
-    return embeds, pooled, uncond
-
-
 def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
             iteration: int, t: int, previous: Latents | StepOut) -> StepOut:
     """One SDE step of a chunk under policy ``weights``: x_t -> x_{t+1} and its log-prob."""
     models = resident(spec.model, spec.model_seed)
-    x = previous.x if isinstance(previous, Latents) else previous.latent
+    dev = models.device
+    x = (previous.x if isinstance(previous, Latents) else previous.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
     with torch.no_grad():
         model = models.policy(weights)
-        embeds, pooled, uncond = _conditioning(models, prompts, spec.sampler.guidance_scale)
+        embeds, pooled, uncond = models.conditioning(prompts, spec.sampler.guidance_scale)
         v = predict_velocity(model, x, sigma, embeds, pooled, spec.sampler.guidance_scale,
                              uncond)
+        # Drawn on the CPU from per-sample seeds: the same numbers on any device.
         eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, "sde", iteration, s, t)
-                           for s in previous.sample_ids])
+                           for s in previous.sample_ids]).to(dev)
         step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
-    return StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent,
-                   log_prob=step.log_prob, version=weights.version)
+    return StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
+                   log_prob=step.log_prob.cpu(), version=weights.version)
 
 
 def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
@@ -81,7 +77,7 @@ def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
     models = resident(spec.model, spec.model_seed)
     steps = sorted(steps, key=lambda s: s.timestep)
     assert [s.timestep for s in steps] == list(range(len(steps))), "missing steps"
-    images = decode_latents(models.vae, steps[-1].latent)
+    images = decode_latents(models.vae, steps[-1].latent.to(models.device))
     log_probs = torch.stack([s.log_prob for s in steps], dim=1).numpy().astype(np.float32)
     latents = None
     if spec.save_latents:

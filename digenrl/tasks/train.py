@@ -106,16 +106,18 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     """One micro-step: the gradient of the loss of one chunk at one timestep."""
     cfg, tc = spec.sampler, spec.train
     models = resident(spec.model, spec.seed)
+    dev = models.device
     model = models.policy(weights)
-    x = before.x if isinstance(before, Latents) else before.latent
+    x = (before.x if isinstance(before, Latents) else before.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
-    embeds, pooled = models.encoder.encode(prompts)
-    uncond = models.encoder.encode([""]) if cfg.guidance_scale > 1.0 else None
+    embeds, pooled, uncond = models.conditioning(prompts, cfg.guidance_scale)
     adv, valid = _chunk_advantages(after.sample_ids, advantages)
+    adv, valid = adv.to(dev), valid.to(dev)
+    next_latent = after.latent.to(dev)
 
     v = predict_velocity(model, x, sigma, embeds, pooled, cfg.guidance_scale, uncond)
-    step = sde_step(x, v, sigma, sigma_next, cfg.noise_level, next_latent=after.latent)
-    logp, logp_b = step.log_prob, after.log_prob
+    step = sde_step(x, v, sigma, sigma_next, cfg.noise_level, next_latent=next_latent)
+    logp, logp_b = step.log_prob, after.log_prob.to(dev)
     per_sample, ratio, weight, truncated = policy_loss(
         logp, logp_b, adv, tc.clip_range, tc.off_policy_correction, tc.importance_weight_cap)
     kl = torch.zeros_like(per_sample)
@@ -125,14 +127,14 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
             v_ref = predict_velocity(models.policy(reference), x, sigma, embeds, pooled,
                                      cfg.guidance_scale, uncond)
             mean_ref = sde_step(x, v_ref, sigma, sigma_next, cfg.noise_level,
-                                next_latent=after.latent).mean
+                                next_latent=next_latent).mean
         kl = ((step.mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) \
             / (2.0 * step.scale ** 2)
     mask = valid.to(torch.float32)
     total = ((per_sample + tc.kl_beta * kl) * mask).sum() / spec.normaliser
     params = dict(model.named_parameters())
     grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-    grads = {n: (g if g is not None else torch.zeros_like(p)).detach()
+    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().cpu()
              for (n, p), g in zip(params.items(), grads)}
 
     staleness = weights.version - after.version

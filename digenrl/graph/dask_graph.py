@@ -1,0 +1,73 @@
+"""Nodes of :mod:`digenrl.graph.structure` as a Dask graph (no task code imported here).
+
+``bind`` turns each node into a ``Task`` calling what a binding function says for its
+op; ``IterationGraph.to_hlg`` makes one HighLevelGraph layer whose per-key annotations
+(the ``digenrl`` annotation and the ``GPU`` resource) are looked up in plain dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from digenrl.graph.keys import ANNOTATION
+from digenrl.graph.plan import IterationPlan
+from digenrl.graph.structure import INIT_KEY, Dep, Node, optimize_key, publish_key
+
+__all__ = ["IterationGraph", "bind", "init_outputs", "iteration_outputs"]
+
+Key = Hashable
+#: op -> (function, leading arguments)
+Binding = Callable[[Node], tuple[Callable, tuple]]
+
+
+@dataclass
+class IterationGraph:
+    """Tasks, their annotations and the keys the driver collects."""
+
+    tasks: dict[Key, Task] = field(default_factory=dict)
+    meta: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    outputs: dict[str, list[Key]] = field(default_factory=dict)
+
+    @property
+    def output_keys(self) -> list[Key]:
+        return [k for keys in self.outputs.values() for k in keys]
+
+    def resources(self) -> dict[Key, dict[str, float]]:
+        return {k: {"GPU": 1} for k, m in self.meta.items() if m["gpu"]}
+
+    def to_hlg(self, name: str) -> HighLevelGraph:
+        layer = MaterializedLayer(dict(self.tasks), annotations={
+            ANNOTATION: dict(self.meta).get,
+            "resources": self.resources().get,
+        })
+        return HighLevelGraph({name: layer}, {name: set()})
+
+
+def bind(nodes: Sequence[Node], binding: Binding, outputs: dict[str, list[Key]]) -> IterationGraph:
+    g = IterationGraph(outputs=outputs)
+    for node in nodes:
+        func, lead = binding(node)
+        args = [TaskRef(a.key) if isinstance(a, Dep) else a for a in node.args]
+        g.tasks[node.key] = Task(node.key, func, *lead, *args)
+        g.meta[node.key] = node.meta
+    return g
+
+
+def init_outputs() -> dict[str, list[Key]]:
+    return {"publish": [publish_key(0)], "state": [INIT_KEY]}
+
+
+def iteration_outputs(plan: IterationPlan) -> dict[str, list[Key]]:
+    i, n_chunks = plan.iteration, len(plan.chunks)
+    return {
+        "decode": [("decode", i, c) for c in range(n_chunks)],
+        "reward": [("reward", i, c) for c in range(n_chunks)],
+        "advantage": [("advantage", i, grp) for grp in range(plan.num_groups)],
+        "stats": [("stats", i)],
+        "state": [optimize_key(i)],
+        "publish": [publish_key(i + 1)],
+    }
