@@ -2,8 +2,8 @@
 pool utilisation and idle time ("bubbles").
 
 The measured window runs from the end of iteration ``skip - 1`` (its optimizer step) to
-the end of the last iteration, so start-up (worker warm-up, the first version) is left
-out. The ideal bound is the total GPU work done in that window divided by the number of
+the end of iteration ``n - 1 - drain``, so start-up (worker warm-up, the first version)
+and, with ``drain``, the run's last iteration are left out. The ideal bound is the total GPU work done in that window divided by the number of
 GPU slots: a pipeline with no idle time at all.
 """
 
@@ -14,7 +14,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-__all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline", "GPU_KINDS"]
+__all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline", "GPU_KINDS",
+           "dispatch_overhead"]
 
 #: Kinds that hold a GPU slot (a reward does too when its reward needs the GPU).
 GPU_KINDS = ("denoise", "decode", "grad", "optimize")
@@ -59,37 +60,81 @@ class WindowStats:
 
 
 def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration: int,
-                 skip: int = 1) -> WindowStats:
+                 skip: int = 1, *, drain: int = 0, time_scale: float = 1.0,
+                 speeds: Mapping[str, float] | None = None,
+                 ideal_images_per_s: float | None = None) -> WindowStats:
     """Throughput and utilisation of a run from its tasks table (a DataFrame).
 
-    ``pools`` maps pool name -> worker names (from the store's cluster description).
+    ``pools`` maps pool name -> worker names (from the store's cluster description);
+    ``speeds`` worker name -> relative speed (1 when absent): a busy second of a worker
+    of speed ``s`` is ``s`` seconds of speed-1 GPU work, and the ideal bound divides the
+    work by the sum of the speeds. Emulated runs pass their ``time_scale`` (figures are
+    then in the profile's time) and the profile's own ideal bound.
     """
+    speeds = speeds or {}
     opt = tasks[tasks["kind"] == "optimize"].sort_values("iteration")
     ends = opt.groupby("iteration")["stop"].max()
     its = sorted(int(i) for i in ends.index)
-    if len(its) <= skip:
-        raise ValueError(f"skip: expected fewer than the {len(its)} finished iterations, "
-                         f"got {skip}")
-    t0, t1 = float(ends[its[skip - 1]]) if skip else float(tasks["start"].min()), float(ends[its[-1]])
+    if len(its) <= skip + drain:
+        raise ValueError(f"skip + drain: expected fewer than the {len(its)} finished "
+                         f"iterations, got {skip} + {drain}")
+    its = its[:len(its) - drain]
+    t0 = float(ends[its[skip - 1]]) if skip else float(tasks["start"].min())
+    t1 = float(ends[its[-1]])
     n_it = len(its) - skip
-    seconds = t1 - t0
-    busy = busy_seconds(tasks, t0, t1)
+    seconds = (t1 - t0) / time_scale
+    busy = {w: b / time_scale for w, b in busy_seconds(tasks, t0, t1).items()}
     workers = {p: [str(w) for w in ws] for p, ws in pools.items() if ws}
-    gpus = sum(len(ws) for ws in workers.values())
-    work = sum(busy.values())
+    all_workers = [w for ws in workers.values() for w in ws]
+    gpus = len(all_workers)
+    capacity = sum(speeds.get(w, 1.0) for w in all_workers)
+    work = sum(b * speeds.get(w, 1.0) for w, b in busy.items())
     images = images_per_iteration * n_it
-    ideal = images / (work / gpus) if work > 0 else float("nan")
+    ideal = ideal_images_per_s or (images / (work / capacity) if work > 0 else float("nan"))
     util, idle = {}, {}
     for pool, ws in workers.items():
         b = sum(busy.get(w, 0.0) for w in ws)
         util[pool] = b / (len(ws) * seconds)
         idle[pool] = len(ws) * seconds - b
     tag = tasks[tasks["tag"]] if "tag" in tasks else tasks.iloc[:0]
-    tag_s = float(_overlap(tag["start"].to_numpy(), tag["stop"].to_numpy(), t0, t1).sum())
+    tag_s = float(_overlap(tag["start"].to_numpy(), tag["stop"].to_numpy(), t0, t1).sum()) / time_scale
     return WindowStats(iterations=n_it, seconds=seconds, images=images,
                        images_per_s=images / seconds, gpus=gpus, gpu_work_s=work,
                        ideal_images_per_s=ideal, ideal_fraction=(images / seconds) / ideal,
                        utilisation=util, idle_s=idle, tag_s=tag_s)
+
+
+def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -> dict[str, float]:
+    """What scheduling costs each GPU task in GPU time, measured (wall-clock ms, means).
+
+    ``overhead``: the time a GPU stayed idle before the task although the task could
+    have run -- from the later of the worker finishing its previous GPU task and the
+    task becoming eligible (inputs done, past every hold of the policy) until its start.
+    It covers the scheduler hearing that the worker is free, deciding, the message to
+    the worker, fetching inputs and the worker picking the task up; work queued on the
+    worker (a second slot) hides most of it. Also reported: ``notify`` (task stop to the
+    scheduler handling its completion) and ``denoise`` (mean denoise task duration).
+    """
+    g = tasks[tasks["gpu"]] if "gpu" in tasks else tasks[tasks["kind"].isin(GPU_KINDS)]
+    g = g.sort_values(["worker_name", "start"])
+    prev_stop = g.groupby("worker_name")["stop"].shift(1).fillna(-np.inf).to_numpy()
+    eligible = g["eligible"].to_numpy() if "eligible" in g else g["released"].to_numpy()
+    could_start = np.maximum(eligible, prev_stop)
+    idle = np.clip(g["start"].to_numpy() - could_start, 0.0, None)
+    notify = g["finished"].to_numpy() - g["stop"].to_numpy()
+    mask = np.ones(len(g), bool)
+    if t0 is not None:
+        mask &= g["stop"].to_numpy() > t0
+    if t1 is not None:
+        mask &= g["stop"].to_numpy() <= t1
+    den = g[mask & (g["kind"] == "denoise").to_numpy()]
+    nan = float("nan")
+    return {
+        "tasks": int(mask.sum()),
+        "overhead_ms": float(np.mean(idle[mask]) * 1000) if mask.any() else nan,
+        "notify_ms": float(np.mean(notify[mask]) * 1000) if mask.any() else nan,
+        "denoise_ms": float((den["stop"] - den["start"]).mean() * 1000) if len(den) else nan,
+    }
 
 
 def utilisation_timeline(tasks, pools: Mapping[str, Iterable[str]], bins: int = 100):

@@ -1,30 +1,34 @@
 """``digenrl bench``: every mode and ablation on the same work and cluster, in one go.
 
-Each variant is the base config with a few schedule switches changed; all run on the
-one cluster the benchmark starts, one after another, and are measured over the same
-window (after the first iteration, which includes start-up). The table gives images/s,
+Each variant is the base work with some schedule switches changed; all run on the one
+cluster the benchmark starts, one after another, and are measured over the same window
+(after the first iteration, which includes start-up). The table gives images/s,
 images/GPU/s, the fraction of the ideal bound (GPU work / GPU slots), utilisation and
-idle GPU-seconds per pool, and each variant's ratio to the others.
+idle GPU-seconds per pool, the Dask overhead per task, and each variant's throughput
+ratio to the others. With ``--emulate PROFILE`` the work is a cost profile's, on
+emulated GPUs (figures are then in the profile's time, not the emulator's).
 """
 
 from __future__ import annotations
 
 import csv
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from digenrl.analysis import WindowStats, window_stats
-from digenrl.config import RunConfig, apply_overrides, config_from_dict, config_to_dict
+from digenrl.analysis import WindowStats, dispatch_overhead, window_stats
+from digenrl.config import (ConfigError, RunConfig, ScheduleConfig, apply_overrides,
+                            config_from_dict, config_to_dict)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
 from digenrl.store import open_run
 
-__all__ = ["VARIANTS", "BenchResult", "run_bench", "format_table", "measure_store"]
+__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "BenchResult", "bench_config", "bench_profile",
+           "format_table", "measure_store"]
 
 logger = logging.getLogger("digenrl")
 
-#: Named variants: schedule overrides on top of the base config.
+#: Named variants: schedule overrides on top of the base work.
 VARIANTS: dict[str, dict[str, Any]] = {
     "colocated": {"schedule.mode": "colocated"},
     "disaggregated": {"schedule.mode": "disaggregated"},
@@ -48,66 +52,146 @@ class BenchResult:
     overrides: dict[str, Any]
     stats: WindowStats
     store: str
+    overhead: dict[str, float] = field(default_factory=dict)
 
 
-def measure_store(path: str | Path, skip: int = 1) -> WindowStats:
-    """The window statistics of a finished run's store."""
-    ds = open_run(path)
-    attrs = ds["tasks"].attrs["digenrl"]
+def _pools_of(attrs: Mapping[str, Any]) -> dict[str, list[str]]:
     pools = attrs["cluster"]["pools"]
     if attrs["schedule"]["pools"]:
-        by_pool = {ROLLOUT: pools.get(ROLLOUT, []), TRAINER: pools.get(TRAINER, [])}
-    else:
-        by_pool = {COLOCATED: pools.get(ROLLOUT, []) + pools.get(TRAINER, [])}
+        return {ROLLOUT: list(pools.get(ROLLOUT, [])), TRAINER: list(pools.get(TRAINER, []))}
+    return {COLOCATED: list(pools.get(ROLLOUT, [])) + list(pools.get(TRAINER, []))}
+
+
+def measure_store(path: str | Path, skip: int = 1,
+                  drain: int = 0) -> tuple[WindowStats, dict[str, float]]:
+    """Window statistics and Dask overhead of a finished run's store."""
+    ds = open_run(path)
+    attrs = ds["tasks"].attrs["digenrl"]
     tasks = ds["tasks"].to_dataframe()
-    return window_stats(tasks, by_pool, attrs["derived"]["images_per_iteration"], skip)
+    pool_names = attrs["cluster"]["pools"]
+    speeds = {}
+    for pool, speed in (attrs["cluster"].get("speeds") or {}).items():
+        for w in pool_names.get(pool, []):
+            speeds[str(w)] = float(speed)
+    scale = float(attrs.get("time_scale", 1.0))
+    ideal = None
+    if attrs.get("workload") == "emulated":
+        capacity = sum(speeds.get(str(w), 1.0) for ws in pool_names.values() for w in ws
+                       if ws is not None)
+        ideal = attrs["derived"]["images_per_iteration"] / (
+            attrs["derived"]["gpu_seconds_per_iteration"] / capacity)
+    stats = window_stats(tasks, _pools_of(attrs), attrs["derived"]["images_per_iteration"],
+                         skip, drain=drain, time_scale=scale, speeds=speeds,
+                         ideal_images_per_s=ideal)
+    return stats, dispatch_overhead(tasks)
 
 
-def run_bench(base: RunConfig, variants: Sequence[str], out_dir: str | Path, *,
-              cluster=None, skip: int = 1,
-              extra: Mapping[str, Mapping[str, Any]] | None = None) -> list[BenchResult]:
-    """Run ``variants`` of ``base`` on one cluster; stores go to ``out_dir``."""
-    from digenrl.cluster import start_cluster
-    from digenrl.runner import Runner
+def _schedule_config(overrides: Mapping[str, Any]) -> ScheduleConfig:
+    fields = {}
+    for k, v in overrides.items():
+        section, _, name = k.partition(".")
+        if section != "schedule":
+            raise ConfigError(f"variants: an emulated variant may change schedule.* only, got {k!r}")
+        fields[name] = v
+    cfg = ScheduleConfig(**fields)
+    cfg.validate()
+    return cfg
 
-    table = {**VARIANTS, **(extra or {})}
-    unknown = [v for v in variants if v not in table]
-    if unknown:
-        raise ValueError(f"variants: expected names from {sorted(table)}, got {unknown}")
-    configs = {v: config_from_dict(apply_overrides(config_to_dict(base), table[v]))
-               for v in variants}  # every variant is validated before any work starts
-    if base.iterations <= skip:
-        raise ValueError(f"iterations: expected more than the {skip} warm-up iteration(s), "
-                         f"got {base.iterations}")
+
+def _run_variants(variants: Sequence[str], out_dir: str | Path, make: Callable, handle,
+                  skip: int, drain: int, table: Mapping[str, dict]) -> list[BenchResult]:
+    from digenrl.driver import Driver
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    handle = cluster or start_cluster(base.cluster, pools=True)
     results = []
+    for name in variants:
+        store = out / f"{name}.zarr"
+        logger.info("bench: %s %s", name, table[name])
+        Driver(make(name), str(store), handle, overwrite=True).run()
+        stats, overhead = measure_store(store, skip, drain)
+        results.append(BenchResult(name, dict(table[name]), stats, str(store), overhead))
+        _timeline(store, out / f"{name}.png", name)
+    _write_csv(results, out / "results.csv")
+    return results
+
+
+def _timeline(store: Path, png: Path, name: str) -> None:
+    from digenrl.plots import timeline_png
+
+    ds = open_run(store)
+    attrs = ds["tasks"].attrs["digenrl"]
+    timeline_png(ds["tasks"].to_dataframe(), png, pools=_pools_of(attrs),
+                 title=f"{name}: tasks by worker (hatched: trainer-assisted generation)")
+
+
+def _check_variants(variants, table, skip, drain, iterations) -> None:
+    unknown = [v for v in variants if v not in table]
+    if unknown:
+        raise ConfigError(f"variants: expected names from {sorted(table)}, got {unknown}")
+    if iterations <= skip + drain:
+        raise ConfigError(f"iterations: expected more than the {skip} warm-up and {drain} "
+                          f"drain iteration(s), got {iterations}")
+
+
+def bench_config(base: RunConfig, variants: Sequence[str], out_dir: str | Path, *,
+                 cluster=None, skip: int = 1, drain: int = 0,
+                 extra: Mapping[str, Mapping[str, Any]] | None = None) -> list[BenchResult]:
+    """Variants of a Flow-GRPO config on one cluster (the real model)."""
+    from digenrl.cluster import start_cluster
+    from digenrl.runner import FlowGRPOWorkload
+
+    table = {**VARIANTS, **(extra or {})}
+    _check_variants(variants, table, skip, drain, base.iterations)
+    configs = {v: config_from_dict(apply_overrides(config_to_dict(base), table[v]))
+               for v in variants}  # every variant is validated before any work starts
+    handle = cluster or start_cluster(base.cluster, pools=True)
     try:
-        for name in variants:
-            store = out / f"{name}.zarr"
-            logger.info("bench: %s %s", name, table[name])
-            Runner(configs[name], str(store), overwrite=True, cluster=handle).run()
-            results.append(BenchResult(name, dict(table[name]), measure_store(store, skip),
-                                       str(store)))
+        return _run_variants(variants, out_dir, lambda v: FlowGRPOWorkload(configs[v]),
+                             handle, skip, drain, table)
     finally:
         if cluster is None:
             handle.close()
-    _write_csv(results, out / "results.csv")
-    return results
+
+
+def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iterations: int,
+                  time_scale: float | None = None, cluster=None, skip: int = 1,
+                  drain: int = 0, dashboard_address: str | None = ":8787") -> list[BenchResult]:
+    """Variants on emulated GPUs following a cost profile."""
+    from digenrl.cluster import start_emulated_cluster
+    from digenrl.sim.emulate import EmulatedWorkload
+
+    _check_variants(variants, VARIANTS, skip, drain, iterations)
+    schedules = {v: _schedule_config(VARIANTS[v]) for v in variants}
+    handle = cluster or start_emulated_cluster(
+        profile.rollout_workers, profile.trainer_workers,
+        {ROLLOUT: profile.rollout_speed, TRAINER: profile.trainer_speed}, dashboard_address)
+
+    def make(v):
+        s = schedules[v]
+        return EmulatedWorkload(profile, s.options(), iterations, time_scale=time_scale,
+                                stale_groups=s.stale_groups)
+
+    try:
+        return _run_variants(variants, out_dir, make, handle, skip, drain, VARIANTS)
+    finally:
+        if cluster is None:
+            handle.close()
 
 
 def _write_csv(results: Sequence[BenchResult], path: Path) -> None:
     pools = sorted({p for r in results for p in r.stats.utilisation})
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "images_per_s", "images_per_gpu_s", "ideal_fraction",
-                    "gpu_work_s", "seconds", "tag_s"]
+        w.writerow(["variant", "images_per_s", "images_per_gpu_s", "ideal_images_per_s",
+                    "ideal_fraction", "gpu_work_s", "seconds", "tag_s", "overhead_ms",
+                    "notify_ms", "denoise_ms"]
                    + [f"utilisation_{p}" for p in pools] + [f"idle_s_{p}" for p in pools])
         for r in results:
-            s = r.stats
-            w.writerow([r.name, s.images_per_s, s.images_per_gpu_s, s.ideal_fraction,
-                        s.gpu_work_s, s.seconds, s.tag_s]
+            s, o = r.stats, r.overhead
+            w.writerow([r.name, s.images_per_s, s.images_per_gpu_s, s.ideal_images_per_s,
+                        s.ideal_fraction, s.gpu_work_s, s.seconds, s.tag_s,
+                        o.get("overhead_ms"), o.get("notify_ms"), o.get("denoise_ms")]
                        + [s.utilisation.get(p, "") for p in pools]
                        + [s.idle_s.get(p, "") for p in pools])
 
@@ -115,8 +199,8 @@ def _write_csv(results: Sequence[BenchResult], path: Path) -> None:
 def format_table(results: Sequence[BenchResult]) -> str:
     """One row per variant plus its throughput ratio to every other variant."""
     names = [r.name for r in results]
-    head = (f"{'variant':<14}{'img/s':>8}{'img/GPU/s':>11}{'ideal':>7}"
-            f"{'util r/t/c':>16}{'idle s r/t/c':>18}{'TAG s':>7}  " +
+    head = (f"{'variant':<14}{'img/s':>9}{'img/GPU/s':>11}{'ideal':>7}"
+            f"{'util r/t/c':>16}{'idle s r/t/c':>20}{'TAG s':>8}{'Dask ms':>9}{'%step':>7}  " +
             "".join(f"{'/' + n:>{max(8, len(n) + 2)}}" for n in names))
     lines = [head, "-" * len(head)]
 
@@ -124,10 +208,13 @@ def format_table(results: Sequence[BenchResult]) -> str:
         return "/".join(fmt.format(d[p]) if p in d else "-" for p in (ROLLOUT, TRAINER, COLOCATED))
 
     for r in results:
-        s = r.stats
-        ratios = "".join(f"{s.images_per_s / o.stats.images_per_s:>{max(8, len(o.name) + 2)}.2f}"
-                         for o in results)
-        lines.append(f"{r.name:<14}{s.images_per_s:>8.2f}{s.images_per_gpu_s:>11.3f}"
+        s, o = r.stats, r.overhead
+        dask_ms = o.get("overhead_ms", float("nan"))
+        share = 100 * dask_ms / o.get("denoise_ms", float("nan"))
+        ratios = "".join(f"{s.images_per_s / x.stats.images_per_s:>{max(8, len(x.name) + 2)}.2f}"
+                         for x in results)
+        lines.append(f"{r.name:<14}{s.images_per_s:>9.3f}{s.images_per_gpu_s:>11.4f}"
                      f"{s.ideal_fraction:>7.2f}{triple(s.utilisation, '{:.2f}'):>16}"
-                     f"{triple(s.idle_s, '{:.1f}'):>18}{s.tag_s:>7.1f}  {ratios}")
+                     f"{triple(s.idle_s, '{:.0f}'):>20}{s.tag_s:>8.0f}{dask_ms:>9.1f}"
+                     f"{share:>7.1f}  {ratios}")
     return "\n".join(lines)

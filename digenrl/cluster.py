@@ -17,14 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny, SpecCluster
+from distributed.deploy.subprocess import SubprocessScheduler
 
 from digenrl.config import ClusterConfig, ConfigError
 from digenrl.schedulers.options import ROLLOUT, TRAINER
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resources
 
-__all__ = ["ClusterHandle", "start_cluster", "pool_counts", "PooledLocalCluster",
-           "worker_resources", "DASK_CONFIG"]
+__all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
+           "PooledLocalCluster", "PooledSpecCluster", "worker_resources", "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,20 @@ logger = logging.getLogger(__name__)
 DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None}
 
 
-def worker_resources(pool: str, gpus: int = 1) -> dict[str, float]:
-    return {"GPU": gpus, pool: 1}
+def worker_resources(pool: str, gpus: int = 1, speed: float | None = None) -> dict[str, float]:
+    """A worker's resources: its GPU slots, its pool tag and, when it is not 1, its
+    relative speed (the scheduler reads both; no task requires them)."""
+    res = {"GPU": gpus, pool: 1}
+    if speed is not None and speed != 1.0:
+        res["speed"] = speed
+    return res
 
 
 class _PoolTagging:
     """Tags each new worker spec with the next pool that still needs workers."""
 
     _pool_sizes: dict[str, int]
+    _pool_speeds: dict[str, float] = {}
 
     def _next_pool(self) -> str:
         counts = {p: 0 for p in self._pool_sizes}
@@ -65,15 +72,18 @@ class _PoolTagging:
         spec = copy.deepcopy(spec)
         pool = self._next_pool()
         opts = spec.setdefault("options", {})
-        opts["resources"] = {**(opts.get("resources") or {}), **worker_resources(pool)}
+        opts["resources"] = {**(opts.get("resources") or {}),
+                             **worker_resources(pool, speed=self._pool_speeds.get(pool))}
         return {self._spec_name(pool, name): spec}
 
 
 class PooledLocalCluster(_PoolTagging, LocalCluster):
     """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``."""
 
-    def __init__(self, rollout_workers: int, trainer_workers: int, **kwargs: Any):
+    def __init__(self, rollout_workers: int, trainer_workers: int, *,
+                 speeds: dict[str, float] | None = None, **kwargs: Any):
         self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
+        self._pool_speeds = dict(speeds or {})
         super().__init__(n_workers=0, **kwargs)
         self.scale(rollout_workers + trainer_workers)
 
@@ -132,6 +142,54 @@ def pool_counts(client: Client) -> dict[str, list[str]]:
             continue
         out[pool_from_resources(res) or "untagged"].append(str(w.get("name", addr)))
     return out
+
+
+#: Worker settings for emulated GPUs: dozens of worker processes share this machine's few
+#: cores, so the per-process diagnostics (the statistical profiler sampling every 10 ms,
+#: the 20 ms event-loop tick, frequent system and memory monitors) would starve the
+#: scheduler -- 32 idle workers used 117% of a core with Dask's defaults and 24.5% with
+#: these (a real cluster gives every worker its own CPUs). Tasks that only sleep need none.
+EMULATED_WORKER_CONFIG = {
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.tick.interval": "1s",
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.worker.memory.monitor-interval": "2s",
+}
+
+
+class PooledSpecCluster(_PoolTagging, SpecCluster):
+    """Pool-tagged worker processes with the scheduler in a process of its own, as in a
+    real deployment: the driver's work never competes with the scheduler's event loop."""
+
+    def __init__(self, rollout_workers: int, trainer_workers: int, *,
+                 speeds: dict[str, float] | None = None, nthreads: int = 2,
+                 dashboard_address: str | None = None,
+                 worker_config: dict | None = None):
+        self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
+        self._pool_speeds = dict(speeds or {})
+        scheduler = {"cls": SubprocessScheduler, "options": {"scheduler_kwargs": {
+            "host": "127.0.0.1", "dashboard": dashboard_address is not None,
+            "dashboard_address": dashboard_address}}}
+        worker = {"cls": Nanny, "options": {"nthreads": nthreads, "memory_limit": 0,
+                                            "silence_logs": logging.WARNING,
+                                            "config": dict(worker_config or {})}}
+        super().__init__(workers={}, scheduler=scheduler, worker=worker,
+                         silence_logs=logging.WARNING)
+        self.scale(rollout_workers + trainer_workers)
+
+
+def start_emulated_cluster(rollout: int, trainer: int, speeds: dict[str, float],
+                           dashboard_address: str | None = ":8787") -> ClusterHandle:
+    """Dozens of worker processes on one machine for emulated GPUs (tasks only sleep, so
+    no worker imports torch), the scheduler in its own process."""
+    cluster = PooledSpecCluster(rollout, trainer, speeds=speeds,
+                                dashboard_address=dashboard_address,
+                                worker_config=EMULATED_WORKER_CONFIG)
+    client = Client(cluster)
+    client.wait_for_workers(rollout + trainer, timeout=300)
+    client.register_plugin(DigenRLSchedulerPlugin())
+    return ClusterHandle(client, cluster, {"kind": "emulated", "scheduler": cluster.scheduler_address,
+                                           "pools": pool_counts(client), "speeds": speeds})
 
 
 def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:

@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from digenrl.bench import format_table, run_bench
+from digenrl.bench import bench_config, format_table
 from digenrl.cli import main
 
 from conftest import small_config
@@ -12,7 +12,7 @@ from conftest import small_config
 
 def test_bench_runs_variants_on_the_same_work(cluster_1x1, tmp_path):
     base = small_config(**{"iterations": 3})
-    results = run_bench(base, ["disaggregated", "digenrl"], tmp_path, cluster=cluster_1x1)
+    results = bench_config(base, ["disaggregated", "digenrl"], tmp_path, cluster=cluster_1x1)
     by = {r.name: r.stats for r in results}
     for s in by.values():
         assert s.iterations == 2 and s.images == 8 and s.gpus == 2

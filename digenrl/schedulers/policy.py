@@ -80,7 +80,8 @@ class WorkerInfo:
     address: str
     name: str
     pool: str
-    slots: int
+    gpus: int
+    slots: int                  # GPU tasks released at once: gpus x slots_per_worker
     speed: float = 1.0
     inflight: set = field(default_factory=set)      # GPU tasks released, not finished
     cpu_inflight: set = field(default_factory=set)  # other tasks released, not finished
@@ -144,30 +145,46 @@ class SchedulingPolicy:
         self._rollout_pending: dict[int, set] = defaultdict(set)
         self._barrier_open: set[int] = set()
         self._ready_since: dict[Key, float] = {}
+        self._eligible_since: dict[Key, float] = {}  # ready and past every hold
+        # Which workers decide() must look at: those whose slots changed, and the free
+        # workers of a kind of work that has new ready tasks.
+        self._dirty: set[str] = set()
+        self._free: set[str] = set()               # workers with a free GPU slot
+        self._pool_lists: dict[str, list[WorkerInfo]] = {}
+        self._round_robin: dict[str, int] = defaultdict(int)
+        self._new_rollout = False
+        self._new_training = False
         # Telemetry.
         self.counters: dict[str, int] = defaultdict(int)
         self.decisions: list[Decision] = []
 
     # ------------------------------------------------------------------ workers
 
-    def add_worker(self, address: str, name: str, pool: str | None, slots: int,
+    def add_worker(self, address: str, name: str, pool: str | None, gpus: int,
                    speed: float = 1.0) -> None:
         """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
         in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
         not used."""
-        if slots < 1:
+        if gpus < 1:
             return
         if not self.options.pools:
             pool = COLOCATED
         elif pool not in (ROLLOUT, TRAINER):
             return
-        self.workers[address] = WorkerInfo(address, name, pool, slots, speed)
+        self.workers[address] = WorkerInfo(address, name, pool, gpus,
+                                           gpus * self.options.slots_per_worker, speed)
+        self._dirty.add(address)
+        self._free.add(address)
+        self._pool_lists.clear()
         self._repin()
 
     def remove_worker(self, address: str) -> list[Key]:
         """A worker left. Returns the tasks that were released to it (Dask brings them
         back as ready once their inputs exist again)."""
         w = self.workers.pop(address, None)
+        self._dirty.discard(address)
+        self._free.discard(address)
+        self._pool_lists.clear()
         if w is None:
             return []
         lost = list(w.inflight | w.cpu_inflight)
@@ -183,12 +200,17 @@ class SchedulingPolicy:
         return w.pool if w else None
 
     def _pool_workers(self, pool: str) -> list[WorkerInfo]:
-        if not self.options.pools:
-            return list(self.workers.values())
-        return [w for w in self.workers.values() if w.pool == pool]
+        """The workers serving ``pool``, by name (cached until membership changes)."""
+        key = pool if self.options.pools else COLOCATED
+        cached = self._pool_lists.get(key)
+        if cached is None:
+            cached = sorted((w for w in self.workers.values()
+                             if not self.options.pools or w.pool == pool), key=lambda w: w.name)
+            self._pool_lists[key] = cached
+        return cached
 
     def _trainers(self) -> list[WorkerInfo]:
-        return sorted(self._pool_workers(TRAINER), key=lambda w: w.name)
+        return self._pool_workers(TRAINER)
 
     # -------------------------------------------------------------------- tasks
 
@@ -255,6 +277,7 @@ class SchedulingPolicy:
     def _enqueue(self, info: TaskInfo) -> None:
         key = info.key
         self.state[key] = READY
+        self._eligible_since.setdefault(key, self.clock())
         loc = self._locality.get(key, {})
         if not info.gpu:
             self._cpu_ready[key] = loc
@@ -265,10 +288,12 @@ class SchedulingPolicy:
             self._affinity[key] = aff
             heapq.heappush(self._affine[aff] if aff else self._shared, entry)
             heapq.heappush(self._all_rollout, entry)
+            self._new_rollout = True
         else:
             pin = self._pin_of(info)
             self._pin[key] = pin
             heapq.heappush(self._pinned[pin] if pin else self._train, entry)
+            self._new_training = True
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
         best, best_bytes, tie = None, 0, False
@@ -305,6 +330,7 @@ class SchedulingPolicy:
             heapq.heappush(self._pinned[pin] if pin else self._train, entry)
         for heap in self._pinned.values():
             heapq.heapify(heap)
+        self._new_training = True
 
     def task_done(self, key: Key, worker: str | None = None) -> None:
         info = self.tasks.get(key)
@@ -314,6 +340,7 @@ class SchedulingPolicy:
         self.state[key] = DONE
         self._locality.pop(key, None)
         self._ready_since.pop(key, None)
+        self._eligible_since.pop(key, None)
         if info.pool == ROLLOUT:
             pending = self._rollout_pending.get(info.iteration)
             if pending is not None:
@@ -335,6 +362,7 @@ class SchedulingPolicy:
             self._unrelease(key)
             self.state[key] = DONE
             self._ready_since.pop(key, None)
+            self._eligible_since.pop(key, None)
 
     def task_forgotten(self, key: Key) -> None:
         info = self.tasks.pop(key, None)
@@ -347,6 +375,7 @@ class SchedulingPolicy:
         self._affinity.pop(key, None)
         self._pin.pop(key, None)
         self._ready_since.pop(key, None)
+        self._eligible_since.pop(key, None)
         self.rejected.pop(key, None)
         self._held_stale.get(info.iteration, set()).discard(key)
         self._held_barrier.get(info.iteration, set()).discard(key)
@@ -371,6 +400,8 @@ class SchedulingPolicy:
             return
         if key in w.inflight:
             w.inflight.discard(key)
+            self._dirty.add(addr)
+            self._free.add(addr)
             info = self.tasks.get(key)
             if info is not None and info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
@@ -426,6 +457,8 @@ class SchedulingPolicy:
         self.where[key] = w.address
         if info.gpu:
             w.inflight.add(key)
+            if len(w.inflight) >= w.slots:
+                self._free.discard(w.address)
             if tag:
                 w.tag_inflight += 1
         else:
@@ -440,34 +473,66 @@ class SchedulingPolicy:
         return d
 
     def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
-        candidates = self._pool_workers(info.pool)
-        if not candidates:
+        """The pool worker holding most input bytes; without inputs on the pool, the
+        next worker of the pool in turn."""
+        pool = self._pool_workers(info.pool)
+        if not pool:
             return None
-        return min(candidates, key=lambda w: (-loc.get(w.address, 0),
-                                              len(w.inflight) + len(w.cpu_inflight), w.name))
+        holders = [self.workers[a] for a, b in loc.items() if b > 0 and a in self.workers
+                   and (not self.options.pools or self.workers[a].pool == info.pool)]
+        if holders:
+            return min(holders, key=lambda w: (-loc[w.address],
+                                               len(w.inflight) + len(w.cpu_inflight), w.name))
+        key = info.pool if self.options.pools else COLOCATED
+        i = self._round_robin[key] % len(pool)
+        self._round_robin[key] = i + 1
+        return pool[i]
 
     def decide(self) -> list[Decision]:
-        """Releases to make now (each is final: the task goes to that worker)."""
+        """Releases to make now (each is final: the task goes to that worker).
+
+        Only workers whose slots changed, and the free workers that can take a kind of
+        work that has new ready tasks, are looked at; they take one task per round, the
+        least loaded first, so new work spreads over idle workers.
+        """
         now = self.clock()
         out: list[Decision] = []
-        for key in sorted(self._cpu_ready, key=self._sort_key):
-            info = self.tasks[key]
-            w = self._place_cpu(info, self._cpu_ready[key])
-            if w is None:
-                continue
-            del self._cpu_ready[key]
-            out.append(self._release(key, w, now))
-        progress = True
-        while progress:
-            progress = False
-            free = sorted((w for w in self.workers.values() if len(w.inflight) < w.slots),
-                          key=lambda w: (len(w.inflight), w.name))
-            for w in free:
+        if self._cpu_ready:
+            for key in sorted(self._cpu_ready, key=self._sort_key):
+                w = self._place_cpu(self.tasks[key], self._cpu_ready[key])
+                if w is not None:
+                    del self._cpu_ready[key]
+                    out.append(self._release(key, w, now))
+        candidates = self._dirty
+        self._dirty = set()
+        if self._new_rollout or self._new_training:
+            for addr in self._free:
+                w = self.workers[addr]
+                if len(w.inflight) < w.slots and (
+                        (self._new_rollout and self._may_generate(w))
+                        or (self._new_training and self._may_train(w))):
+                    candidates.add(w.address)
+            self._new_rollout = self._new_training = False
+        active = sorted((self.workers[a] for a in candidates if a in self.workers),
+                        key=lambda w: (len(w.inflight), w.name))
+        while active:
+            still = []
+            for w in active:
+                if len(w.inflight) >= w.slots:
+                    continue
                 d = self._decide_one(w, now)
                 if d is not None:
                     out.append(d)
-                    progress = True
+                    still.append(w)
+            active = still
         return out
+
+    def _may_generate(self, w: WorkerInfo) -> bool:
+        return (not self.options.pools or w.pool == ROLLOUT
+                or (self.options.tag and not w.inflight))
+
+    def _may_train(self, w: WorkerInfo) -> bool:
+        return not self.options.pools or w.pool == TRAINER
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         opts = self.options
@@ -506,6 +571,10 @@ class SchedulingPolicy:
 
     def ready_since(self, key: Key) -> float | None:
         return self._ready_since.get(key)
+
+    def eligible_since(self, key: Key) -> float | None:
+        """When ``key`` became ready and passed every hold (staleness, barrier)."""
+        return self._eligible_since.get(key)
 
     def snapshot(self) -> dict[str, Any]:
         pools: dict[str, dict[str, Any]] = {}

@@ -33,11 +33,11 @@ Key = Hashable
 class SimWorker:
     name: str
     pool: str
-    slots: int = 1              # GPU slots the worker advertises
+    gpus: int = 1               # GPUs the worker advertises (tasks it runs at once)
     speed: float = 1.0          # relative speed: durations are divided by it
 
 
-@dataclass
+@dataclass(slots=True)
 class SimRecord:
     key: Key
     kind: str
@@ -105,11 +105,10 @@ class Simulator:
         self.ready_at: dict[Key, float] = {}
         self.released: dict[Key, tuple[float, str, bool]] = {}
         self.queue: dict[str, deque] = {w: deque() for w in self.workers}
-        self.busy_until: dict[str, float] = {w: 0.0 for w in self.workers}
-        self.running: dict[str, Key | None] = {w: None for w in self.workers}
+        self.running: dict[str, int] = {w: 0 for w in self.workers}
         self.records: list[SimRecord] = []
         for w in workers:
-            self.policy.add_worker(w.name, w.name, w.pool, w.slots, w.speed)
+            self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
 
     # ------------------------------------------------------------------ graph
 
@@ -154,14 +153,13 @@ class Simulator:
             else:
                 self._start(d.key, d.worker, self.now + self.latency)
 
-    def _start_next(self, worker: str) -> None:
-        if self.running[worker] is not None or not self.queue[worker]:
-            return
-        key = self.queue[worker].popleft()
-        start = max(self.now + self.latency, self.busy_until[worker])
-        self.running[worker] = key
-        stop = self._start(key, worker, start)
-        self.busy_until[worker] = stop
+    def _start_next(self, worker: str, queued: bool = False) -> None:
+        """Start queued GPU tasks while the worker has a free GPU. A task that waited on
+        the worker starts at once; one just released pays the dispatch latency."""
+        while self.running[worker] < self.workers[worker].gpus and self.queue[worker]:
+            key = self.queue[worker].popleft()
+            self.running[worker] += 1
+            self._start(key, worker, self.now if queued else self.now + self.latency)
 
     def _start(self, key: Key, worker: str, start: float) -> float:
         info = self.info[key]
@@ -189,8 +187,8 @@ class Simulator:
         self.done[key] = worker
         self.policy.task_done(key, worker)
         if info.gpu:
-            self.running[worker] = None
-            self._start_next(worker)
+            self.running[worker] -= 1
+            self._start_next(worker, queued=True)
         for dep in self.dependents.pop(key, ()):
             self.waiting[dep] -= 1
             if self.waiting[dep] == 0:

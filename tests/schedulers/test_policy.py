@@ -26,12 +26,13 @@ def info(key, kind, pool, iteration=0, version=0, gpu=True, **kw):
                     policy_version=version, gpu=gpu, **kw)
 
 
-def policy_with(options, rollout=1, trainer=1, slots=1):
+def policy_with(options, rollout=1, trainer=1):
+    """One GPU per worker; ``options.slots_per_worker`` tasks released to each at once."""
     p = SchedulingPolicy(options, clock=lambda: 0.0)
     for j in range(rollout):
-        p.add_worker(f"r{j}", f"rollout-{j}", "rollout", slots)
+        p.add_worker(f"r{j}", f"rollout-{j}", "rollout", 1)
     for j in range(trainer):
-        p.add_worker(f"t{j}", f"trainer-{j}", "trainer", slots)
+        p.add_worker(f"t{j}", f"trainer-{j}", "trainer", 1)
     p.version = 0
     return p
 
@@ -50,7 +51,7 @@ def test_pools_route_tasks_to_their_workers():
 
 
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
-    p = policy_with(opts("digenrl"), rollout=1, trainer=1, slots=2)
+    p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(5)])
     for j in range(5):
         p.task_ready(("d", j))
@@ -98,7 +99,7 @@ def test_training_beyond_the_bound_is_rejected():
 
 
 def test_without_gap_training_waits_for_the_whole_iteration():
-    p = policy_with(opts("disaggregated"))
+    p = policy_with(opts("disaggregated", slots_per_worker=1))
     p.add_tasks([info("d0", "denoise", "rollout", chunk=0), info("d1", "denoise", "rollout", chunk=1),
                  info("a0", "advantage", "trainer", gpu=False, behaviour_version=0)])
     p.task_ready("d0")
@@ -112,7 +113,7 @@ def test_without_gap_training_waits_for_the_whole_iteration():
 
 
 def test_without_tsp_a_chunk_trains_on_its_own_trainer():
-    p = policy_with(opts("disaggregated"), trainer=2, slots=4)
+    p = policy_with(opts("disaggregated", slots_per_worker=4), trainer=2)
     grads = [info(("g", c, t), "grad", "trainer", chunk=c, timestep=t, behaviour_version=0)
              for c in range(2) for t in range(2)]
     p.add_tasks(grads)
@@ -124,7 +125,7 @@ def test_without_tsp_a_chunk_trains_on_its_own_trainer():
 
 
 def test_chains_stay_on_the_worker_that_holds_their_latent():
-    p = policy_with(opts("digenrl", tag=False), rollout=2, slots=1)
+    p = policy_with(opts("digenrl", tag=False, slots_per_worker=1), rollout=2)
     p.add_tasks([info(("d", c, 1), "denoise", "rollout", chunk=c, timestep=1) for c in range(2)])
     p.task_ready(("d", 0, 1), {"r1": 100, "r0": 10})
     p.task_ready(("d", 1, 1), {"r0": 100})
@@ -132,7 +133,7 @@ def test_chains_stay_on_the_worker_that_holds_their_latent():
 
 
 def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
-    p = policy_with(opts("digenrl", tag=False), rollout=2, slots=2)
+    p = policy_with(opts("digenrl", tag=False), rollout=2)
     p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j) for j in range(6)]
                 + [info("n", "noise", "rollout", gpu=False)])
     for j in range(6):
@@ -148,7 +149,7 @@ def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
 
 
 def test_a_lost_worker_gives_its_tasks_back():
-    p = policy_with(opts("digenrl", tag=False), rollout=2)
+    p = policy_with(opts("digenrl", tag=False, slots_per_worker=1), rollout=2)
     p.add_tasks([info("d", "denoise", "rollout")])
     p.task_ready("d")
     [d] = p.decide()
@@ -200,7 +201,7 @@ def check_trace(result, options, layout, workers):
         if r.gpu:
             events[r.worker].append((r.released, 1, r.tag))
             events[r.worker].append((r.stop, -1, r.tag))
-    slots = {w.name: w.slots for w in workers}
+    slots = {w.name: w.gpus * options.slots_per_worker for w in workers}
     for w, evs in events.items():
         inflight = tag = 0
         for t, delta, is_tag in sorted(evs, key=lambda e: (e[0], e[1])):
@@ -236,9 +237,9 @@ def scenarios(draw):
                          stale_groups=draw(st.one_of(st.none(), st.integers(0, 2))))
     plans = uniform_plans(draw(st.integers(1, 3)), draw(st.integers(1, 3)), spp,
                           draw(st.sampled_from([1, 2, spp])))
-    workers = [SimWorker(f"rollout-{j}", "rollout", options.slots_per_worker)
+    workers = [SimWorker(f"rollout-{j}", "rollout", draw(st.integers(1, 2)))
                for j in range(draw(st.integers(1, 3)))]
-    workers += [SimWorker(f"trainer-{j}", "trainer", options.slots_per_worker)
+    workers += [SimWorker(f"trainer-{j}", "trainer", draw(st.integers(1, 2)))
                 for j in range(draw(st.integers(1, 3)))]
     durations = {k: draw(st.floats(0.01, 1.0)) for k in
                  ("noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
@@ -247,7 +248,7 @@ def scenarios(draw):
     return options, layout, plans, workers, durations, jitter
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_every_schedule_completes_and_keeps_the_rules(scenario):
     options, layout, plans, workers, durations, jitter = scenario

@@ -1,0 +1,241 @@
+"""Cost profiles: what each task costs on a GPU, as data files with their sources.
+
+A profile describes a published-setup-like workload (model, steps, batch, pools) and the
+seconds each kind of task takes on a speed-1 GPU, plus weight-synchronisation bytes,
+network bandwidth, and the phase-switch costs the co-located design pays. The emulator
+(real Dask, tasks that sleep) and the simulator (discrete events) read the same profile
+through :meth:`Profile.task_seconds`, so they model the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from digenrl.graph.plan import IterationPlan
+from digenrl.graph.structure import GraphLayout
+from digenrl.schedulers.options import ROLLOUT, TRAINER
+
+__all__ = ["Profile", "ProfileError", "load_profile", "list_profiles", "PROFILE_DIR"]
+
+PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def _need(cond: bool, path: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ProfileError(f"{path}: expected {expected}, got {got!r}")
+
+
+def _pos(v: Any, path: str, zero_ok: bool = False) -> float:
+    if isinstance(v, str):  # YAML 1.1 reads 24.0e9 (no exponent sign) as a string
+        try:
+            v = float(v)
+        except ValueError:
+            pass
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
+    _need(ok, path, "a number >= 0" if zero_ok else "a number > 0", v)
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds on a speed-1 GPU, and bytes."""
+
+    denoise_per_sample: float          # one transformer forward of one sample at one step
+    cfg_factor: float = 1.0            # 2.0 when classifier-free guidance doubles the batch
+    train_factor: float = 3.0          # forward + backward (+ recomputation) over a forward
+    decode_per_sample: float = 0.05
+    reward_per_sample: float = 0.02
+    reward_on: str = "gpu"             # gpu: a GPU slot on a rollout worker; remote: none
+    optimizer_step: float = 1.0
+    weight_bytes: float = 0.0          # synchronised to each rollout worker per version
+    grad_bytes: float = 0.0            # all-reduced among trainers once per iteration
+    latent_bytes_per_sample: float = 0.0
+
+
+@dataclass(frozen=True)
+class Network:
+    bandwidth: float = 50e9            # bytes/s per worker link (400 Gb/s InfiniBand)
+    latency: float = 5e-6              # seconds per message
+
+
+@dataclass(frozen=True)
+class ColocatedCosts:
+    """What the co-located design pays on top of the same GPU work."""
+
+    phase_switch: float = 0.0          # s per worker each time it switches rollout <-> training
+    recompute_old_logprob: bool = True  # one extra forward per trained sample-step
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    sources: tuple[str, ...]
+    rollout_workers: int
+    trainer_workers: int
+    rollout_speed: float
+    trainer_speed: float
+    prompts_per_iteration: int
+    samples_per_prompt: int
+    chunk_size: int
+    num_steps: int
+    trained_steps: int
+    costs: Costs
+    network: Network = field(default_factory=Network)
+    colocated: ColocatedCosts = field(default_factory=ColocatedCosts)
+    time_scale: float = 0.1            # the emulator sleeps costs x time_scale
+
+    # ------------------------------------------------------------------ shape
+
+    @property
+    def gpus(self) -> int:
+        return self.rollout_workers + self.trainer_workers
+
+    @property
+    def images_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt
+
+    def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
+        return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,
+                           reward_gpu=self.costs.reward_on == "gpu",
+                           version_lag=max_staleness, stale_groups=stale_groups)
+
+    def plans(self, iterations: int) -> list[IterationPlan]:
+        prompts = tuple(f"prompt {j}" for j in range(self.prompts_per_iteration))
+        return [IterationPlan.uniform(i, prompts, self.samples_per_prompt, self.chunk_size)
+                for i in range(iterations)]
+
+    def scaled(self, gpus: int) -> "Profile":
+        """The same work per GPU on ``gpus`` GPUs: pools and prompts scaled together."""
+        f = gpus / self.gpus
+        rollout = max(1, round(self.rollout_workers * f))
+        return dataclasses.replace(
+            self, name=f"{self.name}@{gpus}", rollout_workers=rollout,
+            trainer_workers=max(1, gpus - rollout),
+            prompts_per_iteration=max(1, round(self.prompts_per_iteration * f)))
+
+    # ------------------------------------------------------------------ costs
+
+    def task_seconds(self, kind: str, samples: int, *, colocated: bool = False) -> float:
+        """Seconds a task of ``kind`` over ``samples`` samples takes on a speed-1 GPU."""
+        c = self.costs
+        fwd = c.denoise_per_sample * c.cfg_factor * samples
+        if kind == "denoise":
+            return fwd
+        if kind == "grad":
+            extra = fwd if colocated and self.colocated.recompute_old_logprob else 0.0
+            return fwd * c.train_factor + extra
+        if kind == "decode":
+            return c.decode_per_sample * samples
+        if kind == "reward":
+            return c.reward_per_sample * samples
+        if kind == "optimize":
+            return c.optimizer_step
+        return 0.0
+
+    def weight_sync_seconds(self) -> float:
+        """Moving one version's weights to one worker."""
+        n = self.network
+        return n.latency + self.costs.weight_bytes / n.bandwidth
+
+    def allreduce_seconds(self) -> float:
+        """One ring all-reduce of the gradients among the trainers."""
+        n, t = self.network, self.trainer_workers
+        if t <= 1 or self.costs.grad_bytes <= 0:
+            return 0.0
+        return 2 * (t - 1) * n.latency + 2 * (t - 1) / t * self.costs.grad_bytes / n.bandwidth
+
+    def gpu_seconds_per_iteration(self, colocated: bool = False) -> float:
+        """Total GPU work of one iteration (speed-1 seconds), for the ideal bound."""
+        n = self.images_per_iteration
+        chunks = n // self.chunk_size
+        t = self.task_seconds
+        total = chunks * self.num_steps * t("denoise", self.chunk_size)
+        total += chunks * self.trained_steps * t("grad", self.chunk_size, colocated=colocated)
+        total += chunks * t("decode", self.chunk_size)
+        if self.costs.reward_on == "gpu":
+            total += chunks * t("reward", self.chunk_size)
+        return total + t("optimize", 0)
+
+    def ideal_images_per_s(self) -> float:
+        speed = self.rollout_workers * self.rollout_speed + self.trainer_workers * self.trainer_speed
+        return self.images_per_iteration / (self.gpu_seconds_per_iteration() / speed)
+
+    def pools(self) -> dict[str, tuple[int, float]]:
+        return {ROLLOUT: (self.rollout_workers, self.rollout_speed),
+                TRAINER: (self.trainer_workers, self.trainer_speed)}
+
+
+def _section(cls, data: Mapping[str, Any] | None, path: str):
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        _need(k in names, f"{path}.{k}", f"a field of {path} ({sorted(names)})", k)
+    for f in dataclasses.fields(cls):
+        if f.name in data and f.type in ("float", float):
+            data[f.name] = _pos(data[f.name], f"{path}.{f.name}", zero_ok=True)
+    return cls(**data)
+
+
+def profile_from_dict(data: Mapping[str, Any]) -> Profile:
+    known = {f.name for f in dataclasses.fields(Profile)}
+    for k in data:
+        _need(k in known, f"profile.{k}", f"a profile field ({sorted(known)})", k)
+    for k in ("name", "rollout_workers", "trainer_workers", "prompts_per_iteration",
+              "samples_per_prompt", "chunk_size", "num_steps", "trained_steps", "costs"):
+        _need(k in data, f"profile.{k}", "a value", None)
+    ints = {}
+    for k in ("rollout_workers", "trainer_workers", "prompts_per_iteration",
+              "samples_per_prompt", "chunk_size", "num_steps", "trained_steps"):
+        v = data[k]
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"profile.{k}",
+              "an integer >= 1", v)
+        ints[k] = v
+    _need(ints["trained_steps"] < ints["num_steps"], "profile.trained_steps",
+          f"fewer than num_steps ({ints['num_steps']})", ints["trained_steps"])
+    n = ints["prompts_per_iteration"] * ints["samples_per_prompt"]
+    _need(n % ints["chunk_size"] == 0, "profile.chunk_size",
+          f"a divisor of the samples per iteration ({n})", ints["chunk_size"])
+    costs = _section(Costs, data["costs"], "profile.costs")
+    _need(costs.denoise_per_sample > 0, "profile.costs.denoise_per_sample", "a number > 0",
+          costs.denoise_per_sample)
+    _need(costs.reward_on in ("gpu", "remote"), "profile.costs.reward_on", "'gpu' or 'remote'",
+          costs.reward_on)
+    return Profile(
+        name=str(data["name"]), description=str(data.get("description", "")),
+        sources=tuple(str(s) for s in data.get("sources", ())), **ints,
+        rollout_speed=_pos(data.get("rollout_speed", 1.0), "profile.rollout_speed"),
+        trainer_speed=_pos(data.get("trainer_speed", 1.0), "profile.trainer_speed"),
+        costs=costs, network=_section(Network, data.get("network"), "profile.network"),
+        colocated=_section(ColocatedCosts, data.get("colocated"), "profile.colocated"),
+        time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"))
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.name[:-5] for p in PROFILE_DIR.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (``flux12b-16gpu``) or a YAML file by path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        text = p.read_text()
+    else:
+        f = PROFILE_DIR / f"{name_or_path}.yaml"
+        if not f.is_file():
+            raise ProfileError(f"profile: expected a YAML file or one of {list_profiles()}, "
+                               f"got {str(name_or_path)!r}")
+        text = f.read_text()
+    data = yaml.safe_load(text)
+    _need(isinstance(data, Mapping), "profile", "a YAML mapping", type(data).__name__)
+    return profile_from_dict(data)

@@ -1,0 +1,194 @@
+"""``digenrl simulate``: the scheduling policy on simulated clusters of 16 to 2,048 GPUs.
+
+The discrete-event engine (:mod:`digenrl.sim.engine`) runs a profile's iteration DAG
+under the same :class:`~digenrl.schedulers.policy.SchedulingPolicy` the Dask plugin
+uses. Costs are the profile's, exactly as the emulator sleeps them; the network is
+modelled as the emulator's tasks pay it -- a rollout worker waits ``weight_bytes /
+bandwidth`` the first time it reads a new version, the trainers all-reduce the
+gradients once per iteration at the reduction root -- plus moving latents between
+workers (``latent_bytes / bandwidth + latency``) and a dispatch latency per task (the
+scheduler round trip: Dask's own overhead).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+from digenrl.graph.structure import reduce_root_key
+from digenrl.schedulers.options import ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.policy import TaskInfo
+from digenrl.sim.engine import SimResult, SimWorker, Simulator
+from digenrl.sim.profile import Profile
+
+__all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
+           "ROLLOUT_KINDS", "DASK_ROUND_TRIP"]
+
+#: The scheduler<->worker round trip of one task on this kind of machine, seconds
+#: (``python workflows/microbench.py dispatch``: 5.7 ms per hop of a dependent chain).
+DASK_ROUND_TRIP = 0.0057
+
+ROLLOUT_KINDS = frozenset({"noise", "denoise", "decode", "reward"})
+TRAIN_KINDS = frozenset({"advantage", "grad", "reduce", "optimize"})
+
+
+@dataclass
+class SimulationReport:
+    profile: str
+    mode: str
+    gpus: int
+    iterations: int
+    images_per_s: float
+    ideal_images_per_s: float
+    ideal_fraction: float
+    utilisation: dict[str, float]
+    weight_sync_s: float          # GPU-seconds spent waiting for weights (rollout workers)
+    wall_s: float                 # how long the simulation itself took
+    tasks: int
+    result: SimResult | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("result")
+        return d
+
+
+def _workers(profile: Profile) -> list[SimWorker]:
+    return ([SimWorker(f"rollout-{j}", ROLLOUT, 1, profile.rollout_speed)
+             for j in range(profile.rollout_workers)]
+            + [SimWorker(f"trainer-{j}", TRAINER, 1, profile.trainer_speed)
+               for j in range(profile.trainer_workers)])
+
+
+def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
+             stale_groups: int | None = None, dispatch_latency: float = 0.005,
+             skip: int = 1, drain: int = 1,
+             slowdown: Callable[[str, float], float] | None = None) -> SimulationReport:
+    """Simulate ``iterations`` of ``profile`` under ``options``.
+
+    ``dispatch_latency``: seconds (in the profile's time) between a task's release and
+    its start when the worker is idle. ``slowdown(worker, now)``: a factor on the
+    durations of a worker's tasks starting at ``now`` (stragglers).
+    """
+    colocated = not options.pools
+    layout = profile.layout(options.max_staleness, stale_groups)
+    plans = profile.plans(iterations)
+    root_reduce: dict[int, Hashable] = {}
+    versions: dict[str, set[int]] = {}
+    phase: dict[str, str | None] = {}
+    sync_total = [0.0]
+    pools = {w.name: w.pool for w in _workers(profile)}
+    sync = profile.weight_sync_seconds()
+
+    sim: Simulator | None = None
+
+    def cost(info: TaskInfo, worker: SimWorker) -> float:
+        kind = info.kind
+        seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
+        if kind == "reward" and profile.costs.reward_on == "remote":
+            seconds = 0.0
+        if kind == "reduce":
+            seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
+        extra = 0.0
+        name = worker.name
+        if not colocated and pools[name] == ROLLOUT and kind in ROLLOUT_KINDS and sync:
+            held = versions.setdefault(name, set())
+            if info.policy_version not in held:
+                held.add(info.policy_version)
+                extra += sync
+                sync_total[0] += sync
+        if colocated and profile.colocated.phase_switch:
+            p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAIN_KINDS else None
+            if p is not None:
+                if phase.get(name) not in (None, p):
+                    extra += profile.colocated.phase_switch
+                phase[name] = p
+        factor = slowdown(name, sim.now) if slowdown is not None else 1.0
+        # The engine divides by the worker's speed; extras are network time, not compute.
+        return seconds * factor + extra * worker.speed
+
+    latent = profile.costs.latent_bytes_per_sample
+    net = profile.network
+
+    def transfer(dep: Hashable, info: TaskInfo, src: str, dst: str) -> float:
+        if info.kind in ("noise", "denoise") and latent:
+            return net.latency + latent * info.samples / net.bandwidth
+        return 0.0
+
+    sim = Simulator(options, _workers(profile), cost,
+                    transfer=transfer, dispatch_latency=dispatch_latency,
+                    output_bytes=lambda info: max(1, info.samples))
+    # The reduction root of each iteration carries the all-reduce.
+    for plan in plans:
+        root_reduce[plan.iteration] = reduce_root_key(
+            plan.iteration, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
+    t = time.perf_counter()
+    result = sim.run(layout, plans)
+    wall = time.perf_counter() - t
+    return _report(profile, options, result, iterations, skip, drain, wall, sync_total[0])
+
+
+def _report(profile: Profile, options: ScheduleOptions, result: SimResult, iterations: int,
+            skip: int, drain: int, wall: float, sync: float) -> SimulationReport:
+    ends = result.completed
+    its = sorted(ends)[: len(ends) - drain]
+    if len(its) <= skip:
+        raise ValueError(f"iterations: expected more than skip + drain = {skip + drain}, "
+                         f"got {iterations}")
+    t0, t1 = ends[its[skip - 1]], ends[its[-1]]
+    images = profile.images_per_iteration * (len(its) - skip)
+    rate = images / (t1 - t0)
+    ideal = profile.ideal_images_per_s()
+    busy: dict[str, float] = {}
+    for r in result.records:
+        if r.gpu:
+            busy[r.worker] = busy.get(r.worker, 0.0) + max(0.0, min(r.stop, t1) - max(r.start, t0))
+    util = {}
+    groups = {ROLLOUT: [w for w in result.workers if w.pool == ROLLOUT],
+              TRAINER: [w for w in result.workers if w.pool == TRAINER]}
+    if not options.pools:
+        groups = {"colocated": list(result.workers)}
+    for pool, ws in groups.items():
+        if ws:
+            util[pool] = sum(busy.get(w.name, 0.0) for w in ws) / (len(ws) * (t1 - t0))
+    return SimulationReport(profile=profile.name, mode=options.mode, gpus=profile.gpus,
+                            iterations=iterations, images_per_s=rate,
+                            ideal_images_per_s=ideal, ideal_fraction=rate / ideal,
+                            utilisation=util, weight_sync_s=sync, wall_s=wall,
+                            tasks=len(result.records), result=result)
+
+
+def simulate_variants(profile: Profile, variants, iterations: int, *,
+                      dispatch_latency: float = 0.005, skip: int = 1,
+                      drain: int = 1) -> list[tuple[str, SimulationReport]]:
+    """Every named variant (``digenrl.bench.VARIANTS``) of ``profile``."""
+    from digenrl.bench import VARIANTS, _schedule_config
+
+    out = []
+    for name in variants:
+        s = _schedule_config(VARIANTS[name])
+        out.append((name, simulate(profile, s.options(), iterations,
+                                   stale_groups=s.stale_groups,
+                                   dispatch_latency=dispatch_latency, skip=skip, drain=drain)))
+    return out
+
+
+def format_reports(reports, emulated: dict[str, float] | None = None) -> str:
+    """A table of simulated variants; with ``emulated`` (variant -> images/s measured on
+    emulated GPUs), the difference between the two."""
+    head = (f"{'variant':<14}{'GPUs':>6}{'img/s':>10}{'ideal':>7}{'util r/t/c':>18}"
+            f"{'tasks':>10}{'sim s':>8}")
+    if emulated:
+        head += f"{'emulated':>10}{'diff':>8}"
+    lines = [head, "-" * len(head)]
+    for name, r in reports:
+        u = "/".join(f"{r.utilisation[p]:.2f}" if p in r.utilisation else "-"
+                     for p in (ROLLOUT, TRAINER, "colocated"))
+        line = (f"{name:<14}{r.gpus:>6}{r.images_per_s:>10.4f}{r.ideal_fraction:>7.3f}{u:>18}"
+                f"{r.tasks:>10}{r.wall_s:>8.1f}")
+        if emulated and name in emulated:
+            e = emulated[name]
+            line += f"{e:>10.4f}{100 * (r.images_per_s - e) / e:>7.1f}%"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""Emulated GPUs: the real graph, scheduler and plugin on tasks that only wait."""
+
+import dataclasses
+
+import pytest
+
+from digenrl.bench import bench_profile, format_table
+from digenrl.cluster import start_emulated_cluster
+from digenrl.driver import Driver
+from digenrl.schedulers.options import MODES, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.sim.emulate import EmulatedWorkload
+from digenrl.sim.profile import load_profile
+from digenrl.store import open_run
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    p = load_profile("flux12b-hetero-16gpu")
+    # The same kind of work, small: 2 + 2 workers, 2 prompts of 4 images, 4 steps.
+    return dataclasses.replace(p, rollout_workers=2, trainer_workers=2,
+                               prompts_per_iteration=2, samples_per_prompt=4, chunk_size=2,
+                               num_steps=4, trained_steps=2, time_scale=0.002)
+
+
+@pytest.fixture(scope="module")
+def emulated(small_profile):
+    p = small_profile
+    handle = start_emulated_cluster(p.rollout_workers, p.trainer_workers,
+                                    {ROLLOUT: p.rollout_speed, TRAINER: p.trainer_speed},
+                                    dashboard_address=None)
+    yield handle
+    handle.close()
+
+
+def test_emulated_workers_declare_their_speed(emulated):
+    info = emulated.client.scheduler_info(n_workers=-1)["workers"].values()
+    speeds = {w["name"]: w["resources"].get("speed", 1.0) for w in info}
+    assert speeds == {"rollout-0": 0.5, "rollout-1": 0.5, "trainer-0": 1.0, "trainer-1": 1.0}
+
+
+def test_an_emulated_run_schedules_the_real_graph(emulated, small_profile, tmp_path):
+    opts = ScheduleOptions(mode="digenrl", **MODES["digenrl"])
+    w = EmulatedWorkload(small_profile, opts, 3)
+    Driver(w, str(tmp_path / "e.zarr"), emulated).run()
+    ds = open_run(tmp_path / "e.zarr")
+    t = ds["tasks"].to_dataframe()
+    assert ds["metrics"].sizes["iteration"] == 3
+    # 4 chunks x (noise, 4 denoise, decode, reward, 2 grads) per iteration, and more.
+    assert (t.kind == "denoise").sum() == 3 * 4 * 4 and (t.kind == "grad").sum() == 3 * 4 * 2
+    assert not t[t.kind.isin(["grad", "reduce", "optimize"])].pool.eq("rollout").any()
+    assert ds["tasks"].attrs["digenrl"]["workload"] == "emulated"
+
+
+def test_bench_on_emulated_gpus(emulated, small_profile, tmp_path):
+    results = bench_profile(small_profile, ["disaggregated", "digenrl"], tmp_path,
+                            iterations=4, cluster=emulated, drain=1)
+    for r in results:
+        s = r.stats
+        assert s.iterations == 2 and s.gpus == 4
+        assert 0 < s.ideal_fraction <= 1.05  # profile time; a little scheduling noise
+        assert r.overhead["tasks"] > 0
+        assert (tmp_path / f"{r.name}.png").stat().st_size > 10_000
+    assert "/digenrl" in format_table(results)
