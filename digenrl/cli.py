@@ -14,7 +14,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from digenrl.config import ConfigError, RunConfig, load_config
+from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
+                            load_config)
 from digenrl.store import StoreError
 
 __all__ = ["main", "build_parser", "config_from_args"]
@@ -82,8 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run RL post-training and write a store")
     _add_config_arguments(run)
-    run.add_argument("--out", required=True, help="output Zarr store (a new path)")
+    run.add_argument("--out", help="output Zarr store (a new path)")
     run.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    run.add_argument("--resume", metavar="STORE",
+                     help="continue a stopped run from its last complete iteration (its "
+                          "config is the stored one unless CONFIG is given; --iterations "
+                          "may extend it)")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="a progress bar (default: when stderr is a terminal and not --quiet)")
     bench = sub.add_parser("bench", help="compare modes and ablations on the same work")
     _add_config_arguments(bench)
     bench.add_argument("--out", required=True, help="folder for the stores and results.csv")
@@ -91,6 +98,37 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated, from: {', '.join(VARIANTS)}")
     bench.add_argument("--skip", type=int, default=1,
                        help="leading iterations left out of the measurement (start-up)")
+    bench.add_argument("--drain", type=int, default=1,
+                       help="trailing iterations left out (the last one has no next "
+                            "iteration to overlap with)")
+    bench.add_argument("--emulate", metavar="PROFILE",
+                       help="emulated GPUs following a cost profile (a shipped name or a YAML "
+                            "file) instead of the real model; the config's schedule switches "
+                            "are replaced by each variant's")
+    bench.add_argument("--time-scale", type=float,
+                       help="with --emulate: emulated seconds per profile second "
+                            "(default: the profile's)")
+    rep = sub.add_parser("report", help="PNG plots and a summary of a run's store")
+    rep.add_argument("store", help="a digenrl store (finished or running)")
+    rep.add_argument("--out", help="folder for the PNGs (default: STORE-report)")
+    rep.add_argument("--quiet", action="store_true")
+    rep.add_argument("--debug", action="store_true")
+    sim = sub.add_parser("simulate", help="the scheduling policy on a simulated cluster")
+    sim.add_argument("profile", help="a shipped cost profile or a YAML file")
+    sim.add_argument("--gpus", type=int, help="scale the profile to this many GPUs")
+    sim.add_argument("--iterations", type=int, default=20)
+    sim.add_argument("--variants", default="colocated,disaggregated,digenrl",
+                     help=f"comma-separated, from: {', '.join(VARIANTS)}")
+    sim.add_argument("--dispatch-latency", type=float,
+                     help="seconds between a release and the start on an idle worker, in "
+                          "the profile's time (default 5 ms; with --validate the measured "
+                          "Dask round trip divided by the emulator's time scale)")
+    sim.add_argument("--validate", metavar="DIR",
+                     help="also run the same variants on emulated GPUs (stores in DIR) "
+                          "and report the difference")
+    sim.add_argument("--time-scale", type=float, help="with --validate: the emulator's")
+    sim.add_argument("--quiet", action="store_true")
+    sim.add_argument("--debug", action="store_true")
     return parser
 
 
@@ -104,6 +142,10 @@ _FLAG_FIELDS = {
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    base = None
+    resume = getattr(args, "resume", None)
+    if resume and args.config is None:
+        base = _stored_config(resume)
     overrides: dict[str, Any] = {}
     for attr, field in _FLAG_FIELDS.items():
         value = getattr(args, attr, None)
@@ -112,7 +154,22 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if args.reward is not None:
         overrides["reward.components"] = _reward_components(args.reward)
     overrides.update(_set_pairs(args.set))
+    if base is not None:
+        return config_from_dict(apply_overrides(base, overrides))
     return load_config(args.config, overrides)
+
+
+def _stored_config(path: str) -> dict[str, Any]:
+    from pathlib import Path
+
+    import zarr
+
+    if not (Path(path) / "zarr.json").is_file():
+        raise ConfigError(f"--resume: expected an existing digenrl store, got {path!r}")
+    attrs = zarr.open_group(path, mode="r").attrs.get("digenrl") or {}
+    if "config" not in attrs:
+        raise ConfigError(f"--resume: {path!r} holds no digenrl run config")
+    return dict(attrs["config"])
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -129,21 +186,97 @@ def _setup_logging(quiet: bool) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from digenrl.runner import Runner
 
+    if (args.out is None) == (args.resume is None):
+        raise ConfigError("run: expected exactly one of --out STORE (a new run) or "
+                          "--resume STORE (continue one)")
     config = config_from_args(args)
-    Runner(config, args.out, overwrite=args.overwrite).run()
+    out, resume = (args.resume, True) if args.resume else (args.out, False)
+
+    def runner(**kw):
+        return Runner(config, out, overwrite=args.overwrite, resume=resume, **kw)
+
+    show = args.progress if args.progress is not None else (
+        sys.stderr.isatty() and not args.quiet)
+    if not show:
+        runner().run()
+        return 0
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with tqdm(total=config.iterations, unit="it", desc="digenrl", dynamic_ncols=True) as bar, \
+            logging_redirect_tqdm(loggers=[logger]):
+        def advance(summary) -> None:
+            bar.set_postfix(reward=f"{summary.reward_mean:.4f}",
+                            images_per_s=f"{summary.images_per_s:.2f}", refresh=False)
+            bar.update(1)
+
+        runner(on_iteration=advance).run()
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from digenrl.report import write_report
+
+    written, text = write_report(args.store, args.out)
+    print(text)
+    for path in written:
+        logger.info("wrote %s", path)
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from digenrl.bench import format_table, run_bench
+    from digenrl.bench import bench_config, bench_profile, format_table
 
     config = config_from_args(args)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    try:
-        results = run_bench(config, variants, args.out, skip=args.skip)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    if args.emulate:
+        from digenrl.sim.profile import ProfileError, load_profile
+
+        try:
+            profile = load_profile(args.emulate)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
+        if args.time_scale is not None and not args.time_scale > 0:
+            raise ConfigError(f"--time-scale: expected a number > 0, got {args.time_scale}")
+        results = bench_profile(profile, variants, args.out, iterations=config.iterations,
+                                time_scale=args.time_scale, skip=args.skip, drain=args.drain,
+                                dashboard_address=config.cluster.dashboard_address)
+    else:
+        results = bench_config(config, variants, args.out, skip=args.skip, drain=args.drain)
     print(format_table(results))
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from digenrl.bench import VARIANTS, bench_profile
+    from digenrl.sim.profile import ProfileError, load_profile
+    from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
+
+    try:
+        profile = load_profile(args.profile)
+    except ProfileError as e:
+        raise ConfigError(str(e)) from None
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"--variants: expected names from {sorted(VARIANTS)}, got {unknown}")
+    if args.gpus is not None:
+        if args.gpus < 2:
+            raise ConfigError(f"--gpus: expected at least 2, got {args.gpus}")
+        profile = profile.scaled(args.gpus)
+    if args.iterations < 3:
+        raise ConfigError(f"--iterations: expected at least 3, got {args.iterations}")
+    scale = args.time_scale or profile.time_scale
+    latency = args.dispatch_latency
+    if latency is None:
+        latency = DASK_ROUND_TRIP / scale if args.validate else 0.005
+    reports = simulate_variants(profile, variants, args.iterations, dispatch_latency=latency)
+    emulated = None
+    if args.validate:
+        results = bench_profile(profile, variants, args.validate, iterations=args.iterations,
+                                time_scale=scale, drain=1, dashboard_address=None)
+        emulated = {r.name: r.stats.images_per_s for r in results}
+    print(format_reports(reports, emulated))
     return 0
 
 
@@ -152,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(getattr(args, "quiet", False))
     try:
-        return {"run": _cmd_run, "bench": _cmd_bench}[args.command](args)
+        return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
+                "simulate": _cmd_simulate}[args.command](args)
     except (ConfigError, StoreError) as e:
         if getattr(args, "debug", False):
             raise

@@ -97,18 +97,31 @@ class ModelConfig:
     """
 
     path: str | None = None
+    """A local diffusers pipeline folder (transformer/, vae/, scheduler/) loaded with from_pretrained; null builds the model below with seeded random weights."""
     image_size: int = 64
+    """Image height and width in pixels."""
     latent_channels: int = 4
+    """Channels of the VAE latent (and of the transformer's input and output)."""
     vae_channels: tuple[int, ...] = (32, 64, 64)
+    """Block widths of the VAE; the latent is image_size / 2^(len - 1) pixels wide."""
     vae_layers_per_block: int = 1
+    """ResNet layers per VAE block."""
     transformer_layers: int = 8
+    """SD3 transformer blocks."""
     attention_heads: int = 4
+    """Attention heads per block."""
     attention_head_dim: int = 32
+    """Width of each attention head (hidden size = heads x head dim)."""
     patch_size: int = 2
+    """Latent patch size of the transformer's patch embedding."""
     prompt_tokens: int = 8
+    """Tokens of the prompt encoder's sequence (longer prompts are cut)."""
     prompt_embed_dim: int = 64
+    """Width of the prompt token embeddings (the transformer's joint_attention_dim)."""
     pooled_embed_dim: int = 32
+    """Width of the pooled prompt embedding."""
     init_seed: int | None = None
+    """Seed of the initial weights; null uses the run seed."""
 
     def validate(self, p: str = "model") -> None:
         if self.path is not None:
@@ -161,10 +174,15 @@ class SamplerConfig:
     """The Flow-GRPO SDE sampler (DESIGN.md section 3)."""
 
     num_steps: int = 8
+    """Denoising steps per sample (sigmas from FlowMatchEulerDiscreteScheduler)."""
     shift: float = 3.0
+    """The flow-matching timestep shift."""
     noise_level: float = 0.7
+    """a in the SDE noise scale s_t = a sqrt(sigma / (1 - sigma)) (Flow-GRPO: 0.7)."""
     guidance_scale: float = 1.0
+    """Classifier-free guidance in sampling and training; 1 turns it off."""
     timestep_fraction: float = 0.5
+    """Fraction of the steps trained: the first int(num_steps x fraction); never the last."""
 
     def validate(self, p: str = "sampler") -> None:
         _positive_int(self.num_steps, f"{p}.num_steps", 2)
@@ -191,10 +209,15 @@ class DataConfig:
     """Which prompts each iteration draws and how many images per prompt."""
 
     prompts_per_iteration: int = 4
+    """Prompt groups per iteration."""
     samples_per_prompt: int = 4
+    """Images per prompt (the GRPO group size); at least 2."""
     prompt_set: str = "simple_animals"
+    """A built-in prompt list (simple_animals, animal_photos), used when prompts is empty."""
     prompts: tuple[str, ...] = ()
+    """Your own prompts; each iteration draws prompts_per_iteration of them (seeded)."""
     same_noise_in_group: bool = False
+    """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
     def validate(self, p: str = "data") -> None:
         _positive_int(self.prompts_per_iteration, f"{p}.prompts_per_iteration")
@@ -219,6 +242,7 @@ class RolloutConfig:
     """How samples are batched into denoise tasks."""
 
     chunk_size: int = 4
+    """Samples one denoise task advances together (a divisor or multiple of samples_per_prompt)."""
 
     def validate(self, p: str = "rollout") -> None:
         _positive_int(self.chunk_size, f"{p}.chunk_size")
@@ -237,7 +261,9 @@ class RewardConfig:
 
     components: Mapping[str, float] = field(
         default_factory=lambda: {"jpeg_compressibility": 1.0})
+    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards)."""
     on_error: str = "raise"
+    """raise: a failing reward stops the run naming the reward and samples; drop: those samples are left out and counted."""
 
     def validate(self, p: str = "reward") -> None:
         from digenrl.tasks.rewards import REWARDS
@@ -262,18 +288,31 @@ class TrainConfig:
     """Flow-GRPO loss and the AdamW step that publishes each policy version."""
 
     learning_rate: float = 2e-3
+    """AdamW learning rate."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.999
+    """AdamW beta2."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     weight_decay: float = 1e-4
+    """AdamW decoupled weight decay."""
     max_grad_norm: float = 1.0
+    """Gradients are scaled down to this total norm before the step."""
     clip_range: float = 1e-4
+    """PPO ratio clip epsilon (Flow-GRPO: 1e-4)."""
     advantage_clip: float = 5.0
+    """Advantages are clipped to plus or minus this."""
     advantage_std: str = "group"
+    """group: normalise by the group's reward std (needed for GAP); batch: by the iteration's (Flow-GRPO's default)."""
     kl_beta: float = 0.0
+    """Weight of the KL term to the initial weights; 0 turns it off."""
     off_policy_correction: str = "decoupled"
+    """decoupled (AReaL) or clip (Flow-GRPO's own) for samples from an older version; see docs/algorithm.md."""
     importance_weight_cap: float = 2.0
+    """Truncation of the behaviour importance weight (decoupled correction)."""
     reduce_fanin: int = 8
+    """Gradients summed per reduce task (the fixed reduction tree)."""
 
     def validate(self, p: str = "train") -> None:
         _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -309,12 +348,19 @@ class ScheduleConfig:
     """
 
     mode: str = "digenrl"
+    """colocated, disaggregated or digenrl: a preset of the switches below."""
     max_staleness: int | None = None
+    """k: rollouts of iteration i start once version i - k exists; no sample is trained more than k versions old. null: the mode's."""
     gap: bool | None = None
+    """Generation-axis pipeline. null: the mode's."""
     tsp: bool | None = None
+    """Time-step parallelism. null: the mode's."""
     tag: bool | None = None
+    """Trainer-assisted generation. null: the mode's."""
     stale_groups: int | None = None
+    """Leading prompt groups of an iteration generated with version i - k (null: all)."""
     slots_per_worker: int = 2
+    """GPU tasks released to a worker at once (one runs, the rest wait on the worker)."""
 
     def validate(self, p: str = "schedule") -> None:
         _choice(self.mode, f"{p}.mode", MODES)
@@ -361,14 +407,23 @@ class ClusterConfig:
     """
 
     scheduler: str | None = None
+    """Address of an existing scheduler; null starts a local cluster."""
     gpus: bool = False
+    """Start a dask-cuda LocalCUDACluster, one worker per GPU (needs digenrl[cuda])."""
     rollout_workers: int = 1
+    """Worker processes (one emulated or real GPU each) in the rollout pool."""
     trainer_workers: int = 1
+    """Worker processes in the trainer pool."""
     threads_per_worker: int = 2
+    """Threads per worker: one runs GPU tasks, the others the light tasks."""
     torch_threads: int = 1
+    """torch intra-op threads per worker (1 keeps runs bit-identical across machines' core counts)."""
     dashboard_address: str | None = ":8787"
+    """Address of the local cluster's dashboard; null turns it off."""
     memory_limit: str = "auto"
+    """Memory limit per local worker (Dask syntax, e.g. 4GiB, or auto)."""
     connect_timeout: float = 10.0
+    """Seconds to wait for an existing scheduler."""
 
     def validate(self, p: str = "cluster") -> None:
         if self.scheduler is not None:
@@ -399,7 +454,9 @@ class StoreConfig:
     """What the output store keeps besides the always-written arrays."""
 
     save_images: bool = True
+    """Store every generated image in samples.image."""
     save_latents: bool = False
+    """Store every sample's latents at every step in steps.latent."""
 
     def validate(self, p: str = "store") -> None:
         for name in ("save_images", "save_latents"):
@@ -413,7 +470,9 @@ class StoreConfig:
 @dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
+    """Seeds every random draw (with the identity of what is drawn)."""
     iterations: int = 40
+    """Iterations to run (each publishes one policy version)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -605,3 +664,63 @@ def load_config(path: str | Path | None = None,
     if overrides:
         data = apply_overrides(data, overrides)
     return config_from_dict(data)
+
+
+# ---------------------------------------------------------------- reference docs
+
+
+def field_docs() -> dict[str, dict[str, str]]:
+    """Each config dataclass's field -> the docstring under it (read from this source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["_"])))
+    out: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        docs: dict[str, str] = {}
+        body = node.body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and \
+                    isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and \
+                    isinstance(b.value.value, str):
+                docs[a.target.id] = " ".join(b.value.value.split())
+        out[node.name] = docs
+    return out
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every section and field, its type, default and meaning."""
+    docs = field_docs()
+    lines = ["# Configuration reference", "",
+             "Generated from the dataclasses in `digenrl/config.py` "
+             "(`python -c \"from digenrl.config import reference_markdown; "
+             "print(reference_markdown())\" > docs/configuration.md`). A YAML config sets "
+             "any of these; `digenrl run --set SECTION.FIELD=VALUE` overrides one.", ""]
+    top = [f for f in dataclasses.fields(RunConfig) if f.name not in _SECTIONS]
+    sections = [("(top level)", RunConfig, top)] + [
+        (name, _SECTIONS[name], dataclasses.fields(_SECTIONS[name])) for name in _SECTIONS]
+    for title, cls, fields in sections:
+        lines += [f"## `{title}`" if title != "(top level)" else "## top level", ""]
+        doc = " ".join((cls.__doc__ or "").split()) if cls is not RunConfig else ""
+        if doc:
+            lines += [doc, ""]
+        lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in fields:
+            default = (f.default if f.default is not dataclasses.MISSING
+                       else f.default_factory())  # type: ignore[misc]
+            shown = json_default(default)
+            kind = (str(hints[f.name]).replace("typing.", "").replace("<class '", "")
+                    .replace("'>", "").replace("|", "\\|"))
+            lines.append(f"| `{f.name}` | `{kind}` | `{shown}` | "
+                         f"{docs.get(cls.__name__, {}).get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def json_default(value: Any) -> str:
+    import json
+
+    return json.dumps(_plain(value))

@@ -64,3 +64,19 @@ def test_bad_yaml_files(tmp_path):
     f.write_text("sampler: [1, 2]\n")
     with pytest.raises(ConfigError, match="sampler: expected a mapping"):
         load_config(f)
+
+
+def test_every_field_is_documented_and_the_reference_is_current():
+    import dataclasses
+
+    from digenrl.config import _SECTIONS, field_docs, reference_markdown
+
+    docs = field_docs()
+    for cls in [RunConfig, *_SECTIONS.values()]:
+        for f in dataclasses.fields(cls):
+            if cls is RunConfig and f.name in _SECTIONS:
+                continue
+            assert docs.get(cls.__name__, {}).get(f.name), f"{cls.__name__}.{f.name}"
+    committed = (TINY.parent.parent.parent / "docs" / "configuration.md").read_text()
+    assert committed.strip() == reference_markdown().strip(), \
+        "docs/configuration.md is stale: regenerate it (see its first lines)"

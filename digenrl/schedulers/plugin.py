@@ -71,7 +71,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.scheduler = None
-        self.run: str | None = None
+        self.run: str | None = None      # the run being scheduled, or the last one
+        self.active = False              # between digenrl_begin_run and digenrl_end_run
         self.policy: SchedulingPolicy | None = None
         self.records: list[dict[str, Any]] = []
         self.record_offset = 0
@@ -83,10 +84,17 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         #: Samples of (time, policy version, per-pool busy/TAG workers, held tasks).
         self.timeline: deque[dict[str, Any]] = deque(maxlen=20_000)
         self._last_sample = 0.0
+        #: Samples trained so far by staleness (first trained timestep of each chunk).
+        self.staleness_counts: dict[int, int] = defaultdict(int)
+        #: Per-iteration metrics the driver reports (reward curve on the dashboard).
+        self.metrics: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, scheduler) -> None:
+        from digenrl.schedulers import dashboard
+        from digenrl.schedulers.palette import use_kind_colours
+
         self.scheduler = scheduler
         scheduler.handlers.update({
             "digenrl_begin_run": self.begin_run,
@@ -94,14 +102,21 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_state": self.state,
             "digenrl_tasks": self.task_records,
             "digenrl_timeline": self.timeline_since,
+            "digenrl_metrics": self.report_metrics,
         })
+        use_kind_colours()
+        try:
+            dashboard.install(scheduler, self.name)
+        except Exception:  # the page is a convenience; scheduling never depends on it
+            logger.exception("could not add the digenrl page to the dashboard")
 
     def begin_run(self, run: str, options: dict[str, Any]) -> dict[str, Any]:
         """Start scheduling a run: a fresh policy over the workers present now."""
-        if self.run is not None and self.run != run and self._live_tasks():
+        if self.active and self.run != run and self._live_tasks():
             raise RuntimeError(f"run {self.run!r} is still active on this scheduler; "
                                "digenrl schedules one run at a time")
         self.run = run
+        self.active = True
         self.policy = SchedulingPolicy(ScheduleOptions.from_dict(options))
         self.records, self.record_offset = [], 0
         self._meta.clear()
@@ -109,13 +124,15 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._to_err.clear()
         self.warnings = []
         self.timeline.clear()
+        self.staleness_counts.clear()
+        self.metrics = []
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
         return self.state()
 
     def end_run(self, run: str) -> None:
         if self.run == run:
-            self.run = None
+            self.active = False
 
     def _live_tasks(self) -> bool:
         return any(k in self.scheduler.tasks for k in self._meta)
@@ -133,7 +150,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                    f"--resources 'GPU=1,rollout=1' or 'GPU=1,trainer=1' to use it")
             logger.warning(msg)
             self.warnings.append(msg)
-        self.policy.add_worker(address, str(ws.name), pool, int(resources.get("GPU", 0)))
+        self.policy.add_worker(address, str(ws.name), pool, int(resources.get("GPU", 0)),
+                               float(resources.get("speed", 1.0)))
 
     def add_worker(self, scheduler, worker: str) -> None:
         self._add_worker(worker)
@@ -270,6 +288,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 start, stop = ss["start"], ss["stop"]
         d = self._decisions.get(key)
         ws = self.scheduler.workers.get(worker)
+        bv = meta.get("behaviour_version")
+        if meta["kind"] == "grad" and meta.get("timestep") == 0 and bv is not None:
+            self.staleness_counts[meta["policy_version"] - bv] += int(meta.get("samples") or 0)
         self.records.append({
             "key": str(key),
             "kind": meta["kind"],
@@ -284,8 +305,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "timestep": -1 if meta.get("timestep") is None else meta["timestep"],
             "chunk": -1 if meta.get("chunk") is None else meta["chunk"],
             # Scheduler clock (start/stop are the worker's, shifted by Dask's estimate of
-            # its clock offset): compare these three for what happened before what.
+            # its clock offset): compare these four for what happened before what.
             "ready": self.policy.ready_since(key) or 0.0,
+            "eligible": self.policy.eligible_since(key) or 0.0,
             "released": d.time if d is not None else 0.0,
             "finished": time.time(),
             "tag": bool(d.tag) if d is not None else False,
@@ -304,6 +326,11 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         out = self.records[begin:]
         return {"records": out, "next": self.record_offset + begin + len(out)}
 
+    def report_metrics(self, run: str, iteration: int, metrics: dict[str, float]) -> None:
+        """The driver reports an iteration's metrics (for the dashboard's reward curve)."""
+        if run == self.run:
+            self.metrics.append({"iteration": iteration, **metrics})
+
     def timeline_since(self, since: float = 0.0) -> list[dict[str, Any]]:
         """Utilisation samples after ``since`` (seconds since the epoch): per pool the
         workers with a GPU task in flight and those doing TAG work, the held tasks by
@@ -312,6 +339,6 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}
-        snap.update({"run": self.run, "warnings": list(self.warnings),
+        snap.update({"run": self.run, "active": self.active, "warnings": list(self.warnings),
                      "records": self.record_offset + len(self.records)})
         return snap

@@ -1,0 +1,110 @@
+"""PNG plots of a run: per-worker timelines by task kind, reward curve, pool utilisation,
+staleness histogram. Matplotlib with the non-interactive Agg backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from digenrl.analysis import utilisation_timeline  # noqa: E402
+from digenrl.schedulers.palette import KIND_COLOURS  # noqa: E402
+
+__all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png"]
+
+
+def timeline_png(tasks, path: str | Path, *, title: str = "",
+                 pools: Mapping[str, Iterable[str]] | None = None) -> Path:
+    """One row per worker (grouped by pool), a bar per task coloured by its kind;
+    TAG tasks hatched. White space is idle time."""
+    t0 = float(tasks["start"].min())
+    names = list(dict.fromkeys(
+        [str(w) for ws in (pools or {}).values() for w in ws]
+        + sorted(map(str, tasks["worker_name"].unique()))))
+    row = {n: i for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(names) + 1.6))
+    for kind, g in tasks.groupby("kind"):
+        colour = KIND_COLOURS.get(kind, "#000000")
+        gpu = g[g["gpu"]] if "gpu" in g else g
+        cpu = g.drop(gpu.index)
+        for part, height in ((gpu, 0.8), (cpu, 0.3)):
+            if part.empty:
+                continue
+            y = [row[str(w)] for w in part["worker_name"]]
+            ax.barh(y, part["stop"] - part["start"], left=part["start"] - t0, height=height,
+                    color=colour, label=kind if height == 0.8 or gpu.empty else None,
+                    linewidth=0)
+        if "tag" in g:
+            tag = g[g["tag"]]
+            if not tag.empty:
+                ax.barh([row[str(w)] for w in tag["worker_name"]], tag["stop"] - tag["start"],
+                        left=tag["start"] - t0, height=0.8, fill=False, hatch="//",
+                        edgecolor="black", linewidth=0)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run's first task")
+    ax.set_title(title or "tasks by worker (hatched: trainer-assisted generation)")
+    handles, labels = ax.get_legend_handles_labels()
+    uniq = dict(zip(labels, handles))
+    ax.legend(uniq.values(), uniq.keys(), ncol=min(6, len(uniq)), loc="upper center",
+              bbox_to_anchor=(0.5, -0.25 if len(names) < 6 else -0.08), fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def reward_png(metrics, samples, path: str | Path, *, title: str = "reward") -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    it = metrics["iteration"].values if "iteration" in metrics.coords else np.arange(
+        metrics.sizes["iteration"])
+    r = samples["reward"].values
+    ax.scatter(np.repeat(it, r.shape[1]), r.ravel(), s=4, alpha=0.3, color="#1f77b4",
+               label="samples")
+    ax.plot(it, metrics["reward_mean"].values, color="#d62728", label="mean")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def utilisation_png(tasks, pools: Mapping[str, Iterable[str]], path: str | Path,
+                    bins: int = 120) -> Path:
+    starts, frac = utilisation_timeline(tasks, pools, bins)
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    t0 = starts[0]
+    for pool, f in frac.items():
+        ax.plot(starts - t0, f, label=pool, drawstyle="steps-post")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("seconds since the run's first task")
+    ax.set_ylabel("GPU busy fraction")
+    ax.set_title("pool utilisation")
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def staleness_png(samples, path: str | Path) -> Path:
+    s = (samples["trained_version"] - samples["behaviour_version"]).values.ravel()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    values, counts = np.unique(s, return_counts=True)
+    ax.bar(values, counts, color="#9467bd")
+    ax.set_xticks(values)
+    ax.set_xlabel("staleness (trained version - behaviour version)")
+    ax.set_ylabel("trained samples")
+    ax.set_title("staleness of trained samples")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,92 @@
+"""``digenrl report STORE``: PNG plots and a text summary of a finished or running run.
+
+Writes ``reward.png`` (every sample's reward and the mean per iteration),
+``timeline.png`` (one row per worker, a bar per task coloured by kind, hatched where a
+trainer generated), ``utilisation.png`` (busy fraction of each pool over time) and
+``staleness.png`` (how many versions old the trained samples were), plus
+``summary.txt`` -- the summary is also returned for printing. A running store shows its
+complete iterations.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from digenrl.analysis import dispatch_overhead, window_stats
+from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
+from digenrl.store import open_run
+
+__all__ = ["write_report", "summarise"]
+
+
+def _pools(attrs) -> dict[str, list[str]]:
+    pools = attrs["cluster"]["pools"]
+    if attrs["schedule"]["pools"]:
+        return {ROLLOUT: list(pools.get(ROLLOUT, [])), TRAINER: list(pools.get(TRAINER, []))}
+    return {COLOCATED: list(pools.get(ROLLOUT, [])) + list(pools.get(TRAINER, []))}
+
+
+def summarise(ds) -> str:
+    attrs = ds["metrics"].attrs["digenrl"]
+    m = ds["metrics"]
+    n = m.sizes.get("iteration", 0)
+    sched = attrs["schedule"]
+    lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, mode "
+             f"{sched['mode']} (gap={sched['gap']} tsp={sched['tsp']} tag={sched['tag']} "
+             f"max_staleness={sched['max_staleness']}), {n} complete iterations"]
+    pools = _pools(attrs)
+    lines.append("workers: " + ", ".join(f"{len(w)} {p}" for p, w in pools.items()))
+    if n == 0:
+        return "\n".join(lines)
+    if "reward_mean" in m:
+        r = m.reward_mean.values
+        k = min(5, n)
+        lines.append(f"reward: first {k} iterations {np.nanmean(r[:k]):.4f}, last {k} "
+                     f"{np.nanmean(r[-k:]):.4f} (change {np.nanmean(r[-k:]) - np.nanmean(r[:k]):+.4f})")
+        lines.append(f"ratio_dev (max |ratio - 1| at the first on-policy micro-step): "
+                     f"{np.nanmax(m.ratio_dev.values):.2e}")
+    s = ds["samples"]
+    if "trained_version" in s:
+        st = (s.trained_version - s.behaviour_version).values.ravel()
+        values, counts = np.unique(st, return_counts=True)
+        lines.append("staleness of trained samples: " + ", ".join(
+            f"{v}: {c}" for v, c in zip(values, counts)))
+    tasks = ds["tasks"].to_dataframe()
+    if n >= 2 and len(tasks):
+        ws = window_stats(tasks, pools, attrs["derived"]["images_per_iteration"], skip=1,
+                          time_scale=float(attrs.get("time_scale", 1.0)))
+        lines.append(f"throughput after the first iteration: {ws.images_per_s:.3f} images/s "
+                     f"({ws.images_per_gpu_s:.4f} per GPU), {ws.ideal_fraction:.2f} of the "
+                     f"ideal bound (GPU work / GPUs)")
+        lines.append("utilisation: " + ", ".join(f"{p} {u:.2f}" for p, u in ws.utilisation.items())
+                     + f"; trainer-assisted generation {ws.tag_s:.1f} GPU-s")
+        o = dispatch_overhead(tasks)
+        lines.append(f"scheduling overhead per GPU task: {o['overhead_ms']:.1f} ms "
+                     f"(mean denoise task {o['denoise_ms']:.1f} ms)")
+    kinds = tasks.groupby("kind").size().to_dict() if len(tasks) else {}
+    lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
+    return "\n".join(lines)
+
+
+def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], str]:
+    from digenrl import plots
+
+    ds = open_run(store)
+    out = Path(out_dir) if out_dir is not None else Path(str(store).rstrip("/") + "-report")
+    out.mkdir(parents=True, exist_ok=True)
+    attrs = ds["metrics"].attrs["digenrl"]
+    written = []
+    tasks = ds["tasks"].to_dataframe()
+    if "reward" in ds["samples"] and ds["metrics"].sizes.get("iteration", 0):
+        written.append(plots.reward_png(ds["metrics"], ds["samples"], out / "reward.png"))
+    if len(tasks):
+        written.append(plots.timeline_png(tasks, out / "timeline.png", pools=_pools(attrs)))
+        written.append(plots.utilisation_png(tasks, _pools(attrs), out / "utilisation.png"))
+    if "trained_version" in ds["samples"] and ds["samples"].sizes.get("iteration", 0):
+        written.append(plots.staleness_png(ds["samples"], out / "staleness.png"))
+    text = summarise(ds)
+    (out / "summary.txt").write_text(text + "\n")
+    written.append(out / "summary.txt")
+    return written, text

@@ -1,0 +1,50 @@
+"""One colour per task kind, shared by the dashboard's task stream and progress bars,
+the digenrl dashboard page and the report plots."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+__all__ = ["KIND_COLOURS", "use_kind_colours"]
+
+KIND_COLOURS = {
+    "noise": "#c7c7c7", "denoise": "#1f77b4", "decode": "#17becf", "reward": "#2ca02c",
+    "advantage": "#bcbd22", "grad": "#d62728", "reduce": "#ff9896", "optimize": "#9467bd",
+    "publish": "#8c564b", "stats": "#7f7f7f", "init": "#e377c2",
+}
+
+_PATCHED = False
+
+
+def use_kind_colours() -> bool:
+    """Make the scheduler's dashboard colour digenrl's task kinds from KIND_COLOURS.
+
+    Dask colours a key prefix by hashing its name into an 18-colour palette, which gives
+    ``noise``, ``optimize`` and ``stats`` one colour and ``advantage`` and ``reduce``
+    another. The dashboard modules look ``color_of`` up by module-level name each time;
+    this wraps those names so the kinds get their own colours and every other prefix
+    keeps Dask's. Returns False when the dashboard modules are not importable.
+    """
+    global _PATCHED
+    if _PATCHED:
+        return True
+    try:
+        import distributed.dashboard.components.scheduler as dash
+        import distributed.diagnostics.progress_stream as progress
+        import distributed.diagnostics.task_stream as stream
+    except ImportError:
+        return False
+
+    def wrap(original: Callable) -> Callable:
+        def color_of(x, *args, **kwargs):
+            return KIND_COLOURS.get(x) or original(x, *args, **kwargs)
+
+        color_of.__wrapped__ = original
+        return color_of
+
+    progress.color_of = wrap(progress.color_of)
+    stream.color_of = wrap(stream.color_of)
+    dash.color_of = wrap(dash.color_of)
+    dash.ts_color_of = wrap(dash.ts_color_of)
+    _PATCHED = True
+    return True
