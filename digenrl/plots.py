@@ -27,7 +27,7 @@ def timeline_png(tasks, path: str | Path, *, title: str = "",
         [str(w) for ws in (pools or {}).values() for w in ws]
         + sorted(map(str, tasks["worker_name"].unique()))))
     row = {n: i for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(14, 0.45 * len(names) + 1.6))
+    fig, ax = plt.subplots(figsize=(14, max(3.2, 0.45 * len(names) + 1.6)))
     for kind, g in tasks.groupby("kind"):
         colour = KIND_COLOURS.get(kind, "#000000")
         gpu = g[g["gpu"]] if "gpu" in g else g
@@ -51,8 +51,9 @@ def timeline_png(tasks, path: str | Path, *, title: str = "",
     ax.set_title(title or "tasks by worker (hatched: trainer-assisted generation)")
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), ncol=min(6, len(uniq)), loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if len(names) < 6 else -0.08), fontsize=8)
+    # Beside the axes, so it never hides the bars or the axis label.
+    ax.legend(uniq.values(), uniq.keys(), ncol=1 if len(names) >= 8 else 2,
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -105,6 +106,6 @@ def staleness_png(samples, path: str | Path) -> Path:
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -11,6 +11,7 @@ KIND_COLOURS = {
     "noise": "#c7c7c7", "denoise": "#1f77b4", "decode": "#17becf", "reward": "#2ca02c",
     "advantage": "#bcbd22", "grad": "#d62728", "reduce": "#ff9896", "optimize": "#9467bd",
     "publish": "#8c564b", "stats": "#7f7f7f", "init": "#e377c2",
+    "checkpoint": "#393b79", "restore": "#637939",
 }
 
 _PATCHED = False
