@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from distributed import Client
 
 from digenrl.store import open_run
 
-from conftest import SMALL
 
 BIN = Path(sys.executable).parent
+TINY = Path(__file__).resolve().parents[1] / "workflows" / "configs" / "tiny.yaml"
 
 
 def poll(predicate, timeout=60.0, what="condition"):
@@ -64,12 +63,11 @@ def cli_cluster(tmp_path):
 
 
 def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):
-    config = tmp_path / "small.yaml"
-    config.write_text(yaml.safe_dump({k: v for k, v in SMALL.items() if k != "cluster"}))
+    # The default workflow (README.md), shortened to two iterations.
     out = tmp_path / "run.zarr"
     proc = subprocess.run(
-        [str(BIN / "digenrl"), "run", str(config), "--out", str(out), "--scheduler", cli_cluster,
-         "--iterations", "2"], capture_output=True, text=True, timeout=300)
+        [str(BIN / "digenrl"), "run", str(TINY), "--out", str(out), "--scheduler", cli_cluster,
+         "--iterations", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "iteration 2/2" in proc.stderr
     t = open_run(out)["tasks"].to_dataframe()
