@@ -287,7 +287,7 @@ class RewardConfig:
 class TrainConfig:
     """Flow-GRPO loss and the AdamW step that publishes each policy version."""
 
-    learning_rate: float = 2e-3
+    learning_rate: float = 1.5e-3
     """AdamW learning rate."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
