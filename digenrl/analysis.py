@@ -14,11 +14,26 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
+
 __all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline", "GPU_KINDS",
-           "dispatch_overhead"]
+           "dispatch_overhead", "pools_served", "store_pools"]
 
 #: Kinds that hold a GPU slot (a reward does too when its reward needs the GPU).
 GPU_KINDS = ("denoise", "decode", "grad", "optimize")
+
+
+def pools_served(tagged: Mapping[str, Iterable[str]], pooled: bool) -> dict[str, list[str]]:
+    """Worker names by the pool they serve: the ``rollout`` and ``trainer`` tags as they
+    are when the mode uses pools, otherwise every tagged worker in one ``colocated`` pool."""
+    if pooled:
+        return {p: list(tagged.get(p, [])) for p in (ROLLOUT, TRAINER)}
+    return {COLOCATED: [w for p in (ROLLOUT, TRAINER) for w in tagged.get(p, [])]}
+
+
+def store_pools(attrs: Mapping[str, Any]) -> dict[str, list[str]]:
+    """:func:`pools_served` for a run, from its store's attributes."""
+    return pools_served(attrs["cluster"]["pools"], bool(attrs["schedule"]["pools"]))
 
 
 def _overlap(start: np.ndarray, stop: np.ndarray, t0: float, t1: float) -> np.ndarray:

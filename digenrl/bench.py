@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from digenrl.analysis import WindowStats, dispatch_overhead, window_stats
+from digenrl.analysis import WindowStats, dispatch_overhead, store_pools, window_stats
 from digenrl.config import (ConfigError, RunConfig, ScheduleConfig, apply_overrides,
                             config_from_dict, config_to_dict)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
@@ -55,13 +55,6 @@ class BenchResult:
     overhead: dict[str, float] = field(default_factory=dict)
 
 
-def _pools_of(attrs: Mapping[str, Any]) -> dict[str, list[str]]:
-    pools = attrs["cluster"]["pools"]
-    if attrs["schedule"]["pools"]:
-        return {ROLLOUT: list(pools.get(ROLLOUT, [])), TRAINER: list(pools.get(TRAINER, []))}
-    return {COLOCATED: list(pools.get(ROLLOUT, [])) + list(pools.get(TRAINER, []))}
-
-
 def measure_store(path: str | Path, skip: int = 1,
                   drain: int = 0) -> tuple[WindowStats, dict[str, float]]:
     """Window statistics and Dask overhead of a finished run's store."""
@@ -80,7 +73,7 @@ def measure_store(path: str | Path, skip: int = 1,
                        if ws is not None)
         ideal = attrs["derived"]["images_per_iteration"] / (
             attrs["derived"]["gpu_seconds_per_iteration"] / capacity)
-    stats = window_stats(tasks, _pools_of(attrs), attrs["derived"]["images_per_iteration"],
+    stats = window_stats(tasks, store_pools(attrs), attrs["derived"]["images_per_iteration"],
                          skip, drain=drain, time_scale=scale, speeds=speeds,
                          ideal_images_per_s=ideal)
     return stats, dispatch_overhead(tasks)
@@ -121,7 +114,7 @@ def _timeline(store: Path, png: Path, name: str) -> None:
 
     ds = open_run(store)
     attrs = ds["tasks"].attrs["digenrl"]
-    timeline_png(ds["tasks"].to_dataframe(), png, pools=_pools_of(attrs),
+    timeline_png(ds["tasks"].to_dataframe(), png, pools=store_pools(attrs),
                  title=f"{name}: tasks by worker (hatched: trainer-assisted generation)")
 
 

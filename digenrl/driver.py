@@ -21,7 +21,7 @@ import numpy as np
 from distributed import Future, wait
 
 from digenrl import __version__
-from digenrl.analysis import busy_seconds
+from digenrl.analysis import busy_seconds, pools_served
 from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
@@ -136,10 +136,7 @@ class Driver:
 
     def pools(self) -> dict[str, list[str]]:
         """Worker names by the pool they serve in this run's mode."""
-        pools = self.handle.description.get("pools", {})
-        if self.w.options.pools:
-            return {p: list(pools.get(p, [])) for p in (ROLLOUT, TRAINER)}
-        return {COLOCATED: [w for p in (ROLLOUT, TRAINER) for w in pools.get(p, [])]}
+        return pools_served(self.handle.description.get("pools", {}), self.w.options.pools)
 
     def _versions_read(self, j: int) -> set[int]:
         plan = self.w.plan(j)

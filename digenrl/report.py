@@ -14,18 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from digenrl.analysis import dispatch_overhead, window_stats
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
+from digenrl.analysis import dispatch_overhead, store_pools, window_stats
 from digenrl.store import open_run
 
 __all__ = ["write_report", "summarise"]
-
-
-def _pools(attrs) -> dict[str, list[str]]:
-    pools = attrs["cluster"]["pools"]
-    if attrs["schedule"]["pools"]:
-        return {ROLLOUT: list(pools.get(ROLLOUT, [])), TRAINER: list(pools.get(TRAINER, []))}
-    return {COLOCATED: list(pools.get(ROLLOUT, [])) + list(pools.get(TRAINER, []))}
 
 
 def summarise(ds) -> str:
@@ -36,7 +28,7 @@ def summarise(ds) -> str:
     lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, mode "
              f"{sched['mode']} (gap={sched['gap']} tsp={sched['tsp']} tag={sched['tag']} "
              f"max_staleness={sched['max_staleness']}), {n} complete iterations"]
-    pools = _pools(attrs)
+    pools = store_pools(attrs)
     lines.append("workers: " + ", ".join(f"{len(w)} {p}" for p, w in pools.items()))
     if n == 0:
         return "\n".join(lines)
@@ -82,8 +74,8 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
     if "reward" in ds["samples"] and ds["metrics"].sizes.get("iteration", 0):
         written.append(plots.reward_png(ds["metrics"], ds["samples"], out / "reward.png"))
     if len(tasks):
-        written.append(plots.timeline_png(tasks, out / "timeline.png", pools=_pools(attrs)))
-        written.append(plots.utilisation_png(tasks, _pools(attrs), out / "utilisation.png"))
+        written.append(plots.timeline_png(tasks, out / "timeline.png", pools=store_pools(attrs)))
+        written.append(plots.utilisation_png(tasks, store_pools(attrs), out / "utilisation.png"))
     if "trained_version" in ds["samples"] and ds["samples"].sizes.get("iteration", 0):
         written.append(plots.staleness_png(ds["samples"], out / "staleness.png"))
     text = summarise(ds)
