@@ -238,8 +238,7 @@ def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, 
     if len(dtypes) != 1:
         raise StoreError(f"checkpoint: expected tensors of one dtype, got {sorted(map(str, dtypes))}")
     for part, arrays in parts.items():
-        got = [(n, tuple(np.shape(arrays[n]))) if n in arrays else (n, None) for n in names]
-        if list(arrays) != names or [s for _, s in got] != shapes:
+        if list(arrays) != names or [tuple(np.shape(arrays[n])) for n in names] != shapes:
             raise StoreError(f"checkpoint.{part}: expected the tensors {names} with shapes "
                              f"{shapes}, got {[(n, tuple(np.shape(a))) for n, a in arrays.items()]}")
     total = int(sum(int(np.prod(s)) for s in shapes))
