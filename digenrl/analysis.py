@@ -120,15 +120,24 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
 
 
 def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -> dict[str, float]:
-    """What scheduling costs each GPU task in GPU time, measured (wall-clock ms, means).
+    """What scheduling costs each GPU task in GPU time, measured (wall-clock ms).
 
-    ``overhead``: the time a GPU stayed idle before the task although the task could
-    have run -- from the later of the worker finishing its previous GPU task and the
-    task becoming eligible (inputs done, past every hold of the policy) until its start.
-    It covers the scheduler hearing that the worker is free, deciding, the message to
-    the worker, fetching inputs and the worker picking the task up; work queued on the
-    worker (a second slot) hides most of it. Also reported: ``notify`` (task stop to the
-    scheduler handling its completion) and ``denoise`` (mean denoise task duration).
+    A task's *idle* is the time its worker's GPU stayed free before it although it could
+    have run: from the later of the worker finishing its previous GPU task and the task
+    becoming eligible (inputs done, past every hold of the policy) until its start.
+
+    * ``overhead_ms``: the mean idle of every GPU task -- hearing that the worker is free,
+      deciding, the message to the worker, fetching inputs, the worker picking it up;
+    * ``dask_ms``: the same without the time spent fetching inputs from other workers
+      (``transfer``, as the worker reports it): Dask's own cost, of which
+      ``denoise_dask_ms`` is the mean (and ``denoise_dask_median_ms`` the median) over
+      denoise tasks -- what a denoising step pays for being scheduled;
+    * ``queued_ms`` / ``fresh_ms``: the mean idle of tasks released while the worker's
+      previous GPU task still ran (they wait in its second slot, so only the worker's
+      own hand-over shows) and of the others (released to a free GPU: the whole round
+      trip) -- the two latencies the simulator models;
+    * ``notify_ms``: task stop to the scheduler handling its completion; ``denoise_ms``:
+      the mean denoise task.
     """
     g = tasks[tasks["gpu"]] if "gpu" in tasks else tasks[tasks["kind"].isin(GPU_KINDS)]
     g = g.sort_values(["worker_name", "start"])
@@ -136,19 +145,31 @@ def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -
     eligible = g["eligible"].to_numpy() if "eligible" in g else g["released"].to_numpy()
     could_start = np.maximum(eligible, prev_stop)
     idle = np.clip(g["start"].to_numpy() - could_start, 0.0, None)
+    fetch = np.nan_to_num(g["transfer"].to_numpy()) if "transfer" in g else np.zeros(len(g))
+    dask = np.clip(idle - fetch, 0.0, None)
+    queued = g["released"].to_numpy() < prev_stop
     notify = g["finished"].to_numpy() - g["stop"].to_numpy()
     mask = np.ones(len(g), bool)
     if t0 is not None:
         mask &= g["stop"].to_numpy() > t0
     if t1 is not None:
         mask &= g["stop"].to_numpy() <= t1
-    den = g[mask & (g["kind"] == "denoise").to_numpy()]
-    nan = float("nan")
+    den = mask & (g["kind"] == "denoise").to_numpy()
+
+    def ms(values, m, f=np.mean):
+        return float(f(values[m]) * 1000) if m.any() else float("nan")
+
+    durations = g["stop"].to_numpy() - g["start"].to_numpy()
     return {
         "tasks": int(mask.sum()),
-        "overhead_ms": float(np.mean(idle[mask]) * 1000) if mask.any() else nan,
-        "notify_ms": float(np.mean(notify[mask]) * 1000) if mask.any() else nan,
-        "denoise_ms": float((den["stop"] - den["start"]).mean() * 1000) if len(den) else nan,
+        "overhead_ms": ms(idle, mask),
+        "dask_ms": ms(dask, mask),
+        "denoise_dask_ms": ms(dask, den),
+        "denoise_dask_median_ms": ms(dask, den, np.median),
+        "queued_ms": ms(idle, mask & queued),
+        "fresh_ms": ms(idle, mask & ~queued),
+        "notify_ms": ms(notify, mask),
+        "denoise_ms": ms(durations, den),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run the same variants on emulated GPUs (stores in DIR) "
                           "and report the difference")
     sim.add_argument("--time-scale", type=float, help="with --validate: the emulator's")
+    sim.add_argument("--reuse", action="store_true",
+                     help="with --validate: use the emulated runs already in DIR (from "
+                          "digenrl bench --emulate) instead of running them again")
     sim.add_argument("--quiet", action="store_true")
     sim.add_argument("--debug", action="store_true")
     return parser
@@ -248,7 +252,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from digenrl.bench import VARIANTS, bench_profile
+    from digenrl.bench import VARIANTS, bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
 
@@ -266,18 +270,58 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         profile = profile.scaled(args.gpus)
     if args.iterations < 3:
         raise ConfigError(f"--iterations: expected at least 3, got {args.iterations}")
+    if args.time_scale is not None and not args.time_scale > 0:
+        raise ConfigError(f"--time-scale: expected a number > 0, got {args.time_scale}")
+    if args.reuse and not args.validate:
+        raise ConfigError("--reuse: expected together with --validate DIR")
     scale = args.time_scale or profile.time_scale
     latency = args.dispatch_latency
     if latency is None:
         latency = DASK_ROUND_TRIP / scale if args.validate else 0.005
-    reports = simulate_variants(profile, variants, args.iterations, dispatch_latency=latency)
-    emulated = None
-    if args.validate:
-        results = bench_profile(profile, variants, args.validate, iterations=args.iterations,
-                                time_scale=scale, drain=1, dashboard_address=None)
-        emulated = {r.name: r.stats.images_per_s for r in results}
-    print(format_reports(reports, emulated))
+    if not args.validate:
+        print(format_reports(simulate_variants(profile, variants, args.iterations,
+                                               dispatch_latency=latency)))
+        return 0
+    # Validation: the same variants on emulated GPUs (run now, or reused), then the
+    # simulator with the Dask latencies measured in each emulated run.
+    out = Path(args.validate)
+    measured = {}
+    todo = [v for v in variants if not (args.reuse and (out / f"{v}.zarr").is_dir())]
+    if todo:
+        for r in bench_profile(profile, todo, out, iterations=args.iterations,
+                               time_scale=scale, drain=1, dashboard_address=None):
+            measured[r.name] = (r.stats.images_per_s, r.overhead)
+    for v in variants:
+        if v not in measured:
+            _check_reused(out / f"{v}.zarr", profile, args.iterations)
+            stats, overhead = measure_store(out / f"{v}.zarr", skip=1, drain=1)
+            measured[v] = (stats.images_per_s, overhead)
+    emulated = {v: m[0] for v, m in measured.items()}
+    latencies = {v: (m[1]["fresh_ms"] / 1000 / scale, m[1]["queued_ms"] / 1000 / scale)
+                 for v, m in measured.items()}
+    fixed = simulate_variants(profile, variants, args.iterations, dispatch_latency=latency)
+    calibrated = simulate_variants(profile, variants, args.iterations, latencies=latencies)
+    print(format_reports(calibrated, emulated, {n: r.images_per_s for n, r in fixed}))
+    print("Dask latencies measured on the emulator (ms, wall clock): "
+          + "; ".join(f"{v} dispatch {m[1]['fresh_ms']:.1f}, queued {m[1]['queued_ms']:.1f}"
+                      for v, m in measured.items()))
     return 0
+
+
+def _check_reused(store: Path, profile, iterations: int) -> None:
+    """A reused emulated run must be of the profile and length being simulated."""
+    from digenrl.store import open_run
+
+    ds = open_run(store)
+    attrs = ds["tasks"].attrs["digenrl"]
+    name = (attrs.get("profile") or {}).get("name")
+    if attrs.get("workload") != "emulated" or name != profile.name:
+        raise ConfigError(f"--reuse: expected {store} to be an emulated run of profile "
+                          f"{profile.name!r}, got {attrs.get('workload')} run of {name!r}")
+    ran = ds["metrics"].sizes.get("iteration", 0)
+    if ran != iterations:
+        raise ConfigError(f"--reuse: expected {store} to hold {iterations} iterations "
+                          f"(--iterations), got {ran}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,8 +55,11 @@ def summarise(ds) -> str:
         lines.append("utilisation: " + ", ".join(f"{p} {u:.2f}" for p, u in ws.utilisation.items())
                      + f"; trainer-assisted generation {ws.tag_s:.1f} GPU-s")
         o = dispatch_overhead(tasks)
-        lines.append(f"scheduling overhead per GPU task: {o['overhead_ms']:.1f} ms "
-                     f"(mean denoise task {o['denoise_ms']:.1f} ms)")
+        lines.append(f"GPU idle before a GPU task that could run: {o['overhead_ms']:.1f} ms, "
+                     f"{o['dask_ms']:.1f} ms without fetching inputs; Dask's cost per denoise "
+                     f"task {o['denoise_dask_ms']:.1f} ms (median "
+                     f"{o['denoise_dask_median_ms']:.1f}) against a mean denoise task of "
+                     f"{o['denoise_ms']:.1f} ms")
     kinds = tasks.groupby("kind").size().to_dict() if len(tasks) else {}
     lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     return "\n".join(lines)

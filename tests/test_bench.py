@@ -2,7 +2,6 @@
 
 import csv
 
-import pytest
 
 from digenrl.bench import bench_config, format_table
 from digenrl.cli import main

@@ -1,7 +1,6 @@
 """Whole runs on real local Dask clusters (issue: end-to-end Flow-GRPO on Dask)."""
 
 import numpy as np
-import pytest
 import torch
 
 from digenrl.config import load_config

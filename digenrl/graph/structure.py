@@ -19,7 +19,7 @@ annotations and the scheduler plugin.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable
 
 from digenrl.graph.keys import task_meta
 from digenrl.graph.plan import IterationPlan
@@ -54,27 +54,45 @@ def rollout_version(iteration: int, version_lag: int) -> int:
     return max(0, iteration - version_lag)
 
 
-@dataclass(frozen=True)
 class Dep:
     """An argument that is the result of another task."""
 
-    key: Key
+    __slots__ = ("key",)
+
+    def __init__(self, key: Key):
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Dep({self.key!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Dep and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash((Dep, self.key))
 
 
-@dataclass(frozen=True)
 class Node:
-    key: Key
-    op: str
-    meta: dict[str, Any]
-    args: tuple[Any, ...]
+    """One task: its key, operation, annotation and arguments (``deps``: the keys of
+    its :class:`Dep` arguments, in order)."""
 
-    @property
-    def deps(self) -> list[Key]:
-        cached = self.__dict__.get("_deps")
-        if cached is None:
-            cached = [a.key for a in self.args if isinstance(a, Dep)]
-            object.__setattr__(self, "_deps", cached)
-        return cached
+    __slots__ = ("key", "op", "meta", "args", "deps")
+
+    def __init__(self, key: Key, op: str, meta: dict[str, Any], args: tuple[Any, ...]):
+        self.key = key
+        self.op = op
+        self.meta = meta
+        self.args = args
+        self.deps = [a.key for a in args if type(a) is Dep]
+
+    def __repr__(self) -> str:
+        return f"Node({self.key!r}, {self.op!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Node) and self.key == other.key and self.op == other.op
+                and self.meta == other.meta and self.args == other.args)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def reduce_root_key(iteration: int, leaves: int, fanin: int) -> Key:

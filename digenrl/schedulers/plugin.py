@@ -283,9 +283,12 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
     def _record(self, key, meta, kwargs) -> None:
         worker = kwargs.get("worker")
         start = stop = None
+        fetch = 0.0
         for ss in kwargs.get("startstops") or ():
             if ss.get("action") == "compute":
                 start, stop = ss["start"], ss["stop"]
+            elif ss.get("action") == "transfer":
+                fetch += ss["stop"] - ss["start"]
         d = self._decisions.get(key)
         ws = self.scheduler.workers.get(worker)
         bv = meta.get("behaviour_version")
@@ -313,6 +316,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "tag": bool(d.tag) if d is not None else False,
             "stolen": bool(d.stolen) if d is not None else False,
             "nbytes": int(kwargs.get("nbytes") or 0),
+            # Seconds the worker spent fetching the task's inputs from other workers.
+            "transfer": fetch,
         })
 
     def task_records(self, start: int = 0) -> dict[str, Any]:

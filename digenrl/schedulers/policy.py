@@ -45,11 +45,14 @@ Key = Hashable
 # Task states inside the policy.
 ADDED, HELD, READY, RELEASED, DONE = "added", "held", "ready", "released", "done"
 
+#: Where the non-denoise kinds sit in a chunk's order of work.
+_STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
+
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TaskInfo:
     """What the policy knows of a task: its annotation, nothing from its key."""
 
@@ -67,12 +70,11 @@ class TaskInfo:
 
     @classmethod
     def from_meta(cls, key: Key, meta: Mapping[str, Any]) -> "TaskInfo":
-        return cls(key=key, kind=meta["kind"], pool=meta["pool"],
-                   iteration=int(meta["iteration"]),
-                   policy_version=int(meta["policy_version"]), gpu=bool(meta["gpu"]),
-                   timestep=meta.get("timestep"), chunk=meta.get("chunk"),
-                   group=meta.get("group"), behaviour_version=meta.get("behaviour_version"),
-                   samples=int(meta.get("samples") or 0))
+        get = meta.get
+        return cls(key, meta["kind"], meta["pool"], int(meta["iteration"]),
+                   int(meta["policy_version"]), bool(meta["gpu"]), get("timestep"),
+                   get("chunk"), get("group"), get("behaviour_version"),
+                   int(get("samples") or 0))
 
 
 @dataclass
@@ -88,7 +90,7 @@ class WorkerInfo:
     tag_inflight: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     key: Key
     worker: str
@@ -119,6 +121,7 @@ class SchedulingPolicy:
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
         self.clock = clock
+        self._gap = options.gap
         self.tasks: dict[Key, TaskInfo] = {}
         self.state: dict[Key, str] = {}
         self.workers: dict[str, WorkerInfo] = {}
@@ -126,6 +129,8 @@ class SchedulingPolicy:
         self.version = -1                          # newest published policy version
         self.rejected: dict[Key, str] = {}
         self._seq = itertools.count()
+        self._order: dict[Key, int] = {}           # arrival order: ties broken by it
+        self._arrivals = itertools.count()
         # Ready GPU rollout tasks: no affinity / affinity to a worker / all (for stealing).
         self._shared: list = []
         self._affine: dict[str, list] = defaultdict(list)
@@ -156,7 +161,6 @@ class SchedulingPolicy:
         self._new_training = False
         # Telemetry.
         self.counters: dict[str, int] = defaultdict(int)
-        self.decisions: list[Decision] = []
 
     # ------------------------------------------------------------------ workers
 
@@ -223,6 +227,7 @@ class SchedulingPolicy:
             why = validate_task(info, self.options)
             self.tasks[info.key] = info
             self.state[info.key] = ADDED
+            self._order[info.key] = next(self._arrivals)
             if why is not None:
                 self.rejected[info.key] = why
                 rejected[info.key] = why
@@ -232,11 +237,10 @@ class SchedulingPolicy:
         return rejected
 
     def _priority(self, info: TaskInfo) -> tuple:
-        t = info.timestep
-        stage = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}.get(info.kind, t or 0)
+        stage = _STAGE.get(info.kind, info.timestep or 0)
         chunk = info.chunk if info.chunk is not None else 1 << 30
         if info.pool == ROLLOUT:
-            if self.options.gap:
+            if self._gap:
                 return (info.iteration, chunk, stage)
             return (info.iteration, stage, chunk)
         # Training: older iterations first; a group's micro-steps in timestep order.
@@ -255,14 +259,17 @@ class SchedulingPolicy:
         return None
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
-        """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held."""
+        """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
+        (the policy keeps the mapping: pass one the caller no longer changes)."""
         info = self.tasks.get(key)
         if info is None or key in self.rejected:
             return
-        if self.state.get(key) in (READY, HELD, RELEASED):
+        st = self.state.get(key)
+        if st is READY or st is HELD or st is RELEASED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
-        self._locality[key] = dict(locality or {})
-        self._ready_since.setdefault(key, self.clock())
+        self._locality[key] = locality if locality is not None else {}
+        if key not in self._ready_since:
+            self._ready_since[key] = self.clock()
         why = self._eligible_now(info)
         if why == "staleness":
             self.state[key] = HELD
@@ -277,7 +284,8 @@ class SchedulingPolicy:
     def _enqueue(self, info: TaskInfo) -> None:
         key = info.key
         self.state[key] = READY
-        self._eligible_since.setdefault(key, self.clock())
+        if key not in self._eligible_since:
+            self._eligible_since[key] = self.clock()
         loc = self._locality.get(key, {})
         if not info.gpu:
             self._cpu_ready[key] = loc
@@ -374,6 +382,7 @@ class SchedulingPolicy:
         self._locality.pop(key, None)
         self._affinity.pop(key, None)
         self._pin.pop(key, None)
+        self._order.pop(key, None)
         self._ready_since.pop(key, None)
         self._eligible_since.pop(key, None)
         self.rejected.pop(key, None)
@@ -421,12 +430,13 @@ class SchedulingPolicy:
                     self._enqueue(self.tasks[key])
 
     def _sort_key(self, key: Key) -> tuple:
-        return self._priority(self.tasks[key])
+        return self._priority(self.tasks[key]), self._order[key]
 
     # ---------------------------------------------------------------- decisions
 
     def _pop_valid(self, heap: list):
-        while heap and self.state.get(heap[0][2]) != READY:
+        state = self.state
+        while heap and state.get(heap[0][2]) is not READY:
             heapq.heappop(heap)
         return heap[0] if heap else None
 
@@ -436,15 +446,17 @@ class SchedulingPolicy:
         return self._pop_valid(self._pinned.get(w.address, [])) is not None
 
     def _take_training(self, w: WorkerInfo):
-        own = self._pop_valid(self._pinned.get(w.address, []))
+        pinned = self._pinned.get(w.address)
+        own = self._pop_valid(pinned) if pinned else None
         shared = self._pop_valid(self._train)
-        pick = min((e for e in (own, shared) if e is not None), default=None)
+        pick = shared if own is None else own if shared is None else min(own, shared)
         return pick[2] if pick else None
 
     def _take_rollout(self, w: WorkerInfo) -> tuple[Key | None, bool]:
-        own = self._pop_valid(self._affine.get(w.address, []))
+        affine = self._affine.get(w.address)
+        own = self._pop_valid(affine) if affine else None
         shared = self._pop_valid(self._shared)
-        pick = min((e for e in (own, shared) if e is not None), default=None)
+        pick = shared if own is None else own if shared is None else min(own, shared)
         if pick is not None:
             return pick[2], False
         steal = self._pop_valid(self._all_rollout)
@@ -468,9 +480,7 @@ class SchedulingPolicy:
             self.counters["tag_released"] += 1
         if stolen:
             self.counters["stolen"] += 1
-        d = Decision(key, w.address, now, tag, stolen)
-        self.decisions.append(d)
-        return d
+        return Decision(key, w.address, now, tag, stolen)
 
     def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes; without inputs on the pool, the

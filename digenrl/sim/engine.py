@@ -13,6 +13,7 @@ uses makes every decision, so what the simulator shows is what the plugin does.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 from collections import defaultdict, deque
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Sequence
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, Node, init_nodes, iteration_nodes
+from digenrl.graph.structure import (GraphLayout, Node, init_nodes, iteration_nodes,
+                                     optimize_key, publish_key)
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 
@@ -87,6 +89,7 @@ class Simulator:
 
     def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
                  *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
+                 queued_latency: float = 0.0,
                  output_bytes: Callable[[TaskInfo], int] | None = None):
         self.now = 0.0
         self.policy = SchedulingPolicy(options, clock=lambda: self.now)
@@ -94,11 +97,15 @@ class Simulator:
         self.cost = cost
         self.transfer = transfer
         self.latency = dispatch_latency
+        self.queued_latency = queued_latency
         self.output_bytes = output_bytes or (lambda info: 1)
         self._events: list = []
         self._seq = itertools.count()
         self.nodes: dict[Key, Node] = {}
         self.info: dict[Key, TaskInfo] = {}
+        self.nbytes: dict[Key, int] = {}        # the size of each task's output
+        self.added = 0                           # tasks added over the whole run
+        self._by_iteration: dict[int, list[Key]] = defaultdict(list)
         self.waiting: dict[Key, int] = {}
         self.dependents: dict[Key, list[Key]] = defaultdict(list)
         self.done: dict[Key, str] = {}          # key -> worker holding its output
@@ -114,28 +121,38 @@ class Simulator:
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
         new = []
+        from_meta = TaskInfo.from_meta
+        all_nodes, all_info, nbytes = self.nodes, self.info, self.nbytes
+        output_bytes = self.output_bytes
+        by_iteration = self._by_iteration
         for node in nodes:
-            self.nodes[node.key] = node
-            info = TaskInfo.from_meta(node.key, node.meta)
-            self.info[node.key] = info
+            key = node.key
+            all_nodes[key] = node
+            info = from_meta(key, node.meta)
+            all_info[key] = info
+            nbytes[key] = output_bytes(info)
+            by_iteration[info.iteration].append(key)
             new.append(info)
+        self.added += len(new)
         self.policy.add_tasks(new)
+        done, waiting, dependents = self.done, self.waiting, self.dependents
         for info in new:
-            deps = self.nodes[info.key].deps
-            missing = [d for d in deps if d not in self.done]
-            self.waiting[info.key] = len(missing)
+            key = info.key
+            missing = [d for d in all_nodes[key].deps if d not in done]
+            waiting[key] = len(missing)
             for d in missing:
-                self.dependents[d].append(info.key)
+                dependents[d].append(key)
             if not missing:
-                self._ready(info.key)
+                self._ready(key)
 
     def _ready(self, key: Key) -> None:
         self.ready_at[key] = self.now
-        loc: dict[str, int] = defaultdict(int)
+        loc: dict[str, int] = {}
+        done, nbytes = self.done, self.nbytes
         for d in self.nodes[key].deps:
-            holder = self.done.get(d)
-            if holder is not None and d in self.info:
-                loc[holder] += self.output_bytes(self.info[d])
+            holder = done.get(d)
+            if holder is not None and d in nbytes:
+                loc[holder] = loc.get(holder, 0) + nbytes[d]
         self.policy.task_ready(key, loc)
 
     # ----------------------------------------------------------------- events
@@ -144,55 +161,81 @@ class Simulator:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
     def _apply_decisions(self) -> None:
+        now, released, info, queue = self.now, self.released, self.info, self.queue
         for d in self.policy.decide():
-            self.released[d.key] = (self.now, d.worker, d.tag)
-            info = self.info[d.key]
-            if info.gpu:
-                self.queue[d.worker].append(d.key)
-                self._start_next(d.worker)
+            key, worker = d.key, d.worker
+            released[key] = (now, worker, d.tag)
+            if info[key].gpu:
+                queue[worker].append(key)
+                self._start_next(worker)
             else:
-                self._start(d.key, d.worker, self.now + self.latency)
+                self._start(key, worker, now + self.latency)
 
     def _start_next(self, worker: str, queued: bool = False) -> None:
         """Start queued GPU tasks while the worker has a free GPU. A task that waited on
-        the worker starts at once; one just released pays the dispatch latency."""
-        while self.running[worker] < self.workers[worker].gpus and self.queue[worker]:
-            key = self.queue[worker].popleft()
-            self.running[worker] += 1
-            self._start(key, worker, self.now if queued else self.now + self.latency)
+        the worker starts ``queued_latency`` after the GPU frees (the worker's own hand-over);
+        one just released to an idle worker pays the dispatch latency."""
+        q = self.queue[worker]
+        if not q:
+            return
+        gpus = self.workers[worker].gpus
+        running = self.running
+        start = self.now + (self.queued_latency if queued else self.latency)
+        while running[worker] < gpus and q:
+            key = q.popleft()
+            running[worker] += 1
+            self._start(key, worker, start)
 
     def _start(self, key: Key, worker: str, start: float) -> float:
         info = self.info[key]
         w = self.workers[worker]
         fetch = 0.0
         if self.transfer is not None:
+            done, all_info = self.done, self.info
             for d in self.nodes[key].deps:
-                holder = self.done.get(d)
-                if holder is not None and holder != worker and d in self.info:
-                    fetch = max(fetch, self.transfer(d, self.info[d], holder, worker))
-        duration = self.cost(info, w) / w.speed
-        stop = start + fetch + duration
-        self._push(stop, "finish", (key, worker, start + fetch))
+                holder = done.get(d)
+                if holder is not None and holder != worker and d in all_info:
+                    t = self.transfer(d, all_info[d], holder, worker)
+                    if t > fetch:
+                        fetch = t
+        stop = start + fetch + self.cost(info, w) / w.speed
+        heapq.heappush(self._events, (stop, next(self._seq), "finish",
+                                      (key, worker, start + fetch)))
         return stop
 
     def _finish(self, key: Key, worker: str, start: float) -> None:
         info = self.info[key]
         rel_time, _, tag = self.released[key]
+        timestep, chunk = info.timestep, info.chunk
         self.records.append(SimRecord(
-            key=key, kind=info.kind, worker=worker, pool=self.workers[worker].pool,
-            iteration=info.iteration, policy_version=info.policy_version,
-            timestep=-1 if info.timestep is None else info.timestep,
-            chunk=-1 if info.chunk is None else info.chunk, ready=self.ready_at[key],
-            released=rel_time, start=start, stop=self.now, tag=tag, gpu=info.gpu))
+            key, info.kind, worker, self.workers[worker].pool, info.iteration,
+            info.policy_version, -1 if timestep is None else timestep,
+            -1 if chunk is None else chunk, self.ready_at[key], rel_time, start, self.now,
+            tag, info.gpu))
         self.done[key] = worker
         self.policy.task_done(key, worker)
         if info.gpu:
             self.running[worker] -= 1
             self._start_next(worker, queued=True)
+        waiting = self.waiting
         for dep in self.dependents.pop(key, ()):
-            self.waiting[dep] -= 1
-            if self.waiting[dep] == 0:
+            n = waiting[dep] - 1
+            waiting[dep] = n
+            if n == 0:
                 self._ready(dep)
+
+    def _forget(self, iteration: int) -> None:
+        """Iteration ``iteration`` finished: drop what no later task reads (everything
+        but its optimizer state and published weights), as Dask forgets released keys."""
+        keep = (optimize_key(iteration), publish_key(iteration + 1))
+        forgotten = self.policy.task_forgotten
+        for key in self._by_iteration.pop(iteration, ()):
+            if key in keep:
+                continue
+            forgotten(key)
+            for d in (self.nodes, self.info, self.nbytes, self.waiting, self.ready_at,
+                      self.released, self.done):
+                d.pop(key, None)
 
     # -------------------------------------------------------------------- run
 
@@ -202,6 +245,18 @@ class Simulator:
         oldest unfinished one submitted, as the driver does."""
         if window is None:
             window = self.policy.options.max_staleness + 1
+        # The run allocates millions of small objects and frees none of them in cycles:
+        # the cyclic collector's passes over them would cost a quarter of the run.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(layout, plans, window, max_time)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, layout: GraphLayout, plans: Sequence[IterationPlan], window: int,
+             max_time: float) -> SimResult:
         self.add_nodes(init_nodes())
         submitted = 0
         completed: dict[int, float] = {}
@@ -225,6 +280,7 @@ class Simulator:
                 self._finish(key, worker, start)
                 if key[0] == "stats":
                     completed[key[1]] = t
+                    self._forget(key[1])
                     while next_done in completed:
                         next_done += 1
                     submit_upto(next_done + window + 1)

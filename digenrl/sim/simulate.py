@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 from digenrl.graph.structure import reduce_root_key
 from digenrl.schedulers.options import ROLLOUT, TRAINER, ScheduleOptions
@@ -63,7 +63,7 @@ def _workers(profile: Profile) -> list[SimWorker]:
 
 def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
              stale_groups: int | None = None, dispatch_latency: float = 0.005,
-             skip: int = 1, drain: int = 1,
+             queued_latency: float = 0.0, skip: int = 1, drain: int = 1,
              slowdown: Callable[[str, float], float] | None = None) -> SimulationReport:
     """Simulate ``iterations`` of ``profile`` under ``options``.
 
@@ -118,6 +118,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
 
     sim = Simulator(options, _workers(profile), cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
+                    queued_latency=queued_latency,
                     output_bytes=lambda info: max(1, info.samples))
     # The reduction root of each iteration carries the all-reduce.
     for plan in plans:
@@ -160,27 +161,34 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
 
 
 def simulate_variants(profile: Profile, variants, iterations: int, *,
-                      dispatch_latency: float = 0.005, skip: int = 1,
-                      drain: int = 1) -> list[tuple[str, SimulationReport]]:
-    """Every named variant (``digenrl.bench.VARIANTS``) of ``profile``."""
+                      dispatch_latency: float = 0.005, queued_latency: float = 0.0,
+                      latencies: Mapping[str, tuple[float, float]] | None = None,
+                      skip: int = 1, drain: int = 1) -> list[tuple[str, SimulationReport]]:
+    """Every named variant (``digenrl.bench.VARIANTS``) of ``profile``. ``latencies``:
+    per variant, the (dispatch, queued) latencies to use instead of the common ones."""
     from digenrl.bench import VARIANTS, _schedule_config
 
     out = []
     for name in variants:
         s = _schedule_config(VARIANTS[name])
+        dispatch, queued = (latencies or {}).get(name, (dispatch_latency, queued_latency))
         out.append((name, simulate(profile, s.options(), iterations,
-                                   stale_groups=s.stale_groups,
-                                   dispatch_latency=dispatch_latency, skip=skip, drain=drain)))
+                                   stale_groups=s.stale_groups, dispatch_latency=dispatch,
+                                   queued_latency=queued, skip=skip, drain=drain)))
     return out
 
 
-def format_reports(reports, emulated: dict[str, float] | None = None) -> str:
+def format_reports(reports, emulated: Mapping[str, float] | None = None,
+                   uncalibrated: Mapping[str, float] | None = None) -> str:
     """A table of simulated variants; with ``emulated`` (variant -> images/s measured on
-    emulated GPUs), the difference between the two."""
+    emulated GPUs), the difference between the two, and with ``uncalibrated`` (variant ->
+    simulated images/s with the default latencies) that one's difference too."""
     head = (f"{'variant':<14}{'GPUs':>6}{'img/s':>10}{'ideal':>7}{'util r/t/c':>18}"
             f"{'tasks':>10}{'sim s':>8}")
     if emulated:
         head += f"{'emulated':>10}{'diff':>8}"
+    if uncalibrated:
+        head += f"{'fixed-latency diff':>20}"
     lines = [head, "-" * len(head)]
     for name, r in reports:
         u = "/".join(f"{r.utilisation[p]:.2f}" if p in r.utilisation else "-"
@@ -190,5 +198,7 @@ def format_reports(reports, emulated: dict[str, float] | None = None) -> str:
         if emulated and name in emulated:
             e = emulated[name]
             line += f"{e:>10.4f}{100 * (r.images_per_s - e) / e:>7.1f}%"
+            if uncalibrated and name in uncalibrated:
+                line += f"{100 * (uncalibrated[name] - e) / e:>19.1f}%"
         lines.append(line)
     return "\n".join(lines)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -260,7 +259,6 @@ def test_every_schedule_completes_and_keeps_the_rules(scenario):
     sim = Simulator(options, workers, cost, dispatch_latency=0.001)
     result = sim.run(layout, plans)
     expected = 2 + sum(1 for _ in plans) * 0  # init + publish(0)
-    n_nodes = len(sim.nodes)
-    assert len(result.records) == n_nodes >= expected, "a task never ran (liveness)"
+    assert len(result.records) == sim.added >= expected, "a task never ran (liveness)"
     assert sorted(result.completed) == list(range(len(plans)))
     check_trace(result, options, layout, workers)

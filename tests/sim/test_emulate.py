@@ -3,8 +3,10 @@
 import dataclasses
 
 import pytest
+import yaml
 
 from digenrl.bench import bench_profile, format_table
+from digenrl.cli import main
 from digenrl.cluster import start_emulated_cluster
 from digenrl.driver import Driver
 from digenrl.schedulers.options import MODES, ROLLOUT, TRAINER, ScheduleOptions
@@ -51,7 +53,7 @@ def test_an_emulated_run_schedules_the_real_graph(emulated, small_profile, tmp_p
     assert ds["tasks"].attrs["digenrl"]["workload"] == "emulated"
 
 
-def test_bench_on_emulated_gpus(emulated, small_profile, tmp_path):
+def test_bench_on_emulated_gpus(emulated, small_profile, tmp_path, capsys):
     results = bench_profile(small_profile, ["disaggregated", "digenrl"], tmp_path,
                             iterations=4, cluster=emulated, drain=1)
     for r in results:
@@ -61,3 +63,18 @@ def test_bench_on_emulated_gpus(emulated, small_profile, tmp_path):
         assert r.overhead["tasks"] > 0
         assert (tmp_path / f"{r.name}.png").stat().st_size > 10_000
     assert "/digenrl" in format_table(results)
+
+    # The simulator, validated against these emulated runs with the Dask latencies
+    # measured in them.
+    data = dataclasses.asdict(small_profile)
+    data["sources"] = list(data["sources"])
+    profile_file = tmp_path / "small.yaml"
+    profile_file.write_text(yaml.safe_dump(data))
+    assert main(["simulate", str(profile_file), "--iterations", "4", "--variants",
+                 "disaggregated,digenrl", "--validate", str(tmp_path), "--reuse"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
+    for r in results:
+        emulated = float(rows[r.name][7])
+        assert emulated == pytest.approx(r.stats.images_per_s, abs=5.1e-5)  # printed to 4 places
+    assert "Dask latencies measured on the emulator" in out

@@ -59,6 +59,59 @@ def test_the_simulation_is_deterministic(flux):
            [(r.key, r.worker, r.start) for r in b.result.records]
 
 
+def test_the_simulation_does_not_depend_on_hash_randomisation(tmp_path):
+    """Ties between equally urgent tasks are broken by arrival, not by set order, so
+    two interpreters with different string hashes make the same decisions."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from digenrl.sim.profile import load_profile\n"
+            "from digenrl.sim.simulate import simulate\n"
+            "from digenrl.schedulers.options import MODES, ScheduleOptions\n"
+            "o = ScheduleOptions(mode='disaggregated', **MODES['disaggregated'])\n"
+            "r = simulate(load_profile('flux12b-16gpu'), o, 3)\n"
+            "print(hash('digenrl'), [(x.key, x.worker, x.start) for x in r.result.records])\n")
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        outs.append(out.split(" ", 1))
+    assert outs[0][0] != outs[1][0], "the two interpreters should hash strings differently"
+    assert outs[0][1] == outs[1][1]
+
+
+def test_queued_hand_over_costs_throughput(flux):
+    base = simulate(flux, opts("digenrl"), 4)
+    slower = simulate(flux, opts("digenrl"), 4, queued_latency=0.1)
+    assert slower.images_per_s < base.images_per_s
+    # A task queued on its worker starts queued_latency after the GPU frees.
+    by_worker = {}
+    for r in sorted(slower.result.records, key=lambda r: r.start):
+        if r.gpu:
+            by_worker.setdefault(r.worker, []).append(r)
+    back_to_back = [b.start - a.stop for rs in by_worker.values() for a, b in zip(rs, rs[1:])
+                    if b.released < a.stop]
+    assert back_to_back and min(back_to_back) >= 0.1 - 1e-9
+
+
+def test_finished_iterations_are_forgotten_but_their_state_is_kept(flux):
+    from digenrl.sim.engine import Simulator
+    from digenrl.sim.simulate import _workers
+
+    o = opts("digenrl")
+    sim = Simulator(o, _workers(flux), lambda info, w: 1.0 if info.gpu else 0.0)
+    result = sim.run(flux.layout(o.max_staleness), flux.plans(4))
+    assert len(result.records) == sim.added
+    # Only the optimizer state and the published weights of finished iterations remain
+    # (and whatever the last iterations still hold); the policy forgot the rest.
+    old = [k for k in sim.nodes if isinstance(k, tuple) and len(k) > 1 and k[1] == 0]
+    assert sorted(old, key=repr) == [("optimize", 0), ("publish", 0)]
+    assert ("publish", 1) in sim.nodes
+    assert not any(k[0] == "denoise" and k[1] < 3 for k in sim.policy.tasks)
+
+
 def test_simulate_command(capsys):
     assert main(["simulate", "flux12b-16gpu", "--gpus", "64", "--iterations", "3",
                  "--variants", "disaggregated,digenrl"]) == 0
@@ -74,3 +127,21 @@ def test_simulate_command(capsys):
 def test_simulate_refuses_bad_input(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_dispatch_overhead_separates_transfers_and_queued_tasks():
+    import pandas as pd
+
+    from digenrl.analysis import dispatch_overhead
+
+    # One worker: a task released to a free GPU (waits 10 ms, 4 of them fetching inputs),
+    # then one queued behind it (starts 2 ms after the first stops).
+    tasks = pd.DataFrame({
+        "kind": ["denoise", "denoise"], "gpu": [True, True], "worker_name": ["w", "w"],
+        "eligible": [0.0, 0.05], "released": [0.001, 0.06], "start": [0.010, 0.102],
+        "stop": [0.100, 0.200], "finished": [0.101, 0.201], "transfer": [0.004, 0.0]})
+    o = dispatch_overhead(tasks)
+    assert o["fresh_ms"] == pytest.approx(10.0) and o["queued_ms"] == pytest.approx(2.0)
+    assert o["overhead_ms"] == pytest.approx(6.0)
+    assert o["denoise_dask_ms"] == pytest.approx((6.0 + 2.0) / 2)
+    assert o["denoise_ms"] == pytest.approx(94.0)
