@@ -54,22 +54,32 @@ class SimulationReport:
         return d
 
 
-def _workers(profile: Profile) -> list[SimWorker]:
-    return ([SimWorker(f"rollout-{j}", ROLLOUT, 1, profile.rollout_speed)
+def _workers(profile: Profile, speeds: Mapping[str, float] | None = None) -> list[SimWorker]:
+    """The profile's workers; ``speeds`` overrides the speed of workers by name."""
+    speeds = speeds or {}
+    unknown = set(speeds) - {f"rollout-{j}" for j in range(profile.rollout_workers)} \
+        - {f"trainer-{j}" for j in range(profile.trainer_workers)}
+    if unknown:
+        raise ValueError(f"speeds: expected names of the profile's workers, got {sorted(unknown)}")
+    return ([SimWorker(f"rollout-{j}", ROLLOUT, 1, speeds.get(f"rollout-{j}", profile.rollout_speed))
              for j in range(profile.rollout_workers)]
-            + [SimWorker(f"trainer-{j}", TRAINER, 1, profile.trainer_speed)
+            + [SimWorker(f"trainer-{j}", TRAINER, 1, speeds.get(f"trainer-{j}", profile.trainer_speed))
                for j in range(profile.trainer_workers)])
 
 
 def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
              stale_groups: int | None = None, dispatch_latency: float = 0.005,
              queued_latency: float = 0.0, skip: int = 1, drain: int = 1,
-             slowdown: Callable[[str, float], float] | None = None) -> SimulationReport:
+             slowdown: Callable[[str, float], float] | None = None,
+             speeds: Mapping[str, float] | None = None) -> SimulationReport:
     """Simulate ``iterations`` of ``profile`` under ``options``.
 
     ``dispatch_latency``: seconds (in the profile's time) between a task's release and
-    its start when the worker is idle. ``slowdown(worker, now)``: a factor on the
-    durations of a worker's tasks starting at ``now`` (stragglers).
+    its start when the worker is idle; ``queued_latency``: between a GPU freeing and the
+    task queued on that worker starting. ``slowdown(worker, now)``: a factor on the
+    durations of a worker's tasks starting at ``now`` (stragglers). ``speeds``: per-worker
+    speeds (``rollout-0``...) instead of the profile's pool speeds; the ideal bound then
+    counts each worker at its speed.
     """
     colocated = not options.pools
     layout = profile.layout(options.max_staleness, stale_groups)
@@ -78,7 +88,8 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     versions: dict[str, set[int]] = {}
     phase: dict[str, str | None] = {}
     sync_total = [0.0]
-    pools = {w.name: w.pool for w in _workers(profile)}
+    workers = _workers(profile, speeds)
+    pools = {w.name: w.pool for w in workers}
     sync = profile.weight_sync_seconds()
 
     sim: Simulator | None = None
@@ -116,7 +127,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
             return net.latency + latent * info.samples / net.bandwidth
         return 0.0
 
-    sim = Simulator(options, _workers(profile), cost,
+    sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
                     output_bytes=lambda info: max(1, info.samples))
@@ -140,7 +151,8 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
     t0, t1 = ends[its[skip - 1]], ends[its[-1]]
     images = profile.images_per_iteration * (len(its) - skip)
     rate = images / (t1 - t0)
-    ideal = profile.ideal_images_per_s()
+    capacity = sum(w.speed for w in result.workers)
+    ideal = profile.images_per_iteration / (profile.gpu_seconds_per_iteration() / capacity)
     busy: dict[str, float] = {}
     for r in result.records:
         if r.gpu:

@@ -145,3 +145,15 @@ def test_dispatch_overhead_separates_transfers_and_queued_tasks():
     assert o["overhead_ms"] == pytest.approx(6.0)
     assert o["denoise_dask_ms"] == pytest.approx((6.0 + 2.0) / 2)
     assert o["denoise_ms"] == pytest.approx(94.0)
+
+
+def test_per_worker_speeds_set_the_heterogeneous_ideal_bound(flux):
+    half = {f"rollout-{j}": 0.5 for j in range(3)}
+    base = simulate(flux, opts("digenrl"), 4)
+    hetero = simulate(flux, opts("digenrl"), 4, speeds=half)
+    capacity = flux.gpus - 3 * 0.5
+    assert hetero.ideal_images_per_s == pytest.approx(base.ideal_images_per_s * capacity / flux.gpus)
+    assert hetero.images_per_s < base.images_per_s
+    assert 0 < hetero.ideal_fraction <= 1.0
+    with pytest.raises(ValueError, match=r"speeds: expected names of the profile's workers"):
+        simulate(flux, opts("digenrl"), 3, speeds={"rollout-99": 0.5})
