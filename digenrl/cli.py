@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--reuse", action="store_true",
                      help="with --validate: use the emulated runs already in DIR (from "
                           "digenrl bench --emulate) instead of running them again")
+    sim.add_argument("--network-study", action="store_true",
+                     help="instead: weight-sync and all-reduce traffic on a static fat-tree "
+                          "against a reconfigurable fabric (GPU counts x oversubscription x "
+                          "switching delays, or only --gpus)")
     sim.add_argument("--quiet", action="store_true")
     sim.add_argument("--debug", action="store_true")
     return parser
@@ -252,6 +256,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    if args.network_study:
+        from digenrl.sim.network import run_network_study
+
+        try:
+            print(run_network_study(args.profile, args.gpus), end="")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return 0
     from digenrl.bench import VARIANTS, bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
