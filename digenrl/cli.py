@@ -2,7 +2,9 @@
 
 Flags override the YAML config; ``--set section.field=value`` overrides any field.
 Configuration mistakes end with one line naming the field, exit status 2, and no
-traceback.
+traceback, before any cluster is started (``digenrl run --check`` validates and exits).
+A run stopped by a failing reward ends with one line naming the reward, the samples and
+the iteration, and exit status 1; the store keeps the complete iterations before it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import yaml
 
 from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
                             load_config)
-from digenrl.store import StoreError
+from digenrl.store import StoreError, committed_iterations
+from digenrl.tasks.rewards import RewardError
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -92,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "may extend it)")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="a progress bar (default: when stderr is a terminal and not --quiet)")
+    run.add_argument("--check", action="store_true",
+                     help="validate the config, the flags and the store (--out or --resume), "
+                          "print the resolved config and exit without starting a cluster")
     bench = sub.add_parser("bench", help="compare modes and ablations on the same work")
     _add_config_arguments(bench)
     bench.add_argument("--out", required=True, help="folder for the stores and results.csv")
@@ -194,11 +200,14 @@ def _setup_logging(quiet: bool) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from digenrl.runner import Runner
 
-    if (args.out is None) == (args.resume is None):
+    if args.out is not None and args.resume is not None or (
+            args.out is None and args.resume is None and not args.check):
         raise ConfigError("run: expected exactly one of --out STORE (a new run) or "
                           "--resume STORE (continue one)")
     config = config_from_args(args)
     out, resume = (args.resume, True) if args.resume else (args.out, False)
+    if args.check:
+        return _check_run(config, out, resume, args.overwrite)
 
     def runner(**kw):
         return Runner(config, out, overwrite=args.overwrite, resume=resume, **kw)
@@ -220,6 +229,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         runner(on_iteration=advance).run()
     return 0
+
+
+def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool) -> int:
+    """``digenrl run --check``: everything a run checks before starting a cluster."""
+    from digenrl.config import config_to_dict
+    from digenrl.driver import check_store
+    from digenrl.runner import FlowGRPOWorkload
+
+    workload = FlowGRPOWorkload(config)
+    start = 0
+    if out is not None:
+        start = check_store(workload, out, overwrite=overwrite, resume=resume)
+    sys.stdout.write(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    for line in workload.describe():
+        logger.info(line)
+    logger.info("the config is valid%s", f"; the run would resume {out} at iteration {start}"
+                if resume else "")
+    return 0
+
+
+def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
+    """The one line a run stopped by a failing reward ends with."""
+    out = getattr(args, "resume", None) or getattr(args, "out", None)
+    hint = "set reward.on_error: drop to leave such samples out of training and count them"
+    if out:
+        try:
+            n = committed_iterations(out)
+        except (StoreError, OSError, KeyError):
+            n = None
+        if n is not None:
+            hint = (f"{out} holds the {n} complete iteration{'s' if n != 1 else ''} before "
+                    f"it (--resume {out} continues it); {hint}")
+    return f"{e} ({hint})"
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -336,6 +378,12 @@ def _check_reused(store: Path, profile, iterations: int) -> None:
                           f"(--iterations), got {ran}")
 
 
+def _one_line(text: str) -> str:
+    """An error message on one line, whatever it quotes (a YAML parser's report, a
+    reward's exception)."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -346,8 +394,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, StoreError) as e:
         if getattr(args, "debug", False):
             raise
-        print(f"digenrl {args.command}: error: {e}", file=sys.stderr)
+        print(f"digenrl {args.command}: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except RewardError as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"digenrl {args.command}: error: {_one_line(_reward_failure(e, args))}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"digenrl {args.command}: interrupted", file=sys.stderr)
         return 130

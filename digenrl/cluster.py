@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster, Nanny, SpecCluster
+from distributed import Client, LocalCluster, Nanny, SpecCluster, WorkerPlugin
 from distributed.deploy.subprocess import SubprocessScheduler
 
 from digenrl.config import ClusterConfig, ConfigError
@@ -25,12 +25,40 @@ from digenrl.schedulers.options import ROLLOUT, TRAINER
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resources
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
-           "PooledLocalCluster", "PooledSpecCluster", "worker_resources", "DASK_CONFIG"]
+           "PooledLocalCluster", "PooledSpecCluster", "QuietReportedErrors", "worker_resources",
+           "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
 
 #: Dask settings a run relies on (see digenrl.schedulers.plugin for why).
 DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None}
+
+#: Errors the driver reports itself, in one line naming what failed.
+REPORTED_BY_DRIVER = ("RewardError(",)
+
+
+def _not_reported_by_driver(record: logging.LogRecord) -> bool:
+    """Drop a worker's "Compute Failed" report (the task, its exception and traceback)
+    when the driver reports that exception itself."""
+    if not str(record.msg).startswith("Compute Failed"):
+        return True
+    text = " ".join(map(str, record.args or ()))
+    return not any(name in text for name in REPORTED_BY_DRIVER)
+
+
+class QuietReportedErrors(WorkerPlugin):
+    """On the workers of a cluster ``digenrl run`` starts itself, whose log is the
+    terminal the run was started from: a failing reward ends the run with one line from
+    the driver naming the reward, the samples and the iteration, and the worker does not
+    print the task's traceback above it. Other worker messages are unchanged."""
+
+    name = "digenrl-quiet-reported-errors"
+
+    def setup(self, worker) -> None:
+        logging.getLogger("distributed.worker").addFilter(_not_reported_by_driver)
+
+    def teardown(self, worker) -> None:
+        logging.getLogger("distributed.worker").removeFilter(_not_reported_by_driver)
 
 
 def worker_resources(pool: str, gpus: int = 1, speed: float | None = None) -> dict[str, float]:
@@ -118,11 +146,20 @@ class ClusterHandle:
     description: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
+        """Close the client and the cluster started for it. A cluster slow to shut down
+        (dozens of worker processes on a loaded machine) costs a warning, not the
+        results of the work already done, and leaves no process behind."""
         try:
             self.client.close()
         finally:
             if self.cluster is not None:
-                self.cluster.close()
+                try:
+                    self.cluster.close(timeout=120)
+                except (TimeoutError, OSError, RuntimeError) as e:
+                    logger.warning("the cluster did not shut down cleanly (%r); stopping "
+                                   "its processes", e)
+                finally:
+                    _kill_subprocess_scheduler(self.cluster)
 
     @property
     def dashboard_link(self) -> str | None:
@@ -130,6 +167,16 @@ class ClusterHandle:
             return self.client.dashboard_link
         except Exception:  # a scheduler without a dashboard
             return None
+
+
+def _kill_subprocess_scheduler(cluster: Any) -> None:
+    """The scheduler a :class:`PooledSpecCluster` runs in a process of its own."""
+    proc = getattr(getattr(cluster, "scheduler", None), "process", None)
+    if proc is not None and proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
 
 
 def pool_counts(client: Client) -> dict[str, list[str]]:
@@ -200,7 +247,7 @@ def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:
     if cfg.scheduler is not None:
         try:
             client = Client(cfg.scheduler, timeout=f"{cfg.connect_timeout}s")
-        except OSError as e:
+        except (OSError, ValueError) as e:  # unreachable, or an address Dask cannot read
             raise ConfigError(f"cluster.scheduler: expected a reachable Dask scheduler, "
                               f"got {cfg.scheduler!r} ({e})") from None
     else:
@@ -221,6 +268,7 @@ def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:
             kind = "local"
         client = Client(cluster)
         client.wait_for_workers(cfg.rollout_workers + cfg.trainer_workers, timeout=120)
+        client.register_plugin(QuietReportedErrors())
     client.register_plugin(DigenRLSchedulerPlugin())
     counts = pool_counts(client)
     if pools:

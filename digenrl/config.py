@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -63,18 +64,30 @@ def _positive_int(v: Any, path: str, minimum: int = 1) -> None:
 
 
 def _finite(v: Any, path: str, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> None:
+            lo_open: bool = False, hi_open: bool = False) -> None:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if ok and lo is not None:
         ok = v > lo if lo_open else v >= lo
     if ok and hi is not None:
-        ok = v <= hi
+        ok = v < hi if hi_open else v <= hi
     bounds = []
     if lo is not None:
         bounds.append(f"{'>' if lo_open else '>='} {lo}")
     if hi is not None:
-        bounds.append(f"<= {hi}")
+        bounds.append(f"{'<' if hi_open else '<='} {hi}")
     _require(ok, path, "a finite number" + (" " + " and ".join(bounds) if bounds else ""), v)
+
+
+#: ``[HOST]:PORT`` (or a bare port), as Dask reads a dashboard address.
+_ADDRESS = re.compile(r"^(?:[A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})$"
+                      r"|^(?P<bare>\d{1,5})$")
+#: A scheduler address: ``[SCHEME://]HOST[:PORT]``, with a scheme or a port.
+_SCHEMES = ("tcp", "tls", "ucx", "ws", "wss")
+_SCHEDULER = re.compile(rf"^(?:(?P<scheme>{'|'.join(_SCHEMES)})://)?"
+                        r"(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d{1,5}))?$")
+#: A byte size as Dask's ``parse_bytes`` reads it: a number and an optional unit.
+_BYTES = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*(b|[kmgtp]i?b?)?\s*$",
+                    re.IGNORECASE)
 
 
 def _choice(v: Any, path: str, options: typing.Iterable[str]) -> None:
@@ -142,11 +155,12 @@ class ModelConfig:
         _positive_int(self.image_size, f"{p}.image_size", 8)
         factor = self.vae_scale_factor
         _require(self.image_size % factor == 0, f"{p}.image_size",
-                 f"a multiple of the VAE scale factor {factor}", self.image_size)
+                 f"a multiple of the VAE scale factor {factor} (2 ^ (number of "
+                 f"{p}.vae_channels - 1))", self.image_size)
         _positive_int(self.patch_size, f"{p}.patch_size")
         _require(self.latent_size % self.patch_size == 0, f"{p}.image_size",
-                 f"a latent size (image_size / {factor}) divisible by patch_size "
-                 f"{self.patch_size}", self.image_size)
+                 f"a latent size (image_size / {factor}) divisible by {p}.patch_size "
+                 f"({self.patch_size})", self.image_size)
         _positive_int(self.transformer_layers, f"{p}.transformer_layers")
         _positive_int(self.attention_heads, f"{p}.attention_heads")
         _positive_int(self.attention_head_dim, f"{p}.attention_head_dim")
@@ -168,13 +182,16 @@ class ModelConfig:
 
 # ------------------------------------------------------------------------- sampler
 
+#: The most sampling steps: the flow-matching scheduler's training timesteps.
+MAX_STEPS = 1000
+
 
 @dataclass(frozen=True)
 class SamplerConfig:
     """The Flow-GRPO SDE sampler (DESIGN.md section 3)."""
 
     num_steps: int = 8
-    """Denoising steps per sample (sigmas from FlowMatchEulerDiscreteScheduler)."""
+    """Denoising steps per sample, 2 to 1000 (sigmas from FlowMatchEulerDiscreteScheduler over its 1000 training timesteps)."""
     shift: float = 3.0
     """The flow-matching timestep shift."""
     noise_level: float = 0.7
@@ -185,7 +202,9 @@ class SamplerConfig:
     """Fraction of the steps trained: the first int(num_steps x fraction); never the last."""
 
     def validate(self, p: str = "sampler") -> None:
-        _positive_int(self.num_steps, f"{p}.num_steps", 2)
+        _require(_is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
+                 f"{p}.num_steps", f"an integer from 2 to {MAX_STEPS} (the sampler's "
+                 f"training timesteps)", self.num_steps)
         _finite(self.shift, f"{p}.shift", 0.0, lo_open=True)
         _finite(self.noise_level, f"{p}.noise_level", 0.0, lo_open=True)
         _finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
@@ -193,8 +212,8 @@ class SamplerConfig:
         n = self.trained_steps
         _require(1 <= n <= self.num_steps - 1, f"{p}.timestep_fraction",
                  f"a fraction leaving 1..{self.num_steps - 1} trained steps of "
-                 f"{self.num_steps} (the last, near-clean step is never trained)",
-                 f"{self.timestep_fraction} ({n} steps)")
+                 f"{p}.num_steps = {self.num_steps} (the last, near-clean step is never "
+                 f"trained)", f"{self.timestep_fraction} ({n} steps)")
 
     @property
     def trained_steps(self) -> int:
@@ -316,10 +335,8 @@ class TrainConfig:
 
     def validate(self, p: str = "train") -> None:
         _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
-        _finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0)
-        _finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0)
-        _require(self.adam_beta1 < 1 and self.adam_beta2 < 1, f"{p}.adam_beta1/adam_beta2",
-                 "values below 1", (self.adam_beta1, self.adam_beta2))
+        _finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0, hi_open=True)
+        _finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0, hi_open=True)
         _finite(self.adam_eps, f"{p}.adam_eps", 0.0, lo_open=True)
         _finite(self.weight_decay, f"{p}.weight_decay", 0.0)
         _finite(self.max_grad_norm, f"{p}.max_grad_norm", 0.0, lo_open=True)
@@ -379,9 +396,10 @@ class ScheduleConfig:
         _positive_int(self.slots_per_worker, f"{p}.slots_per_worker")
         if self.mode == "colocated":
             _require(not self.tag, f"{p}.tag",
-                     "false or null in colocated mode (there is no trainer pool)", self.tag)
+                     f"false or null in colocated mode ({p}.mode; there is no trainer pool)",
+                     self.tag)
             _require(not self.max_staleness, f"{p}.max_staleness",
-                     "0 or null in colocated mode (its phases are synchronous)",
+                     f"0 or null in colocated mode ({p}.mode; its phases are synchronous)",
                      self.max_staleness)
 
     def options(self) -> ScheduleOptions:
@@ -427,13 +445,13 @@ class ClusterConfig:
 
     def validate(self, p: str = "cluster") -> None:
         if self.scheduler is not None:
-            _require(isinstance(self.scheduler, str) and "://" in self.scheduler
-                     or (isinstance(self.scheduler, str) and ":" in self.scheduler),
-                     f"{p}.scheduler", "a scheduler address such as tcp://host:8786",
-                     self.scheduler)
+            m = isinstance(self.scheduler, str) and _SCHEDULER.match(self.scheduler)
+            _require(bool(m) and (m.group("scheme") or m.group("port")) is not None
+                     and int(m.group("port") or 0) <= 65535, f"{p}.scheduler",
+                     "a scheduler address such as tcp://host:8786 (schemes: "
+                     f"{', '.join(_SCHEMES)})", self.scheduler)
             _require(not self.gpus, f"{p}.gpus",
-                     "false when a scheduler address is given (the cluster exists)",
-                     self.gpus)
+                     f"false when {p}.scheduler is given (the cluster exists)", self.gpus)
         _require(isinstance(self.gpus, bool), f"{p}.gpus", "true or false", self.gpus)
         _positive_int(self.rollout_workers, f"{p}.rollout_workers")
         _positive_int(self.trainer_workers, f"{p}.trainer_workers")
@@ -441,8 +459,15 @@ class ClusterConfig:
         _positive_int(self.torch_threads, f"{p}.torch_threads")
         _finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
         if self.dashboard_address is not None:
-            _require(isinstance(self.dashboard_address, str), f"{p}.dashboard_address",
-                     "an address such as ':8787' or null", self.dashboard_address)
+            m = isinstance(self.dashboard_address, str) and _ADDRESS.match(self.dashboard_address)
+            _require(bool(m) and int(m.group("port") or m.group("bare")) <= 65535,
+                     f"{p}.dashboard_address",
+                     "an address such as ':8787' or 'localhost:8787' (port 0 picks a free "
+                     "one), or null", self.dashboard_address)
+        _require(isinstance(self.memory_limit, str) and (
+            self.memory_limit == "auto" or bool(_BYTES.match(self.memory_limit))),
+            f"{p}.memory_limit", "'auto' or a size such as '4GiB', '500MB' or '0' (no limit)",
+            self.memory_limit)
 
     @property
     def total_workers(self) -> int:
@@ -499,8 +524,8 @@ class RunConfig:
                  f"a divisor or a multiple of data.samples_per_prompt ({spp})", chunk)
         total = self.data.samples_per_iteration
         _require(total % chunk == 0, "rollout.chunk_size",
-                 f"a divisor of the samples per iteration "
-                 f"(prompts_per_iteration x samples_per_prompt = {total})", chunk)
+                 f"a divisor of the samples per iteration (data.prompts_per_iteration x "
+                 f"data.samples_per_prompt = {total})", chunk)
 
     # Derived totals, logged at start.
     @property
@@ -540,6 +565,15 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+def _sub_path(path: str, key: Any) -> str:
+    """The dotted path of ``key`` under ``path``; a key that is not a plain word (spaces,
+    line breaks, an empty string, not a string) is shown quoted, ``path['a b']``."""
+    if isinstance(key, str) and key and key.isprintable() and not any(
+            c.isspace() or c in ".[]'\"" for c in key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
 def _coerce(value: Any, hint: Any, path: str) -> Any:
     """Convert a YAML value to the field's declared type, or fail naming the field."""
     origin = typing.get_origin(hint)
@@ -564,7 +598,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if origin in (collections.abc.Mapping, dict) or hint in (dict, Mapping):
         _require(isinstance(value, Mapping), path, "a mapping", value)
         vt = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, vt, f"{path}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(v, vt, _sub_path(path, k)) for k, v in value.items()}
     if hint is bool:
         _require(isinstance(value, bool), path, "true or false", value)
         return value
@@ -596,7 +630,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        sub = f"{path}.{key}" if path else str(key)
+        sub = _sub_path(path, key)
         if key not in names:
             raise ConfigError(f"{sub}: unknown field; valid fields of "
                               f"{path or 'the config'} are {sorted(names)}")
@@ -632,6 +666,8 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
     for dotted, value in overrides.items():
         parts = dotted.split(".")
+        _require(all(p.strip() == p and p for p in parts), dotted,
+                 "a field path such as train.learning_rate", dotted)
         node = out
         for part in parts[:-1]:
             child = node.get(part)

@@ -14,7 +14,9 @@ import logging
 import platform
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Hashable, Protocol
 
 import numpy as np
@@ -30,10 +32,11 @@ from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint
                                      restore_nodes, rollout_nodes, tail_nodes, train_nodes)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER, ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
-from digenrl.store import RunStore, StoreError, complete_checkpoints, drop_checkpoints
+from digenrl.store import (RunStore, StoreError, committed_iterations, complete_checkpoints,
+                           drop_checkpoints, read_attrs)
 
-__all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "library_versions",
-           "task_columns"]
+__all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "check_store",
+           "library_versions", "task_columns"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -78,6 +81,38 @@ class Workload(Protocol):
     def finish(self, client, store: RunStore, final_weights: Future) -> Any: ...
 
 
+def check_store(workload: Workload, out: str, *, overwrite: bool = False,
+                resume: bool = False) -> int:
+    """The iteration a run of ``workload`` writing ``out`` starts at, or why it cannot
+    run (a :class:`StoreError`, or the workload's ``ConfigError`` for a resumed run whose
+    config differs). It only reads, so callers check before starting any cluster."""
+    if not resume:
+        if Path(out).exists() and not overwrite:
+            raise StoreError(f"out: expected a path that does not exist yet (or --overwrite, "
+                             f"or --resume to continue it), got {str(out)!r}")
+        return 0
+    attrs = read_attrs(out)
+    workload.check_resume(attrs)
+    start = committed_iterations(out)
+    # All iterations committed but the final state not written (the run stopped while
+    # finishing): resuming only finishes it.
+    if start > workload.iterations or (start == workload.iterations
+                                       and attrs.get("finished") == start):
+        raise StoreError(f"resume: the store already holds {start} iterations; pass "
+                         f"--iterations above {start} to continue it")
+    if start == 0:
+        return 0  # nothing to restore: version 0 is built (and checkpointed) again
+    have = set(complete_checkpoints(out))
+    need = set(range(max(0, start - workload.options.max_staleness), start + 1))
+    if workload.layout.kl:
+        need.add(0)
+    missing = sorted(need - have)
+    if missing:
+        raise StoreError(f"resume: the store lacks the checkpoints of policy versions "
+                         f"{missing} (it holds {sorted(have)})")
+    return start
+
+
 def library_versions() -> dict[str, str]:
     import dask
     import distributed
@@ -118,6 +153,9 @@ class Driver:
         self.resume = resume
         self.on_iteration = on_iteration
         self.run_id = uuid.uuid4().hex[:12]
+        #: Every future of this run still referenced anywhere (weakly: the run releases
+        #: what it no longer needs by dropping it).
+        self._live: weakref.WeakValueDictionary[int, Future] = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ helpers
 
@@ -132,6 +170,8 @@ class Driver:
         graph = self.w.bind(nodes, {"out": keys})
         self._check(graph)
         futures = self.handle.client.get(graph.to_hlg(name), keys, sync=False)
+        for f in futures:
+            self._live[id(f)] = f
         return dict(zip(keys, futures))
 
     def pools(self) -> dict[str, list[str]]:
@@ -146,6 +186,7 @@ class Driver:
 
     def _open_store(self) -> tuple[RunStore, int]:
         w = self.w
+        start = check_store(w, self.out, overwrite=self.overwrite, resume=self.resume)
         if not self.resume:
             store = RunStore.create(self.out, {
                 **w.attrs(), "schedule": w.options.as_dict(), "versions": library_versions(),
@@ -153,27 +194,15 @@ class Driver:
             }, overwrite=self.overwrite)
             return store, 0
         store = RunStore.open(self.out)
-        w.check_resume(store.attrs)
-        start = store.iterations_complete
-        if start >= w.iterations:
-            raise StoreError(f"resume: the store already holds {start} iterations; pass "
-                             f"--iterations above {start} to continue it")
-        have = set(complete_checkpoints(self.out))
-        need = {v for v in range(max(0, start - w.options.max_staleness), start + 1)}
-        if w.layout.kl:
-            need.add(0)
-        missing = sorted(need - have)
-        if missing:
-            raise StoreError(f"resume: the store lacks the checkpoints of policy versions "
-                             f"{missing} (it holds {sorted(have)})")
-        store.update_attrs(resumed=[*store.attrs.get("resumed", []),
-                                    {"at_iteration": start, "run": self.run_id}])
+        self.run_id = store.attrs.get("run", self.run_id)
+        # The config the run now follows (it may extend the iterations), and when.
+        store.update_attrs(**w.attrs(), resumed=[*store.attrs.get("resumed", []),
+                                                 {"at_iteration": start, "time": time.time()}])
         return store, start
 
     def run(self) -> RunResult:
         w, opts, client = self.w, self.w.options, self.handle.client
         store, start = self._open_store()
-        self.run_id = store.attrs.get("run", self.run_id) if self.resume else self.run_id
         w.prepare(client, store)
         client.sync(client.scheduler.digenrl_begin_run, run=self.run_id, options=opts.as_dict())
         logger.info("run %s: mode %s (gap=%s tsp=%s tag=%s max_staleness=%d), %d iterations%s",
@@ -186,6 +215,38 @@ class Driver:
         if self.handle.dashboard_link:
             logger.info("dashboard: %s", self.handle.dashboard_link)
 
+        try:
+            result = self._run(store, start)
+        except BaseException:
+            self._abandon()
+            raise
+        client.sync(client.scheduler.digenrl_end_run, run=self.run_id)
+        return result
+
+    def _abandon(self, timeout: float = 30.0) -> None:
+        """The run stopped on an error: release everything it holds in the cluster and
+        end its schedule, waiting until the scheduler has dropped its tasks, so that a
+        later run on the same (perhaps long-lived) scheduler starts from nothing.
+
+        (Releasing, not ``Client.cancel``: cancelling a key whose dependents nobody
+        holds trips an assertion in the scheduler's cancel handler, distributed
+        2026.7.1.)"""
+        client = self.handle.client
+        for f in list(self._live.values()):
+            f.release()
+        try:
+            deadline = time.monotonic() + timeout
+            while client.sync(client.scheduler.digenrl_end_run, run=self.run_id):
+                if time.monotonic() > deadline:
+                    logger.warning("run %s stopped; the scheduler still holds some of its "
+                                   "tasks after %.0f s", self.run_id, timeout)
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # the cluster itself may be what failed
+            logger.debug("could not end run %s on the scheduler: %r", self.run_id, e)
+
+    def _run(self, store: RunStore, start: int) -> RunResult:
+        w, opts, client = self.w, self.w.options, self.handle.client
         k = opts.max_staleness
         published: dict[int, Future] = {}     # version -> its publish future (held)
         checkpoints: dict[int, Future] = {}   # version -> its checkpoint future
@@ -276,7 +337,11 @@ class Driver:
                     break
                 waiting = [f for f in futs.values() if not f.done()] + list(checkpoints.values())
                 assert waiting, f"iteration {i}: nothing left to wait for ({submitted})"
-                wait(waiting, return_when="FIRST_COMPLETED")
+                # distributed.wait runs on the default client's event loop, which is
+                # not this run's when the process holds several clients; the futures'
+                # events would then belong to the wrong loop.
+                with client.as_current():
+                    wait(waiting, return_when="FIRST_COMPLETED")
             futs = collect.pop(i)
             values = dict(zip(futs, client.gather(list(futs.values()))))
             batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)
@@ -318,7 +383,7 @@ class Driver:
                         summary.loss, summary.images_per_s)
             del futs, values
         result.final = w.finish(client, store, published[w.iterations])
-        client.sync(client.scheduler.digenrl_end_run, run=self.run_id)
+        store.update_attrs(finished=w.iterations)
         return result
 
 

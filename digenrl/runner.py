@@ -16,7 +16,8 @@ import numpy as np
 
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import ConfigError, RunConfig, config_to_dict
-from digenrl.driver import Driver, IterationSummary, RunResult, library_versions
+from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
+                            library_versions)
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
@@ -179,7 +180,9 @@ class FlowGRPOWorkload:
         grp = store.root.require_group("weights")
         for name, t in weights.tensors.items():
             arr = t.detach().cpu().numpy()
-            grp.create_array(name, shape=arr.shape, dtype=arr.dtype)[...] = arr
+            # overwrite: a resumed run that extends a finished one, or finishes one that
+            # stopped while writing these, replaces them
+            grp.create_array(name, shape=arr.shape, dtype=arr.dtype, overwrite=True)[...] = arr
         grp.attrs["policy_version"] = weights.version
         store.commit()
         return weights
@@ -201,6 +204,8 @@ class Runner:
         self.workload = FlowGRPOWorkload(config)
 
     def run(self) -> RunResult:
+        # A store that cannot be written or resumed fails here, before any cluster work.
+        check_store(self.workload, self.out, overwrite=self.overwrite, resume=self.resume)
         handle = self.cluster or start_cluster(self.config.cluster,
                                                pools=self.workload.options.pools)
         try:

@@ -5,12 +5,16 @@ sample, step), ``metrics`` (iteration) and ``tasks`` (task). The run appends one
 at a time. Each append first writes the new rows (beyond the arrays' committed shapes)
 and then commits by rewriting the consolidated metadata at the root -- a single atomic
 file replacement. Readers that use the consolidated metadata (xarray and zarr do by
-default) therefore only ever see complete iterations, whenever the writer stops.
+default) therefore only ever see complete iterations, whenever the writer stops; run
+attributes are changed in that same file, in place, so readers never lose that view.
+Reopening a store to append (a resumed run) first cuts whatever the last commit did not
+hold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,8 +23,9 @@ import numpy as np
 import xarray as xr
 import zarr
 
-__all__ = ["RunStore", "open_run", "GROUPS", "StoreError", "write_checkpoint",
-           "read_checkpoint", "complete_checkpoints", "drop_checkpoints"]
+__all__ = ["RunStore", "open_run", "read_attrs", "committed_iterations", "GROUPS",
+           "StoreError", "write_checkpoint", "read_checkpoint", "complete_checkpoints",
+           "drop_checkpoints"]
 
 GROUPS = ("samples", "steps", "metrics", "tasks")
 FORMAT_VERSION = 1
@@ -66,23 +71,23 @@ class RunStore:
             raise StoreError(f"out: expected a path that does not exist yet (or --overwrite, "
                              f"or --resume to continue it), got {str(path)!r}")
         root = zarr.open_group(str(p), mode="w", zarr_format=3)
-        root.attrs["digenrl"] = json.loads(json.dumps(
-            {"format_version": FORMAT_VERSION, **attrs}, default=str))
+        # The groups first, committed; the attributes that make it a digenrl store last:
+        # a reader (or a resume) never finds a digenrl store without its groups.
         for g in GROUPS:
             root.create_group(g)
         _quiet_consolidate(str(p))
+        _write_run_attrs(p, json.loads(json.dumps(
+            {"format_version": FORMAT_VERSION, **attrs}, default=str)))
         return cls(p, zarr.open_group(str(p), mode="r+", zarr_format=3,
                                       use_consolidated=False))
 
     @classmethod
     def open(cls, path: str | Path) -> "RunStore":
-        """Open an existing store for appending; anything beyond the last commit is cut."""
+        """Open an existing store for appending; anything beyond the last commit is cut:
+        rows past the committed shapes, and variables the last commit did not hold yet
+        (a writer stopped while appending the first rows of one)."""
         p = Path(path)
-        if not (p / "zarr.json").is_file():
-            raise StoreError(f"store: expected an existing digenrl store, got {str(path)!r}")
-        committed = zarr.open_group(str(p), mode="r")
-        if "digenrl" not in committed.attrs:
-            raise StoreError(f"store: {str(path)!r} is a Zarr store but not a digenrl run")
+        committed = _open_committed(p)
         shapes = {}
         for g in GROUPS:
             grp = committed[g]
@@ -90,10 +95,14 @@ class RunStore:
                 shapes[(g, name)] = arr.shape
         root = zarr.open_group(str(p), mode="r+", zarr_format=3, use_consolidated=False)
         store = cls(p, root)
-        for (g, name), shape in shapes.items():
-            arr = root[g][name]
-            if arr.shape != shape:
-                arr.resize(shape)
+        for g in GROUPS:
+            grp = root[g]
+            for name, arr in list(grp.arrays()):
+                shape = shapes.get((g, name))
+                if shape is None:
+                    del grp[name]
+                elif arr.shape != shape:
+                    arr.resize(shape)
         return store
 
     # ------------------------------------------------------------------ metadata
@@ -103,9 +112,14 @@ class RunStore:
         return dict(self.root.attrs["digenrl"])
 
     def update_attrs(self, **values: Any) -> None:
+        """Set run attributes, in place in the committed root metadata (one atomic
+        write): the committed iterations readers see are unchanged, and they never
+        fall back to the uncommitted listing."""
         current = self.attrs
         current.update(json.loads(json.dumps(values, default=str)))
-        self.root.attrs["digenrl"] = current
+        _write_run_attrs(Path(self.path), current)
+        self.root = zarr.open_group(self.path, mode="r+", zarr_format=3,
+                                    use_consolidated=False)
 
     @property
     def iterations_complete(self) -> int:
@@ -177,6 +191,19 @@ class RunStore:
         _quiet_consolidate(self.path)
 
 
+def _write_run_attrs(path: Path, attrs: dict[str, Any]) -> None:
+    """Set the root's ``digenrl`` attribute by replacing its ``zarr.json`` in one atomic
+    write that keeps the consolidated metadata (the last commit) as it is. (Zarr's own
+    attribute update rewrites that file without it until the next consolidation, and a
+    reader in between would list uncommitted rows.)"""
+    meta = path / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc.setdefault("attributes", {})["digenrl"] = attrs
+    tmp = meta.with_name(f".zarr.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, meta)
+
+
 def _first_dim(arr: zarr.Array) -> str | None:
     names = arr.metadata.dimension_names
     return names[0] if names else None
@@ -189,17 +216,50 @@ def _length(group: zarr.Group, dim: str) -> int:
     return 0
 
 
-def open_run(path: str | Path) -> dict[str, xr.Dataset]:
-    """Every group of a store as an xarray Dataset (committed iterations only)."""
+def _open_committed(path: str | Path) -> zarr.Group:
+    """The store's root as of its last commit (its consolidated metadata)."""
+    p = Path(path)
+    if not (p / "zarr.json").is_file():
+        raise StoreError(f"store: expected an existing digenrl store, got {str(path)!r}")
+    root = zarr.open_group(str(p), mode="r")
+    if "digenrl" not in root.attrs:
+        raise StoreError(f"store: {str(path)!r} is a Zarr store but not a digenrl run")
+    return root
+
+
+def read_attrs(path: str | Path) -> dict[str, Any]:
+    """The run attributes of a store (config, versions, cluster, ...), read-only."""
+    return dict(_open_committed(path).attrs["digenrl"])
+
+
+def _committed_lengths(root: zarr.Group) -> tuple[int, int]:
+    return _length(root["metrics"], "iteration"), _length(root["tasks"], "task")
+
+
+def committed_iterations(path: str | Path) -> int:
+    """How many complete iterations a store holds (safe while a run is writing it)."""
+    return _committed_lengths(_open_committed(path))[0]
+
+
+def open_run(path: str | Path, *, attempts: int = 20) -> dict[str, xr.Dataset]:
+    """Every group of a store as an xarray Dataset (committed iterations only).
+
+    Each group is opened from the consolidated metadata, which a running writer
+    replaces at every commit; if a commit lands while the groups are being opened they
+    are opened again, so all groups always show the same complete iterations."""
     p = str(path)
-    if not (Path(p) / "zarr.json").is_file():
-        raise StoreError(f"store: expected an existing digenrl store, got {p!r}")
-    out = {}
-    for g in GROUPS:
-        out[g] = xr.open_zarr(p, group=g, chunks=None)
-    attrs = zarr.open_group(p, mode="r").attrs.get("digenrl")
-    if attrs is None:
-        raise StoreError(f"store: {p!r} is a Zarr store but not a digenrl run")
+    before = _committed_lengths(_open_committed(p))
+    for _ in range(attempts):
+        out = {g: xr.open_zarr(p, group=g, chunks=None) for g in GROUPS}
+        root = _open_committed(p)
+        after = _committed_lengths(root)
+        if after == before:
+            break
+        before = after
+    else:
+        raise StoreError(f"store: {p!r} changed under every one of {attempts} attempts "
+                         f"to read it")
+    attrs = root.attrs["digenrl"]
     for ds in out.values():
         ds.attrs["digenrl"] = attrs
     return out

@@ -27,7 +27,7 @@ def test_flags_override_the_config():
     (["--reward", "nonsense"], "reward.components: expected one of"),
     (["--mode", "fast"], "schedule.mode: expected one of"),
     (["--set", "data.samples_per_prompt=1"], "data.samples_per_prompt: expected an integer >= 2, got 1"),
-    (["--set", "sampler.num_steps=1"], "sampler.num_steps: expected an integer >= 2, got 1"),
+    (["--set", "sampler.num_steps=1"], "sampler.num_steps: expected an integer from 2 to 1000"),
     (["--set", "rollout.chunk_size=3"], "rollout.chunk_size: expected a divisor or a multiple"),
     (["--rollout-workers", "0"], "cluster.rollout_workers: expected an integer >= 1, got 0"),
     (["--set", "model.path=/no/such/folder"], "model.path: expected an existing folder"),

@@ -32,7 +32,7 @@ def test_derived_totals():
     ({"schedule.mode": "async"},
      r"schedule.mode: expected one of \['colocated', 'digenrl', 'disaggregated'\], got 'async'"),
     ({"data.samples_per_prompt": 1}, r"data.samples_per_prompt: expected an integer >= 2, got 1"),
-    ({"sampler.num_steps": 1}, r"sampler.num_steps: expected an integer >= 2, got 1"),
+    ({"sampler.num_steps": 1}, r"sampler.num_steps: expected an integer from 2 to 1000 .*, got 1"),
     ({"rollout.chunk_size": 3},
      r"rollout.chunk_size: expected a divisor or a multiple of data.samples_per_prompt \(4\), got 3"),
     ({"rollout.chunk_size": 8, "data.prompts_per_iteration": 3},

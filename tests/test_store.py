@@ -88,3 +88,33 @@ def test_checkpoints_round_trip_bit_for_bit_and_drop(store_path):
         write_checkpoint(store_path, 3, bad, step=3)
     # The run's groups still read back after checkpoints came and went.
     assert set(open_run(store_path)) == {"samples", "steps", "metrics", "tasks"}
+
+
+def test_a_writer_stopped_in_its_first_append_leaves_nothing_behind(store_path):
+    s = RunStore.create(store_path, {})
+    # Iteration 0's first rows written, creating the variables, never committed.
+    s._append("metrics", "reward_mean", np.float64(0))
+    s._append("samples", "reward", np.zeros(3))
+    assert all(ds.sizes.get("iteration", 0) == 0 for ds in open_run(store_path).values())
+    s2 = RunStore.open(store_path)
+    assert s2.iterations_complete == 0 and "reward_mean" not in s2.root["metrics"]
+    s2.append_iteration(rows(0))
+    s2.append_iteration(rows(1))
+    np.testing.assert_array_equal(open_run(store_path)["metrics"].reward_mean.values, [0, 1])
+
+
+def test_attributes_change_in_place_in_the_committed_metadata(store_path):
+    import json
+    import warnings
+    from pathlib import Path
+
+    s = RunStore.create(store_path, {"config": {"seed": 1}})
+    s.append_iteration(rows(0))
+    s._append("samples", "reward", rows(1)["samples"]["reward"])  # uncommitted rows
+    s.update_attrs(finished=1)
+    root = json.loads((Path(store_path) / "zarr.json").read_text())
+    assert root["consolidated_metadata"] is not None
+    assert root["attributes"]["digenrl"]["finished"] == 1 and s.attrs["finished"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the uncommitted listing
+        assert open_run(store_path)["samples"].reward.shape == (1, 3)

@@ -6,17 +6,18 @@ Each node's operation maps to a task function and the run-wide specs it takes fi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-from digenrl.config import RunConfig
+from digenrl.config import ConfigError, RunConfig
 from digenrl.graph.dask_graph import IterationGraph, bind, init_outputs, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, init_nodes, iteration_nodes
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
-from digenrl.tasks.rewards import rewards_need_gpu
+from digenrl.tasks.rewards import RewardSpec, resolve_rewards, rewards_need_gpu
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -29,10 +30,13 @@ class GraphContext:
     layout: GraphLayout
     rollout: rollout.RolloutSpec
     train: train.TrainSpec
+    #: The reward functions with their weights (the reward tasks carry them).
+    rewards: tuple[tuple[RewardSpec, float], ...] = ()
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
         sigmas = flow_sigmas(config.sampler, config.model)
+        _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)
         rspec = rollout.RolloutSpec(
             model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
@@ -51,17 +55,18 @@ class GraphContext:
             reward_gpu=rewards_need_gpu(config.reward.components),
             version_lag=config.schedule.options().max_staleness,
             stale_groups=config.schedule.stale_groups)
-        return cls(config=config, layout=layout, rollout=rspec, train=tspec)
+        return cls(config=config, layout=layout, rollout=rspec, train=tspec,
+                   rewards=resolve_rewards(config.reward.components))
 
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""
-        reward = self.config.reward
+        on_error = self.config.reward.on_error
         return {
             "init": (train.init_state, (self.train,)),
             "noise": (rollout.noise, (self.rollout,)),
             "denoise": (rollout.denoise, (self.rollout,)),
             "decode": (rollout.decode, (self.rollout,)),
-            "reward": (adv_tasks.score, (dict(reward.components), reward.on_error)),
+            "reward": (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
             "advantage": (adv_tasks.advantage, ()),
             "grad": (train.grad, (self.train,)),
             "reduce": (train.reduce, ()),
@@ -69,6 +74,18 @@ class GraphContext:
             "publish": (train.publish, ()),
             "stats": (train.iteration_stats, ()),
         }[node.op]
+
+
+def _check_sigmas(sigmas: tuple[float, ...], config: RunConfig) -> None:
+    """Every step must move: finite noise levels, strictly decreasing (in float32, as the
+    scheduler computes them). An extreme shift collapses them to 1 or to NaN."""
+    if all(math.isfinite(s) for s in sigmas) and all(
+            a > b for a, b in zip(sigmas, sigmas[1:])):
+        return
+    raise ConfigError(
+        f"sampler.shift: expected a shift giving {config.sampler.num_steps} distinct noise "
+        f"levels (sampler.num_steps), got {config.sampler.shift!r} (levels "
+        f"{[round(s, 6) for s in sigmas[:4]]}...)")
 
 
 def init_graph(ctx: GraphContext) -> IterationGraph:

@@ -80,6 +80,10 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._meta: dict[Hashable, dict[str, Any]] = {}
         self._decisions: dict[Hashable, Any] = {}
         self._to_err: dict[Hashable, str] = {}
+        #: When each task last became ready. A task whose inputs are lost with a worker
+        #: goes back to waiting and becomes ready again once they are recomputed; the
+        #: records report that last time, when it was actually runnable.
+        self._ready_at: dict[Hashable, float] = {}
         self.warnings: list[str] = []
         #: Samples of (time, policy version, per-pool busy/TAG workers, held tasks).
         self.timeline: deque[dict[str, Any]] = deque(maxlen=20_000)
@@ -122,6 +126,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._meta.clear()
         self._decisions.clear()
         self._to_err.clear()
+        self._ready_at.clear()
         self.warnings = []
         self.timeline.clear()
         self.staleness_counts.clear()
@@ -130,9 +135,12 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self._add_worker(addr)
         return self.state()
 
-    def end_run(self, run: str) -> None:
+    def end_run(self, run: str) -> int:
+        """The run is over (finished, or stopped on an error). Returns how many of its
+        tasks the scheduler still holds (a driver that stopped waits for none)."""
         if self.run == run:
             self.active = False
+        return sum(key in self.scheduler.tasks for key in self._meta)
 
     def _live_tasks(self) -> bool:
         return any(k in self.scheduler.tasks for k in self._meta)
@@ -192,6 +200,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             if key in self._to_err:
                 self._schedule_flush()
                 return
+            self._ready_at[key] = time.time()
             self.policy.task_ready(key, self._locality(key))
             self._schedule_flush()
         elif start == "processing":
@@ -213,6 +222,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self._meta.pop(key, None)
             self._decisions.pop(key, None)
             self._to_err.pop(key, None)
+            self._ready_at.pop(key, None)
 
     def _park(self, key) -> None:
         ts = self.scheduler.tasks.get(key)
@@ -292,6 +302,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         d = self._decisions.get(key)
         ws = self.scheduler.workers.get(worker)
         bv = meta.get("behaviour_version")
+        ready = self._ready_at.get(key) or self.policy.ready_since(key) or 0.0
         if meta["kind"] == "grad" and meta.get("timestep") == 0 and bv is not None:
             self.staleness_counts[meta["policy_version"] - bv] += int(meta.get("samples") or 0)
         self.records.append({
@@ -309,8 +320,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "chunk": -1 if meta.get("chunk") is None else meta["chunk"],
             # Scheduler clock (start/stop are the worker's, shifted by Dask's estimate of
             # its clock offset): compare these four for what happened before what.
-            "ready": self.policy.ready_since(key) or 0.0,
-            "eligible": self.policy.eligible_since(key) or 0.0,
+            "ready": ready,
+            "eligible": max(self.policy.eligible_since(key) or 0.0, ready),
             "released": d.time if d is not None else 0.0,
             "finished": time.time(),
             "tag": bool(d.tag) if d is not None else False,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from digenrl.tasks.rewards import evaluate_rewards
+from digenrl.tasks.rewards import RewardSpec, evaluate_rewards
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
 __all__ = ["score", "group_advantages", "advantage"]
@@ -14,11 +14,14 @@ __all__ = ["score", "group_advantages", "advantage"]
 STD_EPS = 1e-4
 
 
-def score(components: Mapping[str, float], on_error: str, prompts: Sequence[str],
-          decoded: DecodeOut) -> RewardOut:
-    """The reward task: the weighted reward of each decoded image of a chunk."""
+def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
+          prompts: Sequence[str], decoded: DecodeOut) -> RewardOut:
+    """The reward task: the weighted reward of each decoded image of a chunk.
+
+    ``rewards`` are :func:`~digenrl.tasks.rewards.resolve_rewards` pairs: the task
+    carries the reward functions themselves."""
     total, per, valid, problems = evaluate_rewards(
-        decoded.images, prompts, decoded.sample_ids, components, on_error)
+        decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration)
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
 

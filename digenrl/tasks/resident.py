@@ -86,6 +86,15 @@ class ResidentModels:
         with self._lock:
             return list(self._versions)
 
+    def loaded(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The parameters of the transformer holding ``version`` (None when that version
+        is not resident): what this worker computes with for that version."""
+        with self._lock:
+            module = self._versions.get(version)
+            if module is None:
+                return None
+            return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+
 
 def tune_malloc() -> bool:
     """Undo the allocator setting Dask's nanny gives worker processes.

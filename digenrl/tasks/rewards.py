@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
-           "evaluate_rewards", "rewards_need_gpu"]
+           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu"]
 
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
@@ -56,6 +56,17 @@ def get_reward(name: str) -> RewardSpec:
         return REWARDS[name]
     except KeyError:
         raise ValueError(f"reward: expected one of {sorted(REWARDS)}, got {name!r}") from None
+
+
+def resolve_rewards(components: Mapping[str, float]) -> tuple[tuple[RewardSpec, float], ...]:
+    """Each named reward's registered spec with its weight, in order.
+
+    The reward task carries these rather than the names: its function travels with the
+    task (a module-level function by reference, so the worker imports the module that
+    defines it; anything else by value), and a worker -- including one that joins or is
+    restarted mid-run -- needs no registration of its own.
+    """
+    return tuple((get_reward(name), float(weight)) for name, weight in components.items())
 
 
 def rewards_need_gpu(components: Mapping[str, float]) -> bool:
@@ -106,30 +117,36 @@ def evaluate_rewards(
     images: np.ndarray,
     prompts: Sequence[str],
     sample_ids: Sequence[int],
-    components: Mapping[str, float],
+    components: Mapping[str, float] | Sequence[tuple[RewardSpec, float]],
     on_error: str = "raise",
+    iteration: int | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
     """The weighted sum of ``components`` for each image.
 
-    Returns ``(total, per_component, valid, problems)``. A reward that raises, returns a
-    wrong shape, or returns NaN/inf for some samples is a :class:`RewardError` naming the
-    reward and those samples when ``on_error == "raise"``; with ``"drop"`` those samples
-    are marked invalid (their total is NaN) and ``problems`` says why.
+    ``components`` maps registered reward names to weights, or is the
+    ``(spec, weight)`` pairs of :func:`resolve_rewards`. Returns ``(total,
+    per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
+    returns NaN/inf for some samples is a :class:`RewardError` naming the reward and
+    those samples (and ``iteration`` when given) when ``on_error == "raise"``; with
+    ``"drop"`` those samples are marked invalid (their total is NaN) and ``problems``
+    says why.
     """
     n = len(images)
     ids = list(sample_ids)
+    where = f" of iteration {iteration}" if iteration is not None else ""
+    pairs = resolve_rewards(components) if isinstance(components, Mapping) else components
     total = np.zeros(n, dtype=np.float64)
     valid = np.ones(n, dtype=bool)
     per: dict[str, np.ndarray] = {}
     problems: list[str] = []
-    for name, weight in components.items():
-        spec = get_reward(name)
+    for spec, weight in pairs:
+        name = spec.name
         try:
             values = spec.fn(images, list(prompts))
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
-                   f"for samples {ids}")
+                   f"for samples {ids}{where}")
             if on_error == "raise":
                 raise RewardError(msg) from e
             problems.append(msg)
@@ -138,7 +155,7 @@ def evaluate_rewards(
             continue
         if arr.shape != (n,):
             msg = (f"reward {name!r} returned shape {arr.shape}, expected ({n},) "
-                   f"for samples {ids}")
+                   f"for samples {ids}{where}")
             if on_error == "raise":
                 raise RewardError(msg)
             problems.append(msg)
@@ -148,7 +165,7 @@ def evaluate_rewards(
         bad = ~np.isfinite(arr)
         if bad.any():
             bad_ids = [ids[i] for i in np.flatnonzero(bad)]
-            msg = f"reward {name!r} returned NaN or inf for samples {bad_ids}"
+            msg = f"reward {name!r} returned NaN or inf for samples {bad_ids}{where}"
             if on_error == "raise":
                 raise RewardError(msg)
             problems.append(msg)

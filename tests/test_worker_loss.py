@@ -1,0 +1,156 @@
+"""Worker loss on a real multi-process local cluster in mode digenrl.
+
+While the run computes a later iteration, a rollout worker (then a trainer worker) is
+killed with SIGKILL in the middle of a task; its nanny starts a new process, which joins
+the cluster mid-run. Lost results are recomputed from lineage -- every random draw is
+keyed by what is drawn and every optimizer step starts from a checkpoint -- so the run
+completes with every iteration in the store and with the rewards, log-probs, metrics and
+final weights of the undisturbed run, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import zarr
+from distributed import Client
+
+from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
+from digenrl.runner import FlowGRPOWorkload, Runner
+from digenrl.store import complete_checkpoints, open_run, read_checkpoint
+from digenrl.tasks.resident import PLUGIN_NAME
+
+from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config
+from invariants import assert_schedule_invariants
+
+
+@pytest.fixture
+def another_client(cluster_1x1):
+    """A second client in this process, newer than the run's and so Dask's default: the
+    driver must still wait on its own client's event loop (a result lost with a worker
+    is gathered again there)."""
+    with Client(cluster_1x1.client.scheduler.address) as c:
+        yield c
+
+
+def _processing(dask_scheduler, address):
+    """The keys the scheduler has sent to ``address`` and not heard back about."""
+    ws = dask_scheduler.workers.get(address)
+    return [ts.key for ts in ws.processing] if ws is not None else []
+
+
+def _pool_worker(client, pool: str) -> str:
+    [address] = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                 if (w.get("resources") or {}).get(pool)]
+    return address
+
+
+def _resident(dask_worker, versions):
+    """The parameters this worker's resident transformer holds for each version."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.models is None:
+        return None
+    out = {}
+    for v in versions:
+        params = plugin.models.loaded(v)
+        if params is not None:
+            out[v] = {n: t.numpy() for n, t in params.items()}
+    return out
+
+
+def run_killing(cluster, path, pool: str, kind: str, min_iteration: int):
+    """Run the reference config; SIGKILL the ``pool`` worker while it computes a
+    ``kind`` task of iteration ``min_iteration`` or later. Returns the killed worker's
+    address and the keys it was computing."""
+    client = cluster.client
+    address = _pool_worker(client, pool)
+    cfg = small_config(iterations=REFERENCE_ITERATIONS)
+    with ThreadPoolExecutor(1) as pool_:
+        run = pool_.submit(Runner(cfg, str(path), cluster=cluster).run)
+        deadline = time.monotonic() + 300
+        while True:
+            if run.done():
+                run.result()  # raises what stopped it, if anything
+                raise AssertionError(f"the run ended before the {pool} worker computed a "
+                                     f"{kind} task of iteration {min_iteration} or later")
+            assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
+            keys = client.run_on_scheduler(_processing, address=address)
+            hit = [k for k in keys if k[0] == kind and k[1] >= min_iteration]
+            if hit:
+                pid = client.run(os.getpid, workers=[address])[address]
+                os.kill(pid, signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        run.result(timeout=600)
+    # The nanny's new process joins again (the next tests use the whole cluster).
+    client.wait_for_workers(2, timeout=120)
+    return address, hit
+
+
+def check_run(path, reference, dead: str):
+    """Every iteration stored, the reference run's numbers bit for bit, the scheduling
+    rules kept. Returns the task records."""
+    ds = open_run(path)
+    assert ds["metrics"].sizes["iteration"] == REFERENCE_ITERATIONS
+    grp = zarr.open_group(str(path), mode="r")["weights"]
+    assert_same_results(ds, {name: arr[...] for name, arr in grp.arrays()}, reference)
+    t = ds["tasks"].to_dataframe()
+    assert (t.worker == dead).any()  # the killed worker did run part of this run
+    assert_schedule_invariants(t, small_config().schedule.options())
+    return t
+
+
+def test_a_killed_rollout_worker_loses_nothing(cluster_1x1, reference_run, another_client,
+                                               tmp_path):
+    path = tmp_path / "r.zarr"
+    # Iteration 2's rollouts start once version 1 is published: mid-run.
+    dead, keys = run_killing(cluster_1x1, path, "rollout", "denoise", 2)
+    assert keys and all(k[0] == "denoise" for k in keys)
+    check_run(path, reference_run, dead)
+
+
+def test_a_killed_trainer_loses_nothing_and_its_successor_gets_the_weights(
+        cluster_1x1, reference_run, another_client, tmp_path):
+    path = tmp_path / "r.zarr"
+    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 1)
+    t = check_run(path, reference_run, dead)
+    client = cluster_1x1.client
+    successor = _pool_worker(client, "trainer")
+    assert successor != dead
+    # The one trainer died, so its successor -- a worker that joined mid-run, with an
+    # empty process -- trained every micro-step after the loss, each reading a version
+    # published before it joined.
+    ran = t[t.worker == successor]
+    assert (ran.kind == "grad").any() and ran[ran.kind == "grad"].iteration.min() <= keys[0][1]
+    # What it computed with: for every version it holds, exactly that version's weights
+    # (the checkpoints the store still keeps are the versions' trainer state, bit-exact).
+    kept = complete_checkpoints(path)
+    resident = client.run(_resident, versions=kept, workers=[successor])[successor]
+    assert resident, f"no version of {kept} is resident on the new trainer"
+    for v, params in resident.items():
+        expected = read_checkpoint(path, v)[0]["params"]
+        assert params.keys() == expected.keys()
+        assert all(np.array_equal(params[n], expected[n]) for n in params), v
+
+
+def test_every_model_task_reads_its_weights_as_an_input():
+    """Why a worker that joins mid-run computes with the current weights: every task that
+    runs the transformer takes the published weights of the version it reads as a Dask
+    input, so Dask moves them to the worker before the task starts, and the worker's
+    resident model is keyed by that version. Nothing is cached by position or order."""
+    for kl in (0.0, 0.01):
+        w = FlowGRPOWorkload(small_config(**{"train.kl_beta": kl, "schedule.stale_groups": 1}))
+        for i in range(3):
+            plan = w.plan(i)
+            nodes = rollout_nodes(w.layout, plan) + train_nodes(w.layout, plan)
+            model_tasks = [n for n in nodes if n.op in ("denoise", "grad")]
+            assert model_tasks
+            for n in model_tasks:
+                assert Dep(publish_key(n.meta["policy_version"])) in n.args, n.key
+                if n.op == "grad" and kl:
+                    assert Dep(publish_key(0)) in n.args, n.key
