@@ -59,6 +59,34 @@ def cluster_2x2():
     handle.close()
 
 
+def small_emulated_profile(time_scale: float):
+    """The heterogeneous FLUX-like profile's kind of work, small: 2 + 2 workers (rollout
+    at half speed), 2 prompts of 4 images, 4 steps, tasks sleeping ``time_scale`` x
+    their cost."""
+    import dataclasses
+
+    from digenrl.sim.profile import load_profile
+
+    return dataclasses.replace(load_profile("flux12b-hetero-16gpu"), rollout_workers=2,
+                               trainer_workers=2, prompts_per_iteration=2,
+                               samples_per_prompt=4, chunk_size=2, num_steps=4,
+                               trained_steps=2, time_scale=time_scale)
+
+
+@pytest.fixture(scope="session")
+def emulated_2x2():
+    """An emulated cluster for :func:`small_emulated_profile` (its pool speeds)."""
+    from digenrl.cluster import start_emulated_cluster
+    from digenrl.schedulers.options import ROLLOUT, TRAINER
+
+    p = small_emulated_profile(1.0)
+    handle = start_emulated_cluster(p.rollout_workers, p.trainer_workers,
+                                    {ROLLOUT: p.rollout_speed, TRAINER: p.trainer_speed},
+                                    dashboard_address=None)
+    yield handle
+    handle.close()
+
+
 @pytest.fixture
 def store_path(tmp_path):
     return str(tmp_path / "run.zarr")

@@ -9,20 +9,18 @@ iteration.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from digenrl.cluster import start_emulated_cluster
 from digenrl.driver import Driver
-from digenrl.schedulers.options import MODES, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.emulate import EmulatedWorkload, set_slowdown
-from digenrl.sim.profile import load_profile
 from digenrl.store import open_run
 
+from conftest import small_emulated_profile
 from invariants import assert_schedule_invariants
 
 ITERATIONS = 4
@@ -32,22 +30,13 @@ FACTORS = (0.25, 0.5, 1.0, 1.0, 2.0, 4.0, 8.0)
 
 @pytest.fixture(scope="module")
 def profile():
-    p = load_profile("flux12b-hetero-16gpu")
-    # The same kind of work, small: 2 + 2 workers, 2 prompts of 4 images, 4 steps;
-    # tasks of a few to a few tens of milliseconds, so slowdowns reorder them.
-    return dataclasses.replace(p, rollout_workers=2, trainer_workers=2,
-                               prompts_per_iteration=2, samples_per_prompt=4, chunk_size=2,
-                               num_steps=4, trained_steps=2, time_scale=0.02)
+    # Tasks of a few to a few tens of milliseconds, so slowdowns reorder them.
+    return small_emulated_profile(0.02)
 
 
 @pytest.fixture(scope="module")
-def emulated(profile):
-    handle = start_emulated_cluster(profile.rollout_workers, profile.trainer_workers,
-                                    {ROLLOUT: profile.rollout_speed,
-                                     TRAINER: profile.trainer_speed},
-                                    dashboard_address=None)
-    yield handle
-    handle.close()
+def emulated(emulated_2x2):
+    return emulated_2x2
 
 
 class Chaos:

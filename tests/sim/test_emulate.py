@@ -7,31 +7,22 @@ import yaml
 
 from digenrl.bench import bench_profile, format_table
 from digenrl.cli import main
-from digenrl.cluster import start_emulated_cluster
 from digenrl.driver import Driver
-from digenrl.schedulers.options import MODES, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.emulate import EmulatedWorkload
-from digenrl.sim.profile import load_profile
 from digenrl.store import open_run
+
+from conftest import small_emulated_profile
 
 
 @pytest.fixture(scope="module")
 def small_profile():
-    p = load_profile("flux12b-hetero-16gpu")
-    # The same kind of work, small: 2 + 2 workers, 2 prompts of 4 images, 4 steps.
-    return dataclasses.replace(p, rollout_workers=2, trainer_workers=2,
-                               prompts_per_iteration=2, samples_per_prompt=4, chunk_size=2,
-                               num_steps=4, trained_steps=2, time_scale=0.002)
+    return small_emulated_profile(0.002)
 
 
 @pytest.fixture(scope="module")
-def emulated(small_profile):
-    p = small_profile
-    handle = start_emulated_cluster(p.rollout_workers, p.trainer_workers,
-                                    {ROLLOUT: p.rollout_speed, TRAINER: p.trainer_speed},
-                                    dashboard_address=None)
-    yield handle
-    handle.close()
+def emulated(emulated_2x2):
+    return emulated_2x2
 
 
 def test_emulated_workers_declare_their_speed(emulated):
