@@ -360,10 +360,15 @@ class SchedulingPolicy:
             self._release_stale_holds()
 
     def task_lost(self, key: Key) -> None:
-        """A released task went back to waiting (its worker died, or an input was lost)."""
+        """A released or ready task went back to waiting (its worker died, or an input
+        was lost): it is not runnable until it is ready again."""
         if key in self.tasks:
             self._unrelease(key)
             self.state[key] = ADDED
+            self._cpu_ready.pop(key, None)
+            self._locality.pop(key, None)
+            self._ready_since.pop(key, None)
+            self._eligible_since.pop(key, None)
 
     def task_failed(self, key: Key) -> None:
         if key in self.tasks:

@@ -111,6 +111,20 @@ def test_without_gap_training_waits_for_the_whole_iteration():
     assert [d.key for d in p.decide()] == ["a0"]
 
 
+def test_a_lost_task_waits_until_it_is_ready_again():
+    p = policy_with(opts("digenrl"))
+    p.add_tasks([info("n", "noise", "rollout", gpu=False), info("d", "denoise", "rollout")])
+    p.task_ready("n", {"r0": 10})
+    p.task_ready("d", {"r0": 10})
+    # Both lose an input before the next decision (the worker holding it died).
+    p.task_lost("n")
+    p.task_lost("d")
+    assert p.decide() == []
+    assert p.ready_since("n") is None and p.eligible_since("d") is None
+    p.task_ready("n", {})
+    assert [d.key for d in p.decide()] == ["n"]
+
+
 def test_without_tsp_a_chunk_trains_on_its_own_trainer():
     p = policy_with(opts("disaggregated", slots_per_worker=4), trainer=2)
     grads = [info(("g", c, t), "grad", "trainer", chunk=c, timestep=t, behaviour_version=0)
