@@ -34,11 +34,6 @@ def profile():
     return small_emulated_profile(0.02)
 
 
-@pytest.fixture(scope="module")
-def emulated(emulated_2x2):
-    return emulated_2x2
-
-
 class Chaos:
     """Sets a random worker's slowdown to a random factor each time a few more tasks
     have completed (seeded: the same sequence of choices for the same seed)."""
@@ -72,17 +67,17 @@ class Chaos:
     (3, {"tsp": False}),
     (4, {"max_staleness": 0}),
 ])
-def test_slowdowns_never_break_the_scheduling_rules(emulated, profile, tmp_path, seed,
+def test_slowdowns_never_break_the_scheduling_rules(emulated_2x2, profile, tmp_path, seed,
                                                     switches):
     options = ScheduleOptions(mode="digenrl", **{**MODES["digenrl"], **switches})
     stale_groups = 1 if options.max_staleness > 1 else None
     workload = EmulatedWorkload(profile, options, ITERATIONS, stale_groups=stale_groups)
-    chaos = Chaos(emulated.client, seed)
+    chaos = Chaos(emulated_2x2.client, seed)
     out = tmp_path / "run.zarr"
     with ThreadPoolExecutor(1) as pool:
         injecting = pool.submit(chaos.loop)
         try:
-            Driver(workload, str(out), emulated).run()
+            Driver(workload, str(out), emulated_2x2).run()
         finally:
             chaos.stop.set()
             injecting.result()

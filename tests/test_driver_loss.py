@@ -91,8 +91,8 @@ def test_a_killed_driver_resumes_to_the_same_bits(cluster_1x1, reference_run, tm
                     ds = open_run(out)
                 except Exception as e:  # only while the store is being created
                     assert "not a digenrl run" in str(e), e
-                    continue
-                n = assert_complete(ds)  # a reader while the run writes
+                else:
+                    n = assert_complete(ds)  # a reader while the run writes
             time.sleep(0.02)
         # Iteration n is in flight (its rollouts started before iteration n - 1 ended).
         os.killpg(proc.pid, signal.SIGKILL)

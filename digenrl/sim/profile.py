@@ -167,9 +167,13 @@ class Profile:
             total += chunks * t("reward", self.chunk_size)
         return total + t("optimize", 0)
 
-    def ideal_images_per_s(self) -> float:
-        speed = self.rollout_workers * self.rollout_speed + self.trainer_workers * self.trainer_speed
-        return self.images_per_iteration / (self.gpu_seconds_per_iteration() / speed)
+    def ideal_images_per_s(self, capacity: float | None = None) -> float:
+        """Images/s with every GPU busy: ``capacity`` is the sum of the workers' speeds
+        (default: the profile's pools at their pool speeds)."""
+        if capacity is None:
+            capacity = (self.rollout_workers * self.rollout_speed
+                        + self.trainer_workers * self.trainer_speed)
+        return self.images_per_iteration / (self.gpu_seconds_per_iteration() / capacity)
 
     def pools(self) -> dict[str, tuple[int, float]]:
         return {ROLLOUT: (self.rollout_workers, self.rollout_speed),

@@ -151,8 +151,7 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
     t0, t1 = ends[its[skip - 1]], ends[its[-1]]
     images = profile.images_per_iteration * (len(its) - skip)
     rate = images / (t1 - t0)
-    capacity = sum(w.speed for w in result.workers)
-    ideal = profile.images_per_iteration / (profile.gpu_seconds_per_iteration() / capacity)
+    ideal = profile.ideal_images_per_s(sum(w.speed for w in result.workers))
     busy: dict[str, float] = {}
     for r in result.records:
         if r.gpu:

@@ -20,21 +20,16 @@ def small_profile():
     return small_emulated_profile(0.002)
 
 
-@pytest.fixture(scope="module")
-def emulated(emulated_2x2):
-    return emulated_2x2
-
-
-def test_emulated_workers_declare_their_speed(emulated):
-    info = emulated.client.scheduler_info(n_workers=-1)["workers"].values()
+def test_emulated_workers_declare_their_speed(emulated_2x2):
+    info = emulated_2x2.client.scheduler_info(n_workers=-1)["workers"].values()
     speeds = {w["name"]: w["resources"].get("speed", 1.0) for w in info}
     assert speeds == {"rollout-0": 0.5, "rollout-1": 0.5, "trainer-0": 1.0, "trainer-1": 1.0}
 
 
-def test_an_emulated_run_schedules_the_real_graph(emulated, small_profile, tmp_path):
+def test_an_emulated_run_schedules_the_real_graph(emulated_2x2, small_profile, tmp_path):
     opts = ScheduleOptions(mode="digenrl", **MODES["digenrl"])
     w = EmulatedWorkload(small_profile, opts, 3)
-    Driver(w, str(tmp_path / "e.zarr"), emulated).run()
+    Driver(w, str(tmp_path / "e.zarr"), emulated_2x2).run()
     ds = open_run(tmp_path / "e.zarr")
     t = ds["tasks"].to_dataframe()
     assert ds["metrics"].sizes["iteration"] == 3
@@ -44,9 +39,9 @@ def test_an_emulated_run_schedules_the_real_graph(emulated, small_profile, tmp_p
     assert ds["tasks"].attrs["digenrl"]["workload"] == "emulated"
 
 
-def test_bench_on_emulated_gpus(emulated, small_profile, tmp_path, capsys):
+def test_bench_on_emulated_gpus(emulated_2x2, small_profile, tmp_path, capsys):
     results = bench_profile(small_profile, ["disaggregated", "digenrl"], tmp_path,
-                            iterations=4, cluster=emulated, drain=1)
+                            iterations=4, cluster=emulated_2x2, drain=1)
     for r in results:
         s = r.stats
         assert s.iterations == 2 and s.gpus == 4
