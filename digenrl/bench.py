@@ -41,6 +41,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # DigenRL without asynchrony, and with it only for the tail bubble.
     "digenrl-sync": {"schedule.mode": "digenrl", "schedule.max_staleness": 0},
     "digenrl-tail": {"schedule.mode": "digenrl", "schedule.stale_groups": 1},
+    # DigenRL with every chunk pinned to the worker it started on (no rebalancing).
+    "digenrl-pinned": {"schedule.mode": "digenrl", "schedule.rebalance": False},
 }
 DEFAULT_VARIANTS = ("colocated", "disaggregated", "digenrl", "gap", "tsp", "tag",
                     "staleness-1")
@@ -63,8 +65,9 @@ def measure_store(path: str | Path, skip: int = 1,
     tasks = ds["tasks"].to_dataframe()
     pool_names = attrs["cluster"]["pools"]
     speeds = {}
-    for pool, speed in (attrs["cluster"].get("speeds") or {}).items():
-        for w in pool_names.get(pool, []):
+    for name, speed in (attrs["cluster"].get("speeds") or {}).items():
+        # Speeds by worker name; stores of earlier versions kept them by pool.
+        for w in pool_names.get(name) or [name]:
             speeds[str(w)] = float(speed)
     scale = float(attrs.get("time_scale", 1.0))
     ideal = None
@@ -157,8 +160,7 @@ def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iter
     _check_variants(variants, VARIANTS, skip, drain, iterations)
     schedules = {v: _schedule_config(VARIANTS[v]) for v in variants}
     handle = cluster or start_emulated_cluster(
-        profile.rollout_workers, profile.trainer_workers,
-        {ROLLOUT: profile.rollout_speed, TRAINER: profile.trainer_speed}, dashboard_address)
+        profile.rollout_workers, profile.trainer_workers, profile.speeds(), dashboard_address)
 
     def make(v):
         s = schedules[v]

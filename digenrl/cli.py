@@ -71,7 +71,8 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
                    help="one dask-cuda worker per GPU (needs digenrl[cuda])")
     p.add_argument("--max-staleness", type=int, metavar="K")
     for name, what in (("gap", "generation-axis pipeline"), ("tsp", "time-step parallelism"),
-                       ("tag", "trainer-assisted generation")):
+                       ("tag", "trainer-assisted generation"),
+                       ("rebalance", "straggler rebalancing")):
         p.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                        default=None, help=f"switch {what} on or off (default: the mode's)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -151,7 +152,7 @@ _FLAG_FIELDS = {
     "rollout_workers": "cluster.rollout_workers", "trainer_workers": "cluster.trainer_workers",
     "scheduler": "cluster.scheduler", "gpus": "cluster.gpus",
     "max_staleness": "schedule.max_staleness", "gap": "schedule.gap", "tsp": "schedule.tsp",
-    "tag": "schedule.tag",
+    "tag": "schedule.tag", "rebalance": "schedule.rebalance",
 }
 
 

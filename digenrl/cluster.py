@@ -71,10 +71,11 @@ def worker_resources(pool: str, gpus: int = 1, speed: float | None = None) -> di
 
 
 class _PoolTagging:
-    """Tags each new worker spec with the next pool that still needs workers."""
+    """Tags each new worker spec with the next pool that still needs workers, and with
+    its speed: ``_speeds`` maps a worker name (``rollout-3``) or a pool to a speed."""
 
     _pool_sizes: dict[str, int]
-    _pool_speeds: dict[str, float] = {}
+    _speeds: dict[str, float] = {}
 
     def _next_pool(self) -> str:
         counts = {p: 0 for p in self._pool_sizes}
@@ -100,9 +101,11 @@ class _PoolTagging:
         spec = copy.deepcopy(spec)
         pool = self._next_pool()
         opts = spec.setdefault("options", {})
+        name = self._spec_name(pool, name)
+        speed = self._speeds.get(str(name), self._speeds.get(pool))
         opts["resources"] = {**(opts.get("resources") or {}),
-                             **worker_resources(pool, speed=self._pool_speeds.get(pool))}
-        return {self._spec_name(pool, name): spec}
+                             **worker_resources(pool, speed=speed)}
+        return {name: spec}
 
 
 class PooledLocalCluster(_PoolTagging, LocalCluster):
@@ -111,7 +114,7 @@ class PooledLocalCluster(_PoolTagging, LocalCluster):
     def __init__(self, rollout_workers: int, trainer_workers: int, *,
                  speeds: dict[str, float] | None = None, **kwargs: Any):
         self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
-        self._pool_speeds = dict(speeds or {})
+        self._speeds = dict(speeds or {})
         super().__init__(n_workers=0, **kwargs)
         self.scale(rollout_workers + trainer_workers)
 
@@ -179,6 +182,12 @@ def _kill_subprocess_scheduler(cluster: Any) -> None:
             pass
 
 
+def worker_speeds(client: Client) -> dict[str, float]:
+    """Each worker's declared speed (its ``speed`` resource; 1 when absent), by name."""
+    return {str(w.get("name", addr)): float((w.get("resources") or {}).get("speed", 1.0))
+            for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
 def pool_counts(client: Client) -> dict[str, list[str]]:
     """Worker names per pool tag (and ``untagged``), from the workers' resources."""
     out: dict[str, list[str]] = {ROLLOUT: [], TRAINER: [], "untagged": []}
@@ -213,7 +222,7 @@ class PooledSpecCluster(_PoolTagging, SpecCluster):
                  dashboard_address: str | None = None,
                  worker_config: dict | None = None):
         self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
-        self._pool_speeds = dict(speeds or {})
+        self._speeds = dict(speeds or {})
         scheduler = {"cls": SubprocessScheduler, "options": {"scheduler_kwargs": {
             "host": "127.0.0.1", "dashboard": dashboard_address is not None,
             "dashboard_address": dashboard_address}}}
@@ -236,7 +245,8 @@ def start_emulated_cluster(rollout: int, trainer: int, speeds: dict[str, float],
     client.wait_for_workers(rollout + trainer, timeout=300)
     client.register_plugin(DigenRLSchedulerPlugin())
     return ClusterHandle(client, cluster, {"kind": "emulated", "scheduler": cluster.scheduler_address,
-                                           "pools": pool_counts(client), "speeds": speeds})
+                                           "pools": pool_counts(client),
+                                           "speeds": worker_speeds(client)})
 
 
 def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:

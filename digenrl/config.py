@@ -374,6 +374,10 @@ class ScheduleConfig:
     """Time-step parallelism. null: the mode's."""
     tag: bool | None = None
     """Trainer-assisted generation. null: the mode's."""
+    rebalance: bool | None = None
+    """Straggler rebalancing: a chunk's next step moves to a worker that would finish it sooner, transfer counted. false: chunks stay where they started. null: the mode's."""
+    transfer_bandwidth: float = 1.0e9
+    """Bytes/s the rebalancing assumes for moving a step's inputs between workers."""
     stale_groups: int | None = None
     """Leading prompt groups of an iteration generated with version i - k (null: all)."""
     slots_per_worker: int = 2
@@ -389,11 +393,12 @@ class ScheduleConfig:
             _require(_is_int(self.max_staleness) and 0 <= self.max_staleness <= 8,
                      f"{p}.max_staleness", "an integer from 0 to 8 or null",
                      self.max_staleness)
-        for name in ("gap", "tsp", "tag"):
+        for name in ("gap", "tsp", "tag", "rebalance"):
             v = getattr(self, name)
             _require(v is None or isinstance(v, bool), f"{p}.{name}",
                      "true, false or null", v)
         _positive_int(self.slots_per_worker, f"{p}.slots_per_worker")
+        _finite(self.transfer_bandwidth, f"{p}.transfer_bandwidth", 0.0, lo_open=True)
         if self.mode == "colocated":
             _require(not self.tag, f"{p}.tag",
                      f"false or null in colocated mode ({p}.mode; there is no trainer pool)",
@@ -404,10 +409,11 @@ class ScheduleConfig:
 
     def options(self) -> ScheduleOptions:
         preset = dict(MODES[self.mode])
-        for name in ("gap", "tsp", "tag", "max_staleness"):
+        for name in ("gap", "tsp", "tag", "rebalance", "max_staleness"):
             if getattr(self, name) is not None:
                 preset[name] = getattr(self, name)
         return ScheduleOptions(mode=self.mode, slots_per_worker=self.slots_per_worker,
+                               transfer_bandwidth=float(self.transfer_bandwidth),
                                **preset)
 
 

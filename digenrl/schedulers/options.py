@@ -32,6 +32,10 @@ class ScheduleOptions:
     ``max_staleness``: rollouts of iteration i start only once version i - k exists.
     ``slots_per_worker``: GPU tasks released to one worker at once (one runs, the rest
     wait on the worker and hide the scheduler round trip).
+    ``rebalance``: a worker with nothing of its own to generate takes a rollout step
+    whose latents sit on another rollout worker only when it is expected to finish it
+    sooner there, counting the transfer of the inputs it lacks at
+    ``transfer_bandwidth`` bytes/s (off: a chunk's steps stay where its latents are).
     """
 
     mode: str
@@ -41,6 +45,8 @@ class ScheduleOptions:
     tag: bool
     max_staleness: int
     slots_per_worker: int = 2
+    rebalance: bool = True
+    transfer_bandwidth: float = 1.0e9
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -52,7 +58,10 @@ class ScheduleOptions:
 
 #: Each mode is a preset of the scheduling switches; the graph is the same for all.
 MODES: dict[str, dict[str, Any]] = {
-    "colocated": dict(pools=False, gap=False, tsp=False, tag=False, max_staleness=0),
-    "disaggregated": dict(pools=True, gap=False, tsp=False, tag=False, max_staleness=0),
-    "digenrl": dict(pools=True, gap=True, tsp=True, tag=True, max_staleness=1),
+    "colocated": dict(pools=False, gap=False, tsp=False, tag=False, max_staleness=0,
+                      rebalance=True),
+    "disaggregated": dict(pools=True, gap=False, tsp=False, tag=False, max_staleness=0,
+                          rebalance=True),
+    "digenrl": dict(pools=True, gap=True, tsp=True, tag=True, max_staleness=1,
+                    rebalance=True),
 }

@@ -205,8 +205,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self._schedule_flush()
         elif start == "processing":
             if finish == "memory":
-                self._record(key, meta, kwargs)
-                self.policy.task_done(key, kwargs.get("worker"))
+                duration = self._record(key, meta, kwargs)
+                self.policy.task_done(key, kwargs.get("worker"), duration)
             elif finish == "erred":
                 self.policy.task_failed(key)
             else:
@@ -290,7 +290,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     # ----------------------------------------------------------------- telemetry
 
-    def _record(self, key, meta, kwargs) -> None:
+    def _record(self, key, meta, kwargs) -> float | None:
+        """Keep the telemetry of a finished task; returns its compute seconds."""
         worker = kwargs.get("worker")
         start = stop = None
         fetch = 0.0
@@ -330,6 +331,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             # Seconds the worker spent fetching the task's inputs from other workers.
             "transfer": fetch,
         })
+        return stop - start if start is not None and stop is not None else None
 
     def task_records(self, start: int = 0) -> dict[str, Any]:
         """Completed-task records from index ``start`` on (indices count from the run's

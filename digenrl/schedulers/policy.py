@@ -24,6 +24,16 @@ need no GPU are released at once to the worker of their pool holding most of the
 input bytes. A ready task's *affinity* is the worker holding most of its input bytes; a
 worker first takes tasks with affinity to it or to nobody, and only then takes (steals)
 a task waiting for another, busy worker.
+
+**Rebalancing** (``rebalance``): the policy learns each worker's seconds per
+sample-step from its finished denoise tasks (before the first, from its declared speed
+and the other workers' measurements) and keeps when each worker's released work should
+end. A worker steals the most urgent waiting step only if it would finish it sooner than
+the worker holding its latents -- after its own released work, the transfer of the input
+bytes it lacks (``transfer_bandwidth``) and the step at its own pace. So at every
+timestep boundary chunks move off slow or slowed-down workers, and stay where they are
+when moving them gains nothing. Without rebalancing a step whose latents sit on another
+rollout worker waits for that worker (a chunk is pinned where it started).
 """
 
 from __future__ import annotations
@@ -88,6 +98,8 @@ class WorkerInfo:
     inflight: set = field(default_factory=set)      # GPU tasks released, not finished
     cpu_inflight: set = field(default_factory=set)  # other tasks released, not finished
     tag_inflight: int = 0
+    step_time: float | None = None   # measured seconds per sample-step (moving average)
+    busy_until: float = 0.0          # when its released GPU work is expected to end
 
 
 @dataclass(slots=True)
@@ -159,6 +171,8 @@ class SchedulingPolicy:
         self._round_robin: dict[str, int] = defaultdict(int)
         self._new_rollout = False
         self._new_training = False
+        # Rebalancing: speed-1 seconds per sample-step, averaged over every worker.
+        self._ref_step: float | None = None
         # Telemetry.
         self.counters: dict[str, int] = defaultdict(int)
 
@@ -340,10 +354,16 @@ class SchedulingPolicy:
             heapq.heapify(heap)
         self._new_training = True
 
-    def task_done(self, key: Key, worker: str | None = None) -> None:
+    def task_done(self, key: Key, worker: str | None = None,
+                  duration: float | None = None) -> None:
+        """``key`` finished on ``worker`` after computing for ``duration`` seconds."""
         info = self.tasks.get(key)
         if info is None:
             return
+        if duration is not None and duration > 0 and info.kind == "denoise":
+            w = self.workers.get(worker) if worker is not None else None
+            if w is not None:
+                self._observe(w, duration / max(1, info.samples))
         self._unrelease(key)
         self.state[key] = DONE
         self._locality.pop(key, None)
@@ -416,6 +436,10 @@ class SchedulingPolicy:
             w.inflight.discard(key)
             self._dirty.add(addr)
             self._free.add(addr)
+            if self.options.rebalance:
+                tasks = self.tasks
+                w.busy_until = self.clock() + sum(self._expected(w, tasks[k])
+                                                  for k in w.inflight if k in tasks)
             info = self.tasks.get(key)
             if info is not None and info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
@@ -437,6 +461,61 @@ class SchedulingPolicy:
     def _sort_key(self, key: Key) -> tuple:
         return self._priority(self.tasks[key]), self._order[key]
 
+    # -------------------------------------------------------------- rebalancing
+
+    #: Weight of the newest measurement in a worker's step time: a slowdown shows
+    #: within a few steps.
+    STEP_EWMA = 0.5
+
+    def _observe(self, w: WorkerInfo, per_sample: float) -> None:
+        a = self.STEP_EWMA
+        w.step_time = per_sample if w.step_time is None else (1 - a) * w.step_time + a * per_sample
+        ref = per_sample * w.speed
+        self._ref_step = ref if self._ref_step is None else 0.9 * self._ref_step + 0.1 * ref
+
+    def step_time(self, w: WorkerInfo) -> float | None:
+        """Expected seconds per sample-step on ``w``: measured, else from its speed."""
+        if w.step_time is not None:
+            return w.step_time
+        return self._ref_step / w.speed if self._ref_step is not None else None
+
+    def _expected(self, w: WorkerInfo, info: TaskInfo) -> float:
+        """Expected seconds of ``info`` on ``w`` (denoise steps; others count 0)."""
+        if info.kind != "denoise":
+            return 0.0
+        step = self.step_time(w)
+        return step * max(1, info.samples) if step is not None else 0.0
+
+    def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
+        """When ``w`` would finish ``info`` if it took it now: after its released work,
+        the transfer of the input bytes it lacks, then the step at its pace."""
+        return max(now, w.busy_until) + self._transfer_seconds(w, info) + self._expected(w, info)
+
+    def _may_steal(self, w: WorkerInfo, key: Key, now: float) -> bool:
+        """Whether ``w`` may take ``key``, a step waiting for another worker."""
+        owner = self.workers.get(self._affinity.get(key) or "")
+        if owner is None or owner is w:
+            return True
+        if not self.options.rebalance:
+            # Pinned: a chunk waits for the rollout worker holding its latents.
+            return owner.pool != ROLLOUT
+        info = self.tasks[key]
+        if info.kind != "denoise" or self.step_time(w) is None or self.step_time(owner) is None:
+            return True  # not a timestep, or nothing measured yet: any idle worker helps
+        step = self._expected(owner, info)
+        # The move must cost less than the step it moves, and the step must end before
+        # the owner would get through its released work, this step and the slots' worth
+        # after it: an idle worker is capacity, but not at any delay to the chunk.
+        if (self._transfer_seconds(w, info) < step and self.finish_time(w, info, now)
+                <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
+            return True
+        self.counters["kept"] += 1
+        return False
+
+    def _transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
+        loc = self._locality.get(info.key) or {}
+        return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
+
     # ---------------------------------------------------------------- decisions
 
     def _pop_valid(self, heap: list):
@@ -457,7 +536,7 @@ class SchedulingPolicy:
         pick = shared if own is None else own if shared is None else min(own, shared)
         return pick[2] if pick else None
 
-    def _take_rollout(self, w: WorkerInfo) -> tuple[Key | None, bool]:
+    def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[Key | None, bool]:
         affine = self._affine.get(w.address)
         own = self._pop_valid(affine) if affine else None
         shared = self._pop_valid(self._shared)
@@ -465,7 +544,9 @@ class SchedulingPolicy:
         if pick is not None:
             return pick[2], False
         steal = self._pop_valid(self._all_rollout)
-        return (steal[2], True) if steal else (None, False)
+        if steal is None or not self._may_steal(w, steal[2], now):
+            return None, False
+        return steal[2], True
 
     def _release(self, key: Key, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False) -> Decision:
@@ -476,6 +557,8 @@ class SchedulingPolicy:
             w.inflight.add(key)
             if len(w.inflight) >= w.slots:
                 self._free.discard(w.address)
+            if self.options.rebalance:
+                w.busy_until = max(now, w.busy_until) + self._expected(w, info)
             if tag:
                 w.tag_inflight += 1
         else:
@@ -556,13 +639,13 @@ class SchedulingPolicy:
             if key is not None:
                 return self._release(key, w, now)
         if not opts.pools or w.pool == ROLLOUT:
-            key, stolen = self._take_rollout(w)
+            key, stolen = self._take_rollout(w, now)
             if key is not None:
                 return self._release(key, w, now, stolen=stolen)
             return None
         # A trainer with no runnable training work: trainer-assisted generation.
         if opts.tag and not w.inflight and not self._runnable_training(w):
-            key, stolen = self._take_rollout(w)
+            key, stolen = self._take_rollout(w, now)
             if key is not None:
                 return self._release(key, w, now, tag=True, stolen=stolen)
         return None

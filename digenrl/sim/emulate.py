@@ -11,6 +11,9 @@ computing. On top of that a worker pays, as a real deployment would:
   each micro-step one more forward (the old log-prob recomputed), if the profile says so;
 * the gradient all-reduce among the trainers, once per iteration, at the reduction root.
 
+A worker's tasks are slower by its injected factor (:mod:`digenrl.tasks.slowdown`) and
+by the profile's ``slowdowns`` in force when they start (profile time since the run began).
+
 Nothing here imports torch: dozens of emulated workers fit on one small machine.
 """
 
@@ -26,6 +29,8 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Node
 from digenrl.schedulers.options import ROLLOUT, ScheduleOptions
 from digenrl.sim.profile import Profile
+from digenrl.tasks import slowdown as injected
+from digenrl.tasks.slowdown import set_slowdown
 
 __all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_state"]
 
@@ -54,12 +59,13 @@ class EmulatedOut:
 
 _STATE: dict[str, dict[str, Any]] = {}
 _LOCK = threading.Lock()
+_EPOCH = [0.0]   # wall-clock start of the run: profile time 0
 
 
 def worker_state(name: str) -> dict[str, Any]:
-    """Per-worker emulation state: versions held, last phase, injected slowdown."""
+    """Per-worker emulation state: versions held, last phase, scheduled slowdowns."""
     with _LOCK:
-        return _STATE.setdefault(name, {"versions": set(), "phase": None, "slowdown": 1.0})
+        return _STATE.setdefault(name, {"versions": set(), "phase": None, "windows": ()})
 
 
 def _this_worker() -> tuple[str, dict[str, float]]:
@@ -72,18 +78,16 @@ def _this_worker() -> tuple[str, dict[str, float]]:
         return "local", {}
 
 
-def set_slowdown(factor: float, dask_worker=None) -> float:
-    """Make this worker ``factor`` times slower (run it with ``client.run``)."""
-    name = str(dask_worker.name) if dask_worker is not None else _this_worker()[0]
-    worker_state(name)["slowdown"] = float(factor)
-    return float(factor)
-
-
 def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
     name, resources = _this_worker()
     state = worker_state(name)
     speed = float(resources.get("speed", 1.0))
-    wait = task.seconds / speed * state["slowdown"]
+    wait = task.seconds / speed * injected.slowdown(name)
+    if state["windows"]:
+        now = (time.time() - _EPOCH[0]) / task.time_scale
+        for factor, start, stop in state["windows"]:
+            if start <= now < stop:
+                wait *= factor
     if task.sync_seconds and resources.get(ROLLOUT, 0) > 0 and task.kind in ROLLOUT_OPS:
         with _LOCK:
             fresh = task.version not in state["versions"]
@@ -149,7 +153,10 @@ class EmulatedWorkload:
                             "gpu_seconds_per_iteration": self.profile.gpu_seconds_per_iteration()}}
 
     def prepare(self, client, store) -> None:
-        client.run(_reset)
+        windows: dict[str, list] = {}
+        for s in self.profile.slowdowns:
+            windows.setdefault(s.worker, []).append((s.factor, s.start, s.stop))
+        client.run(_reset, time.time(), windows)
 
     def describe(self) -> list[str]:
         p = self.profile
@@ -164,6 +171,11 @@ class EmulatedWorkload:
         return None
 
 
-def _reset() -> None:
+def _reset(epoch: float = 0.0, windows: dict[str, list] | None = None) -> None:
+    """A new run: nothing held, no slowdown but the profile's ``windows`` by worker."""
     with _LOCK:
         _STATE.clear()
+        _EPOCH[0] = epoch
+        for name, w in (windows or {}).items():
+            _STATE[name] = {"versions": set(), "phase": None, "windows": tuple(w)}
+    injected.reset()

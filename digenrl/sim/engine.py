@@ -213,7 +213,7 @@ class Simulator:
             -1 if chunk is None else chunk, self.ready_at[key], rel_time, start, self.now,
             tag, info.gpu))
         self.done[key] = worker
-        self.policy.task_done(key, worker)
+        self.policy.task_done(key, worker, self.now - start)
         if info.gpu:
             self.running[worker] -= 1
             self._start_next(worker, queued=True)

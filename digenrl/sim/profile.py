@@ -21,7 +21,7 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.schedulers.options import ROLLOUT, TRAINER
 
-__all__ = ["Profile", "ProfileError", "load_profile", "list_profiles", "PROFILE_DIR"]
+__all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR"]
 
 PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
 
@@ -77,6 +77,17 @@ class ColocatedCosts:
 
 
 @dataclass(frozen=True)
+class Slowdown:
+    """``worker`` runs ``factor`` times slower from ``start`` to ``stop`` (seconds of the
+    profile's time since the run began): a transient straggler."""
+
+    worker: str
+    factor: float
+    start: float
+    stop: float
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str
@@ -94,6 +105,9 @@ class Profile:
     network: Network = field(default_factory=Network)
     colocated: ColocatedCosts = field(default_factory=ColocatedCosts)
     time_scale: float = 0.1            # the emulator sleeps costs x time_scale
+    #: Per-worker speeds by name (``rollout-0``, ``trainer-3``), over the pool speeds.
+    worker_speeds: Mapping[str, float] = field(default_factory=dict)
+    slowdowns: tuple[Slowdown, ...] = ()
 
     # ------------------------------------------------------------------ shape
 
@@ -104,6 +118,28 @@ class Profile:
     @property
     def images_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt
+
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(name, pool) of every worker, rollout first: ``rollout-0``, ..."""
+        return ([(f"rollout-{j}", ROLLOUT) for j in range(self.rollout_workers)]
+                + [(f"trainer-{j}", TRAINER) for j in range(self.trainer_workers)])
+
+    def speed_of(self, name: str) -> float:
+        """The declared speed of worker ``name``."""
+        if name in self.worker_speeds:
+            return self.worker_speeds[name]
+        return self.rollout_speed if name.startswith(ROLLOUT) else self.trainer_speed
+
+    def speeds(self) -> dict[str, float]:
+        return {name: self.speed_of(name) for name, _ in self.worker_names()}
+
+    def slowdown_factor(self, worker: str, now: float) -> float:
+        """How many times slower ``worker`` runs at ``now`` (profile seconds)."""
+        f = 1.0
+        for s in self.slowdowns:
+            if s.worker == worker and s.start <= now < s.stop:
+                f *= s.factor
+        return f
 
     def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
         return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,
@@ -116,13 +152,15 @@ class Profile:
                 for i in range(iterations)]
 
     def scaled(self, gpus: int) -> "Profile":
-        """The same work per GPU on ``gpus`` GPUs: pools and prompts scaled together."""
+        """The same work per GPU on ``gpus`` GPUs: pools and prompts scaled together
+        (per-worker speeds and slowdowns name workers of the original size: dropped)."""
         f = gpus / self.gpus
         rollout = max(1, round(self.rollout_workers * f))
         return dataclasses.replace(
             self, name=f"{self.name}@{gpus}", rollout_workers=rollout,
             trainer_workers=max(1, gpus - rollout),
-            prompts_per_iteration=max(1, round(self.prompts_per_iteration * f)))
+            prompts_per_iteration=max(1, round(self.prompts_per_iteration * f)),
+            worker_speeds={}, slowdowns=())
 
     # ------------------------------------------------------------------ costs
 
@@ -169,10 +207,10 @@ class Profile:
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:
         """Images/s with every GPU busy: ``capacity`` is the sum of the workers' speeds
-        (default: the profile's pools at their pool speeds)."""
+        (default: the profile's workers at their declared speeds; transient slowdowns
+        are not counted, so the bound stays the one the hardware allows)."""
         if capacity is None:
-            capacity = (self.rollout_workers * self.rollout_speed
-                        + self.trainer_workers * self.trainer_speed)
+            capacity = sum(self.speeds().values())
         return self.images_per_iteration / (self.gpu_seconds_per_iteration() / capacity)
 
     def pools(self) -> dict[str, tuple[int, float]]:
@@ -210,6 +248,28 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
     n = ints["prompts_per_iteration"] * ints["samples_per_prompt"]
     _need(n % ints["chunk_size"] == 0, "profile.chunk_size",
           f"a divisor of the samples per iteration ({n})", ints["chunk_size"])
+    names = {f"rollout-{j}" for j in range(ints["rollout_workers"])} \
+        | {f"trainer-{j}" for j in range(ints["trainer_workers"])}
+    speeds = data.get("worker_speeds") or {}
+    _need(isinstance(speeds, Mapping), "profile.worker_speeds",
+          "a mapping of worker name to speed", speeds)
+    worker_speeds = {}
+    for name, v in speeds.items():
+        _need(name in names, "profile.worker_speeds", f"names of the profile's workers "
+              f"(rollout-0 .. trainer-{ints['trainer_workers'] - 1})", name)
+        worker_speeds[name] = _pos(v, f"profile.worker_speeds.{name}")
+    slowdowns = []
+    for j, sd in enumerate(data.get("slowdowns") or ()):
+        path = f"profile.slowdowns[{j}]"
+        _need(isinstance(sd, Mapping) and set(sd) == {"worker", "factor", "start", "stop"},
+              path, "a mapping with worker, factor, start and stop", sd)
+        _need(sd["worker"] in names, f"{path}.worker", "a name of the profile's workers",
+              sd["worker"])
+        start = _pos(sd["start"], f"{path}.start", zero_ok=True)
+        stop = _pos(sd["stop"], f"{path}.stop")
+        _need(stop > start, f"{path}.stop", f"a time after start ({start})", stop)
+        slowdowns.append(Slowdown(sd["worker"], _pos(sd["factor"], f"{path}.factor"),
+                                  start, stop))
     costs = _section(Costs, data["costs"], "profile.costs")
     _need(costs.denoise_per_sample > 0, "profile.costs.denoise_per_sample", "a number > 0",
           costs.denoise_per_sample)
@@ -222,7 +282,8 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
         trainer_speed=_pos(data.get("trainer_speed", 1.0), "profile.trainer_speed"),
         costs=costs, network=_section(Network, data.get("network"), "profile.network"),
         colocated=_section(ColocatedCosts, data.get("colocated"), "profile.colocated"),
-        time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"))
+        time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"),
+        worker_speeds=worker_speeds, slowdowns=tuple(slowdowns))
 
 
 def list_profiles() -> list[str]:

@@ -12,6 +12,8 @@ scheduler round trip: Dask's own overhead).
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping
@@ -57,14 +59,11 @@ class SimulationReport:
 def _workers(profile: Profile, speeds: Mapping[str, float] | None = None) -> list[SimWorker]:
     """The profile's workers; ``speeds`` overrides the speed of workers by name."""
     speeds = speeds or {}
-    unknown = set(speeds) - {f"rollout-{j}" for j in range(profile.rollout_workers)} \
-        - {f"trainer-{j}" for j in range(profile.trainer_workers)}
+    names = profile.worker_names()
+    unknown = set(speeds) - {n for n, _ in names}
     if unknown:
         raise ValueError(f"speeds: expected names of the profile's workers, got {sorted(unknown)}")
-    return ([SimWorker(f"rollout-{j}", ROLLOUT, 1, speeds.get(f"rollout-{j}", profile.rollout_speed))
-             for j in range(profile.rollout_workers)]
-            + [SimWorker(f"trainer-{j}", TRAINER, 1, speeds.get(f"trainer-{j}", profile.trainer_speed))
-               for j in range(profile.trainer_workers)])
+    return [SimWorker(n, pool, 1, speeds.get(n, profile.speed_of(n))) for n, pool in names]
 
 
 def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
@@ -77,10 +76,14 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     ``dispatch_latency``: seconds (in the profile's time) between a task's release and
     its start when the worker is idle; ``queued_latency``: between a GPU freeing and the
     task queued on that worker starting. ``slowdown(worker, now)``: a factor on the
-    durations of a worker's tasks starting at ``now`` (stragglers). ``speeds``: per-worker
-    speeds (``rollout-0``...) instead of the profile's pool speeds; the ideal bound then
-    counts each worker at its speed.
+    durations of a worker's tasks starting at ``now`` (stragglers; default: the profile's
+    ``slowdowns``). ``speeds``: per-worker speeds (``rollout-0``...) instead of the
+    profile's; the ideal bound counts each worker at its speed. The policy's rebalancing
+    assumes the profile's network bandwidth.
     """
+    options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
+    if slowdown is None and profile.slowdowns:
+        slowdown = profile.slowdown_factor
     colocated = not options.pools
     layout = profile.layout(options.max_staleness, stale_groups)
     plans = profile.plans(iterations)

@@ -7,6 +7,7 @@ How samples are chunked into tasks, or which worker runs a task, never changes a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from digenrl.models import decode_latents, latent_shape, predict_velocity
 from digenrl.seeding import stable_seed
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import sde_step
+from digenrl.tasks.slowdown import stretch
 from digenrl.tasks.types import DecodeOut, Latents, PolicyWeights, StepOut
 
 __all__ = ["RolloutSpec", "draw_normal", "noise", "denoise", "decode"]
@@ -55,6 +57,7 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...]) -> Lat
 def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
             iteration: int, t: int, previous: Latents | StepOut) -> StepOut:
     """One SDE step of a chunk under policy ``weights``: x_t -> x_{t+1} and its log-prob."""
+    started = time.perf_counter()
     models = resident(spec.model, spec.model_seed)
     dev = models.device
     x = (previous.x if isinstance(previous, Latents) else previous.latent).to(dev)
@@ -68,8 +71,10 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
         eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, "sde", iteration, s, t)
                            for s in previous.sample_ids]).to(dev)
         step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
-    return StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
-                   log_prob=step.log_prob.cpu(), version=weights.version)
+    out = StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
+                  log_prob=step.log_prob.cpu(), version=weights.version)
+    stretch(started)  # an injected slowdown (drills, tests); none by default
+    return out
 
 
 def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
