@@ -182,16 +182,23 @@ def _kill_subprocess_scheduler(cluster: Any) -> None:
             pass
 
 
+def _workers_info(client: Client) -> dict[str, dict]:
+    """The scheduler's view of every worker, fetched now (``Client.scheduler_info``
+    quietly returns its cached, possibly empty, copy when the fetch fails on a busy
+    scheduler)."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def worker_speeds(client: Client) -> dict[str, float]:
     """Each worker's declared speed (its ``speed`` resource; 1 when absent), by name."""
     return {str(w.get("name", addr)): float((w.get("resources") or {}).get("speed", 1.0))
-            for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+            for addr, w in _workers_info(client).items()}
 
 
 def pool_counts(client: Client) -> dict[str, list[str]]:
     """Worker names per pool tag (and ``untagged``), from the workers' resources."""
     out: dict[str, list[str]] = {ROLLOUT: [], TRAINER: [], "untagged": []}
-    for addr, w in client.scheduler_info(n_workers=-1)["workers"].items():
+    for addr, w in _workers_info(client).items():
         res = w.get("resources") or {}
         if res.get("GPU", 0) <= 0:
             out["untagged"].append(str(w.get("name", addr)))
@@ -290,5 +297,6 @@ def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:
     elif not counts[ROLLOUT] and not counts[TRAINER]:
         raise ConfigError(f"cluster: no worker advertises a GPU slot (workers: {counts}); "
                           "start workers with --resources 'GPU=1,rollout=1'")
-    description = {"kind": kind, "scheduler": client.scheduler.address, "pools": counts}
+    description = {"kind": kind, "scheduler": client.scheduler.address, "pools": counts,
+                   "speeds": worker_speeds(client)}
     return ClusterHandle(client, cluster, description)

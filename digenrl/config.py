@@ -261,10 +261,20 @@ class RolloutConfig:
     """How samples are batched into denoise tasks."""
 
     chunk_size: int = 4
-    """Samples one denoise task advances together (a divisor or multiple of samples_per_prompt)."""
+    """Samples one denoise task advances together (a divisor or multiple of samples_per_prompt); with adaptive chunking, the size until the first iterations are measured."""
+    chunking: str = "fixed"
+    """fixed: every chunk holds chunk_size samples (results bit-identical across clusters). adaptive: each iteration's chunk size is chosen from measured step times and per-task costs so every generating slot holds a chain (results equal up to floating-point summation order)."""
+    max_chunk_size: int = 16
+    """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
 
     def validate(self, p: str = "rollout") -> None:
         _positive_int(self.chunk_size, f"{p}.chunk_size")
+        _choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
+        _positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
+        if self.chunking == "adaptive":
+            _require(self.max_chunk_size >= self.chunk_size, f"{p}.max_chunk_size",
+                     f"at least {p}.chunk_size ({self.chunk_size}) with adaptive chunking",
+                     self.max_chunk_size)
 
 
 # -------------------------------------------------------------------------- reward

@@ -30,6 +30,8 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint_key,
                                      init_nodes, publish_key, reduce_root_key, restore_key,
                                      restore_nodes, rollout_nodes, tail_nodes, train_nodes)
+from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
+                                         measure_chunks)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER, ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import (RunStore, StoreError, committed_iterations, complete_checkpoints,
@@ -70,7 +72,10 @@ class Workload(Protocol):
     #: task kinds whose results the driver gathers for :meth:`rows`
     collected: tuple[str, ...]
 
-    def plan(self, iteration: int) -> IterationPlan: ...
+    #: the chunking the driver chooses per iteration; None: the workload's fixed chunks
+    chunking: ChunkingSpec | None
+
+    def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan: ...
     def bind(self, nodes: list, outputs: dict) -> IterationGraph: ...
     def attrs(self) -> dict[str, Any]: ...
     def check_resume(self, attrs: dict[str, Any]) -> None: ...
@@ -156,6 +161,10 @@ class Driver:
         #: Every future of this run still referenced anywhere (weakly: the run releases
         #: what it no longer needs by dropping it).
         self._live: weakref.WeakValueDictionary[int, Future] = weakref.WeakValueDictionary()
+        #: Each iteration's plan, fixed when it is first needed (adaptive chunking picks
+        #: its chunk size then, from what the iterations collected so far measured).
+        self._plans: dict[int, IterationPlan] = {}
+        self._measured: ChunkMeasurement | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -178,8 +187,43 @@ class Driver:
         """Worker names by the pool they serve in this run's mode."""
         return pools_served(self.handle.description.get("pools", {}), self.w.options.pools)
 
+    def plan(self, j: int) -> IterationPlan:
+        """Iteration ``j``'s plan: the workload's, with the chunk size adaptive chunking
+        chooses when the workload asks for it."""
+        plan = self._plans.get(j)
+        if plan is None:
+            spec = getattr(self.w, "chunking", None)
+            if spec is None:
+                plan = self.w.plan(j)
+            else:
+                size = choose_chunk_size(
+                    self.w.images_per_iteration, spec.samples_per_prompt, spec.largest,
+                    capacity=self._generating_capacity(), slots=self.w.options.slots_per_worker,
+                    measured=self._measured, fallback=spec.start)
+                plan = self.w.plan(j, size)
+            self._plans[j] = plan
+        return plan
+
+    def _generating_capacity(self) -> float:
+        """The summed speeds of the workers that generate (the rollout pool; every
+        worker when the mode has no pools)."""
+        speeds = self.handle.description.get("speeds") or {}
+        names = [n for p, ns in self.pools().items() if p != TRAINER for n in ns]
+        return sum(float(speeds.get(str(n), 1.0)) for n in names) or 1.0
+
+    def _measure(self, records: list[dict]) -> None:
+        """Adaptive chunking: what this iteration's denoise tasks measured."""
+        if getattr(self.w, "chunking", None) is None:
+            return
+        sizes = {(i, c): b - a for i, plan in self._plans.items()
+                 for c, (a, b) in enumerate(plan.chunks)}
+        speeds = {str(k): float(v) for k, v in (self.handle.description.get("speeds") or {}).items()}
+        m = measure_chunks(records, sizes, speeds)
+        if m is not None:
+            self._measured = m
+
     def _versions_read(self, j: int) -> set[int]:
-        plan = self.w.plan(j)
+        plan = self.plan(j)
         return {self.w.layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
 
     # --------------------------------------------------------------------- run
@@ -274,8 +318,10 @@ class Driver:
             while progress:
                 progress = False
                 for j in range(start, w.iterations):
-                    plan = w.plan(j)
-                    if (j not in submitted["rollout"] and j <= next_collect + k + 1
+                    if j not in submitted["rollout"] and j > next_collect + k + 1:
+                        break  # not yet: its plan is fixed when it can be submitted
+                    plan = self.plan(j)
+                    if (j not in submitted["rollout"]
                             and self._versions_read(j) <= set(published)):
                         keys = (iteration_outputs(plan)["decode"]
                                 + iteration_outputs(plan)["reward"])
@@ -347,11 +393,14 @@ class Driver:
             batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)
             cursor = batch["next"]
             records = list(batch["records"])
+            self._measure(records)
             done_at = _optimize_stop(records, i) or time.time()
             recent = [r for r in recent if (r["stop"] or 0.0) > last_done] + records
             seconds = done_at - last_done
-            groups, metrics = w.rows(i, w.plan(i), values)
+            plan = self.plan(i)
+            groups, metrics = w.rows(i, plan, values)
             metrics.update({
+                "chunk_size": plan.num_samples / len(plan.chunks),
                 "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
                 "iteration_seconds": seconds,
                 "wall_time": done_at - started,

@@ -23,6 +23,7 @@ from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import draw_prompts, prompt_pool
+from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
@@ -48,12 +49,15 @@ class FlowGRPOWorkload:
         self.images_per_iteration = config.data.samples_per_iteration
         self.pool = prompt_pool(config.data.prompt_set, config.data.prompts)
         self.checkpoint_spec: CheckpointSpec | None = None
+        r = config.rollout
+        self.chunking = (ChunkingSpec(config.data.samples_per_prompt, r.chunk_size,
+                                      r.max_chunk_size) if r.chunking == "adaptive" else None)
 
-    def plan(self, iteration: int) -> IterationPlan:
+    def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
         d = self.config.data
         prompts = draw_prompts(self.pool, d.prompts_per_iteration, self.config.seed, iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
-                                     self.config.rollout.chunk_size)
+                                     chunk_size or self.config.rollout.chunk_size)
 
     def bind(self, nodes, outputs) -> IterationGraph:
         return bind(nodes, self._binding, outputs)

@@ -35,7 +35,8 @@ class ScheduleOptions:
     ``rebalance``: a worker with nothing of its own to generate takes a rollout step
     whose latents sit on another rollout worker only when it is expected to finish it
     sooner there, counting the transfer of the inputs it lacks at
-    ``transfer_bandwidth`` bytes/s (off: a chunk's steps stay where its latents are).
+    ``transfer_bandwidth`` bytes/s, and a chunk starts on whichever worker frees first
+    (off: a chunk runs on the worker that drew its noise, dealt round-robin).
     """
 
     mode: str

@@ -28,12 +28,13 @@ a task waiting for another, busy worker.
 **Rebalancing** (``rebalance``): the policy learns each worker's seconds per
 sample-step from its finished denoise tasks (before the first, from its declared speed
 and the other workers' measurements) and keeps when each worker's released work should
-end. A worker steals the most urgent waiting step only if it would finish it sooner than
-the worker holding its latents -- after its own released work, the transfer of the input
-bytes it lacks (``transfer_bandwidth``) and the step at its own pace. So at every
-timestep boundary chunks move off slow or slowed-down workers, and stay where they are
-when moving them gains nothing. Without rebalancing a step whose latents sit on another
-rollout worker waits for that worker (a chunk is pinned where it started).
+end. A chunk's first step starts on whichever worker frees first. A worker with nothing
+of its own takes the most urgent step waiting for another worker when moving its input
+bytes (at ``transfer_bandwidth``) costs less than the step, and it would finish the step
+no later than the holder would finish it plus ``slots_per_worker`` more steps. So at
+every timestep boundary chunks move off slow or slowed-down workers, and stay where they
+are when the move costs more than it gains. Without rebalancing a chunk runs on the
+rollout worker that drew its noise (dealt round-robin: data-parallel generation).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class SchedulingPolicy:
         self._new_training = False
         # Rebalancing: speed-1 seconds per sample-step, averaged over every worker.
         self._ref_step: float | None = None
+        # (iteration, chunk) -> the worker that drew the chunk's noise.
+        self._chunk_home: dict[tuple, str] = {}
         # Telemetry.
         self.counters: dict[str, int] = defaultdict(int)
 
@@ -306,7 +309,10 @@ class SchedulingPolicy:
             return
         entry = (self._priority(info), next(self._seq), key)
         if info.pool == ROLLOUT:
-            aff = self._affinity_of(loc)
+            if info.timestep == 0 and info.kind == "denoise":
+                aff = self._first_step_home(info)
+            else:
+                aff = self._affinity_of(loc)
             self._affinity[key] = aff
             heapq.heappush(self._affine[aff] if aff else self._shared, entry)
             heapq.heappush(self._all_rollout, entry)
@@ -316,6 +322,16 @@ class SchedulingPolicy:
             self._pin[key] = pin
             heapq.heappush(self._pinned[pin] if pin else self._train, entry)
             self._new_training = True
+
+    def _first_step_home(self, info: TaskInfo) -> str | None:
+        """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
+        on whichever worker frees first, so faster workers start more chunks. Without,
+        on the rollout worker that drew its noise: noise is dealt round-robin, so each
+        worker gets an equal share of the chunks, as in data-parallel generation."""
+        if self.options.rebalance:
+            return None
+        home = self._chunk_home.get((info.iteration, info.chunk))
+        return home if home in self.workers else None
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
         best, best_bytes, tie = None, 0, False
@@ -364,6 +380,8 @@ class SchedulingPolicy:
             w = self.workers.get(worker) if worker is not None else None
             if w is not None:
                 self._observe(w, duration / max(1, info.samples))
+        elif info.kind == "noise" and worker is not None:
+            self._chunk_home[(info.iteration, info.chunk)] = worker
         self._unrelease(key)
         self.state[key] = DONE
         self._locality.pop(key, None)
@@ -413,6 +431,8 @@ class SchedulingPolicy:
         self.rejected.pop(key, None)
         self._held_stale.get(info.iteration, set()).discard(key)
         self._held_barrier.get(info.iteration, set()).discard(key)
+        if info.kind == "noise":
+            self._chunk_home.pop((info.iteration, info.chunk), None)
         pending = self._rollout_pending.get(info.iteration)
         if pending is not None:
             pending.discard(key)

@@ -121,9 +121,13 @@ class EmulatedWorkload:
         self.images_per_iteration = profile.images_per_iteration
         self.colocated = not options.pools
         self._plans = profile.plans(iterations)
+        self.chunking = None  # the profile's chunk size throughout
 
-    def plan(self, iteration: int) -> IterationPlan:
-        return self._plans[iteration]
+    def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
+        plan = self._plans[iteration]
+        if chunk_size is None or chunk_size == self.profile.chunk_size:
+            return plan
+        return IterationPlan.uniform(iteration, plan.prompts, plan.samples_per_prompt, chunk_size)
 
     def _task(self, node: Node, root_reduce: Key | None) -> EmulatedTask:
         p = self.profile

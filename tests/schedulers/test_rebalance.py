@@ -137,3 +137,33 @@ def test_busy_until_follows_released_and_finished_work():
     clock.now = 12.0
     p.task_done(("busy", "r1"), "r1", 2.0)
     assert p.workers["r1"].busy_until == pytest.approx(12.0)
+
+
+def _noise_then_first_step(p, chunk, worker):
+    """A chunk's noise drawn on ``worker``; its first step becomes ready."""
+    noise = TaskInfo(key=("noise", chunk), kind="noise", pool="rollout", iteration=0,
+                     policy_version=0, gpu=False, chunk=chunk, samples=4)
+    p.add_tasks([noise])
+    p.task_ready(noise.key, {})
+    p.decide()
+    p.task_done(noise.key, worker)
+    key = ("d", chunk, 0)
+    p.add_tasks([step(key, chunk, t=0)])
+    p.task_ready(key, {worker: 10})
+    return key
+
+
+def test_with_rebalancing_a_chunk_starts_on_whichever_worker_is_free():
+    p, _ = setup(opts(), measured=(0.1, 1.0))
+    occupy(p, "r1")
+    key = _noise_then_first_step(p, chunk=7, worker="r1")
+    assert [(d.key, d.worker, d.stolen) for d in p.decide()] == [(key, "r0", False)]
+
+
+def test_without_rebalancing_a_chunk_starts_where_its_noise_was_drawn():
+    p, _ = setup(opts(rebalance=False), measured=(0.1, 1.0))
+    occupy(p, "r1")
+    key = _noise_then_first_step(p, chunk=7, worker="r1")
+    assert p.decide() == []
+    p.task_done(("busy", "r1"), "r1", 4.0)
+    assert [(d.key, d.worker) for d in p.decide()] == [(key, "r1")]
