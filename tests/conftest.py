@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -102,18 +103,61 @@ DETERMINISTIC_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fracti
                          "dropped_samples", "policy_version")
 
 
+class SharedRun(NamedTuple):
+    """A finished run shared by the tests that assert on it (they only read it; its
+    store's ``config`` attribute is the first asker's spelling of the config)."""
+
+    result: Any  #: the RunResult
+    ds: Any  #: open_run of its store
+    state: dict  #: the scheduler plugin's state right after the run
+    timeline: list  #: the plugin's timeline of the run, read right after it
+
+
+def _same_work_key(cluster, cfg) -> tuple[str, str]:
+    """Two configs whose runs on one cluster do the same work map to the same key: the
+    config with the schedule's switches resolved (a switch left null and one set to
+    the mode's own value schedule alike)."""
+    import json
+
+    from digenrl.config import config_to_dict
+
+    data = config_to_dict(cfg)
+    data["schedule"] = {**data["schedule"], **cfg.schedule.options().as_dict()}
+    return cluster.client.scheduler.address, json.dumps(data, sort_keys=True, default=str)
+
+
 @pytest.fixture(scope="session")
-def reference_run(cluster_1x1, tmp_path_factory):
-    """An undisturbed run of ``small_config(iterations=4)`` (mode digenrl): what a run
-    that loses a worker or its driver, or is resumed, must reproduce bit for bit.
-    Returns (RunResult, open_run datasets)."""
+def shared_runs(tmp_path_factory):
+    """``shared_runs(cluster, config)``: a run of ``config`` on a session cluster, made
+    the first time a test asks for it and reused by every later test that asks for the
+    same work on the same cluster (runs are deterministic: the same config and seed
+    give the same bits, so a second run would only repeat the first)."""
     from digenrl.runner import Runner
     from digenrl.store import open_run
 
-    path = tmp_path_factory.mktemp("reference") / "run.zarr"
-    result = Runner(small_config(iterations=REFERENCE_ITERATIONS), str(path),
-                    cluster=cluster_1x1).run()
-    return result, open_run(path)
+    runs: dict[tuple[str, str], SharedRun] = {}
+
+    def get(cluster, cfg) -> SharedRun:
+        key = _same_work_key(cluster, cfg)
+        if key not in runs:
+            path = tmp_path_factory.mktemp("shared-run") / "run.zarr"
+            result = Runner(cfg, str(path), cluster=cluster).run()
+            client = cluster.client
+            state = client.sync(client.scheduler.digenrl_state)
+            timeline = client.sync(client.scheduler.digenrl_timeline, since=0.0)
+            runs[key] = SharedRun(result, open_run(path), state, timeline)
+        return runs[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_run(cluster_1x1, shared_runs):
+    """An undisturbed run of ``small_config(iterations=4)`` (mode digenrl): what a run
+    that loses a worker or its driver, or is resumed, must reproduce bit for bit.
+    Returns (RunResult, open_run datasets)."""
+    run = shared_runs(cluster_1x1, small_config(iterations=REFERENCE_ITERATIONS))
+    return run.result, run.ds
 
 
 def assert_same_results(ds, weights, reference) -> None:

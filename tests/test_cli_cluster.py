@@ -53,13 +53,17 @@ def cli_cluster(tmp_path):
             assert "digenrl" in c.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
         yield address
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        # The workers first, while their scheduler still answers (a worker whose
+        # scheduler is gone waits for it before it exits), then the scheduler.
+        for group in (procs[1:], procs[:1]):
+            for p in group:
+                p.terminate()
+            for p in group:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):

@@ -17,15 +17,17 @@ def run(cfg, cluster, path):
     return result, ds, ds["tasks"].to_dataframe()
 
 
-@pytest.fixture(params=["cluster_1x1", "cluster_2x2"])
-def cluster(request):
-    return request.getfixturevalue(request.param)
+def shared(shared_runs, cfg, cluster):
+    """:func:`run`, made once for every test that asks for the same work (the run with
+    mode digenrl's own staleness bound is the reference run of the reliability tests)."""
+    r = shared_runs(cluster, cfg)
+    return r.result, r.ds, r.ds["tasks"].to_dataframe()
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
-def test_no_sample_is_trained_beyond_the_staleness_bound(cluster_1x1, tmp_path, k):
+def test_no_sample_is_trained_beyond_the_staleness_bound(cluster_1x1, shared_runs, k):
     cfg = small_config(**{"iterations": 4, "schedule.max_staleness": k})
-    _, ds, t = run(cfg, cluster_1x1, tmp_path / "r.zarr")
+    _, ds, t = shared(shared_runs, cfg, cluster_1x1)
     assert_schedule_invariants(t, cfg.schedule.options())
     s = ds["samples"]
     staleness = s.trained_version.values - s.behaviour_version.values
@@ -35,9 +37,12 @@ def test_no_sample_is_trained_beyond_the_staleness_bound(cluster_1x1, tmp_path, 
     assert ds["metrics"].staleness_mean.values.tolist() == expected[:, 0].tolist()
 
 
-def test_max_staleness_zero_is_bit_identical_to_disaggregated(cluster_2x2, tmp_path):
+def test_max_staleness_zero_is_bit_identical_to_disaggregated(cluster_2x2, shared_runs,
+                                                              tmp_path):
     a, da, _ = run(small_config(**{"schedule.max_staleness": 0}), cluster_2x2, tmp_path / "a")
-    b, db, _ = run(small_config(**{"schedule.mode": "disaggregated"}), cluster_2x2, tmp_path / "b")
+    # (test_end_to_end's results_do_not_depend_on_worker_count_or_mode reads this run too)
+    b, db, _ = shared(shared_runs, small_config(**{"schedule.mode": "disaggregated"}),
+                      cluster_2x2)
     assert np.array_equal(da["samples"].reward.values, db["samples"].reward.values)
     wa, wb = a.final_weights.tensors, b.final_weights.tensors
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -50,9 +55,11 @@ def pipelined_config(**kw):
                            "rollout.chunk_size": 1, "schedule.stale_groups": 2, **kw})
 
 
-def test_gap_tsp_tag_as_the_tasks_group_records_them(cluster, tmp_path):
+@pytest.mark.parametrize("cluster", ["cluster_1x1", "cluster_2x2"])
+def test_gap_tsp_tag_as_the_tasks_group_records_them(request, shared_runs, cluster):
     cfg = pipelined_config()
-    result, ds, t = run(cfg, cluster, tmp_path / "r.zarr")
+    # (on cluster_1x1 test_telemetry_reaches_the_store_and_the_plugin_rpc reads this run)
+    result, ds, t = shared(shared_runs, cfg, request.getfixturevalue(cluster))
     # GAP: in every iteration training starts before its last denoise step is done
     # (scheduler clock: a grad was released before the last denoise was reported).
     for i in range(4):
@@ -89,19 +96,20 @@ def test_without_tag_trainers_never_generate(cluster_2x2, tmp_path):
     assert not t[t.kind.isin({"noise", "denoise", "decode", "reward"})].pool.eq("trainer").any()
 
 
-def test_telemetry_reaches_the_store_and_the_plugin_rpc(cluster_1x1, tmp_path):
-    _, ds, _ = run(pipelined_config(), cluster_1x1, tmp_path / "r.zarr")
+def test_telemetry_reaches_the_store_and_the_plugin_rpc(cluster_1x1, shared_runs):
+    r = shared_runs(cluster_1x1, pipelined_config())
+    ds = r.ds
     m = ds["metrics"]
     for name in ("utilisation_rollout", "utilisation_trainer", "tag_seconds", "gpu_wait_mean"):
         assert name in m
     assert ((m.utilisation_trainer.values > 0) & (m.utilisation_trainer.values <= 1)).all()
     assert np.isnan(m.utilisation_colocated.values).all()
     assert m.tag_seconds.values.sum() > 0
-    client = cluster_1x1.client
-    state = client.sync(client.scheduler.digenrl_state)
+    # The plugin's RPCs, read right after the run.
+    state = r.state
     assert state["policy_version"] == 4 and state["options"]["mode"] == "digenrl"
     assert set(state["pools"]) == {"rollout", "trainer"} and "held" in state
-    timeline = client.sync(client.scheduler.digenrl_timeline, since=0.0)
+    timeline = r.timeline
     assert len(timeline) > 2
     versions = [s["policy_version"] for s in timeline]
     assert versions == sorted(versions) and versions[-1] == 4

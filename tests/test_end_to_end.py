@@ -17,9 +17,13 @@ def run(cfg, cluster, path):
     return result, open_run(path)
 
 
-def test_disaggregated_run_writes_every_step_as_its_own_task(cluster_1x1, tmp_path):
-    cfg = small_config(**{"schedule.mode": "disaggregated"})
-    result, ds = run(cfg, cluster_1x1, tmp_path / "r.zarr")
+#: The disaggregated run of the small config: asserted on here, and the run the others
+#: must reproduce (one run per cluster, shared).
+DISAGGREGATED = {"schedule.mode": "disaggregated"}
+
+
+def test_disaggregated_run_writes_every_step_as_its_own_task(cluster_1x1, shared_runs):
+    result, ds, *_ = shared_runs(cluster_1x1, small_config(**DISAGGREGATED))
     tasks = ds["tasks"].to_dataframe()
     assert tasks.key.is_unique
     denoise = tasks[tasks.kind == "denoise"]
@@ -54,10 +58,10 @@ def assert_same_run(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_results_do_not_depend_on_worker_count_or_mode(cluster_1x1, cluster_2x2, tmp_path):
-    base = run(small_config(**{"schedule.mode": "disaggregated"}), cluster_1x1, tmp_path / "a")
-    assert_same_run(base, run(small_config(**{"schedule.mode": "disaggregated"}),
-                              cluster_2x2, tmp_path / "b"))
+def test_results_do_not_depend_on_worker_count_or_mode(cluster_1x1, cluster_2x2, shared_runs,
+                                                       tmp_path):
+    base = shared_runs(cluster_1x1, small_config(**DISAGGREGATED))
+    assert_same_run(base, shared_runs(cluster_2x2, small_config(**DISAGGREGATED)))
     assert_same_run(base, run(small_config(**{"schedule.mode": "colocated"}),
                               cluster_1x1, tmp_path / "c"))
     assert_same_run(base, run(small_config(**{"schedule.mode": "colocated"}),
