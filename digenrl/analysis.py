@@ -128,8 +128,9 @@ def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -
 
     * ``overhead_ms``: the mean idle of every GPU task -- hearing that the worker is free,
       deciding, the message to the worker, fetching inputs, the worker picking it up;
-    * ``dask_ms``: the same without the time spent fetching inputs from other workers
-      (``transfer``, as the worker reports it): Dask's own cost, of which
+    * ``dask_ms``: the same without the time the worker spent fetching data from other
+      workers meanwhile (a new policy version's weights, a chunk's latents: data the
+      design moves, paid on any system): Dask's own cost, of which
       ``denoise_dask_ms`` is the mean (and ``denoise_dask_median_ms`` the median) over
       denoise tasks -- what a denoising step pays for being scheduled;
     * ``queued_ms`` / ``fresh_ms``: the mean idle of tasks released while the worker's
@@ -145,7 +146,12 @@ def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -
     eligible = g["eligible"].to_numpy() if "eligible" in g else g["released"].to_numpy()
     could_start = np.maximum(eligible, prev_stop)
     idle = np.clip(g["start"].to_numpy() - could_start, 0.0, None)
-    fetch = np.nan_to_num(g["transfer"].to_numpy()) if "transfer" in g else np.zeros(len(g))
+    if "transfer_start" in tasks and "transfer_stop" in tasks:
+        fetch = _fetching(tasks, g["worker_name"].to_numpy(), could_start, g["start"].to_numpy())
+    elif "transfer" in g:
+        fetch = np.nan_to_num(g["transfer"].to_numpy())
+    else:
+        fetch = np.zeros(len(g))
     dask = np.clip(idle - fetch, 0.0, None)
     queued = g["released"].to_numpy() < prev_stop
     notify = g["finished"].to_numpy() - g["stop"].to_numpy()
@@ -171,6 +177,45 @@ def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -
         "notify_ms": ms(notify, mask),
         "denoise_ms": ms(durations, den),
     }
+
+
+def _fetching(tasks, workers: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
+    """Seconds of ``[t0, t1]`` in which each worker was fetching data from others.
+
+    Dask attaches a fetch to one dependent of the fetched data, not necessarily the task
+    that waited for it (a new policy version's weights are read by every step of the
+    iteration), so the fetches of all a worker's tasks are pooled: the union of their
+    spans, measured over each window.
+    """
+    out = np.zeros(len(workers))
+    spans = tasks.dropna(subset=["transfer_start", "transfer_stop"])
+    names = spans["worker_name"].to_numpy()
+    for name in np.unique(workers):
+        rows = names == name
+        s = spans["transfer_start"].to_numpy()[rows]
+        e = spans["transfer_stop"].to_numpy()[rows]
+        if not len(s):
+            continue
+        order = np.argsort(s)
+        merged: list[list[float]] = []
+        for a, b in zip(s[order], e[order]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        m = np.asarray(merged)
+        before = np.concatenate([[0.0], np.cumsum(m[:, 1] - m[:, 0])])
+
+        def covered(x: np.ndarray) -> np.ndarray:
+            # Fetching seconds up to time x: whole spans before it, part of the one it is in.
+            i = np.searchsorted(m[:, 0], x, side="right")
+            j = np.maximum(i - 1, 0)
+            part = np.where(i > 0, np.clip(x - m[j, 0], 0.0, m[j, 1] - m[j, 0]), 0.0)
+            return before[j] * (i > 0) + part
+
+        sel = workers == name
+        out[sel] = np.clip(covered(t1[sel]) - covered(t0[sel]), 0.0, None)
+    return out
 
 
 def utilisation_timeline(tasks, pools: Mapping[str, Iterable[str]], bins: int = 100):

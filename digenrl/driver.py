@@ -443,6 +443,7 @@ _TASK_COLUMNS = {
     "ready": np.float64, "eligible": np.float64, "released": np.float64,
     "finished": np.float64, "tag": bool,
     "stolen": bool, "nbytes": np.int64, "transfer": np.float64,
+    "transfer_start": np.float64, "transfer_stop": np.float64,
 }
 
 

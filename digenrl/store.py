@@ -140,7 +140,9 @@ class RunStore:
                                dimension_names=dims)
         arr[...] = values
 
-    def _append(self, group: str, name: str, values: np.ndarray) -> None:
+    def _append(self, group: str, name: str, values: np.ndarray, rows: int = 0) -> None:
+        """Append ``values`` to ``group.name``; ``rows``: the group's length along its
+        first dimension before this commit (a new task column starts at it)."""
         grp = self.root[group]
         dims = _DIMS[group]
         extra = _EXTRA_DIMS.get((group, name), ())
@@ -160,8 +162,11 @@ class RunStore:
         if name not in grp:
             chunks = (1 if group != "tasks" else _TASK_CHUNK,) + tuple(max(1, s) for s in values.shape[1:])
             fill = np.nan if values.dtype.kind == "f" else None
-            grp.create_array(name, shape=(0,) + values.shape[1:], chunks=chunks, dtype=dtype,
-                             dimension_names=dims + extra, fill_value=fill)
+            # A task column new to this version, appended to an older run's store: its
+            # earlier rows hold the fill value (NaN), so every column keeps one length.
+            grp.create_array(name, shape=(rows if group == "tasks" else 0,) + values.shape[1:],
+                             chunks=chunks, dtype=dtype, dimension_names=dims + extra,
+                             fill_value=fill)
         arr = grp[name]
         if arr.shape[1:] != values.shape[1:]:
             raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
@@ -183,8 +188,9 @@ class RunStore:
         for group, variables in groups.items():
             if group not in _DIMS:
                 raise StoreError(f"group: expected one of {list(_DIMS)}, got {group!r}")
+            rows = _length(self.root[group], "task") if group == "tasks" else 0
             for name, values in variables.items():
-                self._append(group, name, values)
+                self._append(group, name, values, rows)
         self.commit()
 
     def commit(self) -> None:

@@ -32,6 +32,19 @@ def test_append_and_read_back(store_path):
     np.testing.assert_array_equal(ds.reward_mean.values, [0, 1, 2])
 
 
+def test_a_task_column_new_to_a_store_fills_its_earlier_rows(store_path):
+    # A run written before a task column existed, resumed by a version that records it.
+    s = RunStore.create(store_path, {})
+    s.append_iteration(rows(0))
+    later = rows(1)
+    later["tasks"]["transfer_start"] = np.array([0.5, 0.25])
+    s.append_iteration(later)
+    tasks = open_run(store_path)["tasks"]
+    assert tasks.sizes["task"] == 4
+    np.testing.assert_array_equal(tasks.transfer_start.values, [np.nan, np.nan, 0.5, 0.25])
+    np.testing.assert_array_equal(tasks.start.values, [1.0, 2.0, 1.0, 2.0])
+
+
 def test_a_reader_never_sees_a_partial_iteration(store_path):
     s = RunStore.create(store_path, {})
     s.append_iteration(rows(0))

@@ -295,11 +295,14 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         worker = kwargs.get("worker")
         start = stop = None
         fetch = 0.0
+        fetch_start = fetch_stop = None
         for ss in kwargs.get("startstops") or ():
             if ss.get("action") == "compute":
                 start, stop = ss["start"], ss["stop"]
             elif ss.get("action") == "transfer":
                 fetch += ss["stop"] - ss["start"]
+                fetch_start = ss["start"] if fetch_start is None else min(fetch_start, ss["start"])
+                fetch_stop = ss["stop"] if fetch_stop is None else max(fetch_stop, ss["stop"])
         d = self._decisions.get(key)
         ws = self.scheduler.workers.get(worker)
         bv = meta.get("behaviour_version")
@@ -328,8 +331,13 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "tag": bool(d.tag) if d is not None else False,
             "stolen": bool(d.stolen) if d is not None else False,
             "nbytes": int(kwargs.get("nbytes") or 0),
-            # Seconds the worker spent fetching the task's inputs from other workers.
+            # Fetches from other workers that Dask attached to this task: their seconds
+            # and their span. Dask attaches a fetch to one dependent of the fetched data
+            # (not necessarily the task that waited for it), so the analysis attributes
+            # fetches by time on the worker (digenrl.analysis.dispatch_overhead).
             "transfer": fetch,
+            "transfer_start": fetch_start,
+            "transfer_stop": fetch_stop,
         })
         return stop - start if start is not None and stop is not None else None
 

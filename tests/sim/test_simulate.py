@@ -147,6 +147,29 @@ def test_dispatch_overhead_separates_transfers_and_queued_tasks():
     assert o["denoise_ms"] == pytest.approx(94.0)
 
 
+def test_dispatch_overhead_pools_a_workers_fetches_by_time():
+    import pandas as pd
+
+    from digenrl.analysis import dispatch_overhead
+
+    # Worker w fetches new weights from 0.010 to 0.050 while its first task waits to
+    # start; Dask attached the fetch to the second task (another reader of the weights).
+    # Worker v's fetch, during the same window, is not w's.
+    nan = float("nan")
+    tasks = pd.DataFrame({
+        "kind": ["denoise", "denoise", "denoise"], "gpu": [True, True, True],
+        "worker_name": ["w", "w", "v"],
+        "eligible": [0.0, 0.0, 0.0], "released": [0.001, 0.001, 0.001],
+        "start": [0.060, 0.200, 0.060], "stop": [0.150, 0.300, 0.150],
+        "finished": [0.151, 0.301, 0.151], "transfer": [0.0, 0.040, 0.040],
+        "transfer_start": [nan, 0.010, 0.010], "transfer_stop": [nan, 0.050, 0.050]})
+    o = dispatch_overhead(tasks)
+    # w's first task: 60 ms idle, 40 of them fetching; its second waited 50 ms after the
+    # first stopped with no fetch in that window; v's task: 60 ms, 40 fetching.
+    assert o["overhead_ms"] == pytest.approx((60 + 50 + 60) / 3)
+    assert o["dask_ms"] == pytest.approx((20 + 50 + 20) / 3)
+
+
 def test_per_worker_speeds_set_the_heterogeneous_ideal_bound(flux):
     half = {f"rollout-{j}": 0.5 for j in range(3)}
     base = simulate(flux, opts("digenrl"), 4)
