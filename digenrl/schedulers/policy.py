@@ -54,7 +54,8 @@ __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_t
 Key = Hashable
 
 # Task states inside the policy.
-ADDED, HELD, READY, RELEASED, DONE = "added", "held", "ready", "released", "done"
+ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "released",
+                                                 "done", "forgotten")
 
 #: Where the non-denoise kinds sit in a chunk's order of work.
 _STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
@@ -78,6 +79,17 @@ class TaskInfo:
     group: int | None = None
     behaviour_version: int | None = None
     samples: int = 0
+    # The policy's state of the task (not part of the annotation): kept on the task
+    # itself rather than in a dict per field, since every event reads several of them.
+    state: str = field(default=ADDED, compare=False, repr=False)
+    order: int = field(default=0, compare=False, repr=False)       # arrival: breaks ties
+    where: str | None = field(default=None, compare=False, repr=False)  # released to
+    locality: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
+    ready_since: float | None = field(default=None, compare=False, repr=False)
+    eligible_since: float | None = field(default=None, compare=False, repr=False)
+    affinity: str | None = field(default=None, compare=False, repr=False)
+    pin: str | None = field(default=None, compare=False, repr=False)
+    pending: bool = field(default=False, compare=False, repr=False)  # rollout outstanding
 
     @classmethod
     def from_meta(cls, key: Key, meta: Mapping[str, Any]) -> "TaskInfo":
@@ -136,34 +148,26 @@ class SchedulingPolicy:
         self.clock = clock
         self._gap = options.gap
         self.tasks: dict[Key, TaskInfo] = {}
-        self.state: dict[Key, str] = {}
         self.workers: dict[str, WorkerInfo] = {}
-        self.where: dict[Key, str] = {}            # released task -> worker
         self.version = -1                          # newest published policy version
         self.rejected: dict[Key, str] = {}
         self._seq = itertools.count()
-        self._order: dict[Key, int] = {}           # arrival order: ties broken by it
         self._arrivals = itertools.count()
         # Ready GPU rollout tasks: no affinity / affinity to a worker / all (for stealing).
         self._shared: list = []
         self._affine: dict[str, list] = defaultdict(list)
         self._all_rollout: list = []
-        self._affinity: dict[Key, str | None] = {}
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
         self._train: list = []
         self._pinned: dict[str, list] = defaultdict(list)
-        self._pin: dict[Key, str | None] = {}
         # Ready tasks needing no GPU slot, with their input locality.
         self._cpu_ready: dict[Key, Mapping[str, int]] = {}
-        self._locality: dict[Key, Mapping[str, int]] = {}
         # Held tasks by iteration.
         self._held_stale: dict[int, set] = defaultdict(set)
         self._held_barrier: dict[int, set] = defaultdict(set)
         # Rollout work outstanding per iteration (for the barrier without GAP).
-        self._rollout_pending: dict[int, set] = defaultdict(set)
+        self._rollout_pending: dict[int, int] = defaultdict(int)
         self._barrier_open: set[int] = set()
-        self._ready_since: dict[Key, float] = {}
-        self._eligible_since: dict[Key, float] = {}  # ready and past every hold
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self._dirty: set[str] = set()
@@ -210,9 +214,11 @@ class SchedulingPolicy:
             return []
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
-            self.where.pop(key, None)
-            if self.state.get(key) == RELEASED:
-                self.state[key] = ADDED
+            info = self.tasks.get(key)
+            if info is not None:
+                info.where = None
+                if info.state is RELEASED:
+                    info.state = ADDED
         self._repin()
         return lost
 
@@ -238,19 +244,28 @@ class SchedulingPolicy:
     def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
+        tasks, arrivals, pending = self.tasks, self._arrivals, self._rollout_pending
+        options = self.options
         for info in infos:
-            if info.key in self.tasks:
+            key = info.key
+            if key in tasks:
                 continue
-            why = validate_task(info, self.options)
-            self.tasks[info.key] = info
-            self.state[info.key] = ADDED
-            self._order[info.key] = next(self._arrivals)
-            if why is not None:
-                self.rejected[info.key] = why
-                rejected[info.key] = why
-                continue
+            tasks[key] = info
+            info.state = ADDED
+            info.order = next(arrivals)
+            # validate_task, inlined for its common case (the plugin adds every task).
+            if (info.pool is not ROLLOUT and info.pool is not TRAINER) or (
+                    info.behaviour_version is not None
+                    and not 0 <= info.policy_version - info.behaviour_version
+                    <= options.max_staleness):
+                why = validate_task(info, options)
+                if why is not None:
+                    self.rejected[key] = why
+                    rejected[key] = why
+                    continue
             if info.pool == ROLLOUT:
-                self._rollout_pending[info.iteration].add(info.key)
+                info.pending = True
+                pending[info.iteration] += 1
         return rejected
 
     def _priority(self, info: TaskInfo) -> tuple:
@@ -279,47 +294,47 @@ class SchedulingPolicy:
         """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
         (the policy keeps the mapping: pass one the caller no longer changes)."""
         info = self.tasks.get(key)
-        if info is None or key in self.rejected:
+        if info is None or (self.rejected and key in self.rejected):
             return
-        st = self.state.get(key)
+        st = info.state
         if st is READY or st is HELD or st is RELEASED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
-        self._locality[key] = locality if locality is not None else {}
-        if key not in self._ready_since:
-            self._ready_since[key] = self.clock()
+        info.locality = locality if locality is not None else {}
+        if info.ready_since is None:
+            info.ready_since = self.clock()
         why = self._eligible_now(info)
         if why == "staleness":
-            self.state[key] = HELD
+            info.state = HELD
             self._held_stale[info.iteration].add(key)
             return
         if why == "barrier":
-            self.state[key] = HELD
+            info.state = HELD
             self._held_barrier[info.iteration].add(key)
             return
         self._enqueue(info)
 
     def _enqueue(self, info: TaskInfo) -> None:
-        key = info.key
-        self.state[key] = READY
-        if key not in self._eligible_since:
-            self._eligible_since[key] = self.clock()
-        loc = self._locality.get(key, {})
+        info.state = READY
+        if info.eligible_since is None:
+            info.eligible_since = self.clock()
+        loc = info.locality or {}
         if not info.gpu:
-            self._cpu_ready[key] = loc
+            self._cpu_ready[info.key] = loc
             return
-        entry = (self._priority(info), next(self._seq), key)
+        # Heap entries hold the task itself: a popped entry is live while it is READY.
+        entry = (self._priority(info), next(self._seq), info)
         if info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == "denoise":
                 aff = self._first_step_home(info)
             else:
                 aff = self._affinity_of(loc)
-            self._affinity[key] = aff
+            info.affinity = aff
             heapq.heappush(self._affine[aff] if aff else self._shared, entry)
             heapq.heappush(self._all_rollout, entry)
             self._new_rollout = True
         else:
             pin = self._pin_of(info)
-            self._pin[key] = pin
+            info.pin = pin
             heapq.heappush(self._pinned[pin] if pin else self._train, entry)
             self._new_training = True
 
@@ -360,11 +375,11 @@ class SchedulingPolicy:
         self._pinned = defaultdict(list)
         self._train = []
         for entry in entries:
-            key = entry[2]
-            if self.state.get(key) != READY:
+            info = entry[2]
+            if info.state is not READY:
                 continue
-            pin = self._pin_of(self.tasks[key])
-            self._pin[key] = pin
+            pin = self._pin_of(info)
+            info.pin = pin
             heapq.heappush(self._pinned[pin] if pin else self._train, entry)
         for heap in self._pinned.values():
             heapq.heapify(heap)
@@ -382,16 +397,17 @@ class SchedulingPolicy:
                 self._observe(w, duration / max(1, info.samples))
         elif info.kind == "noise" and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
-        self._unrelease(key)
-        self.state[key] = DONE
-        self._locality.pop(key, None)
-        self._ready_since.pop(key, None)
-        self._eligible_since.pop(key, None)
+        self._unrelease(info)
+        info.state = DONE
+        info.locality = info.ready_since = info.eligible_since = None
         if info.pool == ROLLOUT:
-            pending = self._rollout_pending.get(info.iteration)
-            if pending is not None:
-                pending.discard(key)
-                if not pending:
+            left = self._rollout_pending.get(info.iteration)
+            if left is not None:
+                if info.pending:
+                    info.pending = False
+                    left -= 1
+                    self._rollout_pending[info.iteration] = left
+                if not left:
                     self._open_barrier(info.iteration)
         if info.kind == PUBLISH_KIND and info.policy_version > self.version:
             self.version = info.policy_version
@@ -400,86 +416,93 @@ class SchedulingPolicy:
     def task_lost(self, key: Key) -> None:
         """A released or ready task went back to waiting (its worker died, or an input
         was lost): it is not runnable until it is ready again."""
-        if key in self.tasks:
-            self._unrelease(key)
-            self.state[key] = ADDED
+        info = self.tasks.get(key)
+        if info is not None:
+            self._unrelease(info)
+            info.state = ADDED
             self._cpu_ready.pop(key, None)
-            self._locality.pop(key, None)
-            self._ready_since.pop(key, None)
-            self._eligible_since.pop(key, None)
+            info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
-        if key in self.tasks:
-            self._unrelease(key)
-            self.state[key] = DONE
-            self._ready_since.pop(key, None)
-            self._eligible_since.pop(key, None)
+        info = self.tasks.get(key)
+        if info is not None:
+            self._unrelease(info)
+            info.state = DONE
+            info.ready_since = info.eligible_since = None
 
     def task_forgotten(self, key: Key) -> None:
         info = self.tasks.pop(key, None)
         if info is None:
             return
-        self._unrelease(key)
-        self.state.pop(key, None)
-        self._cpu_ready.pop(key, None)
-        self._locality.pop(key, None)
-        self._affinity.pop(key, None)
-        self._pin.pop(key, None)
-        self._order.pop(key, None)
-        self._ready_since.pop(key, None)
-        self._eligible_since.pop(key, None)
-        self.rejected.pop(key, None)
-        self._held_stale.get(info.iteration, set()).discard(key)
-        self._held_barrier.get(info.iteration, set()).discard(key)
+        state = info.state
+        if state is RELEASED:
+            self._unrelease(info)
+        elif state is not DONE:
+            # Held, or held once and then lost: drop it from the holds and the CPU queue.
+            self._held_stale.get(info.iteration, set()).discard(key)
+            self._held_barrier.get(info.iteration, set()).discard(key)
+            self._cpu_ready.pop(key, None)
+        # Queued heap entries of a forgotten task are dead: its state is no longer READY.
+        info.state = FORGOTTEN
+        info.locality = None
+        if self.rejected:
+            self.rejected.pop(key, None)
         if info.kind == "noise":
             self._chunk_home.pop((info.iteration, info.chunk), None)
-        pending = self._rollout_pending.get(info.iteration)
-        if pending is not None:
-            pending.discard(key)
+        if info.pending:
+            info.pending = False
+            self._rollout_pending[info.iteration] -= 1
 
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
-        if self.state.get(key) != RELEASED:
+        info = self.tasks.get(key)
+        if info is None or info.state is not RELEASED:
             return
-        self._unrelease(key)
-        info = self.tasks[key]
+        self._unrelease(info)
         self._enqueue(info)
 
-    def _unrelease(self, key: Key) -> None:
-        addr = self.where.pop(key, None)
+    def _unrelease(self, info: TaskInfo) -> None:
+        addr = info.where
         if addr is None:
             return
+        info.where = None
         w = self.workers.get(addr)
         if w is None:
             return
-        if key in w.inflight:
-            w.inflight.discard(key)
+        key = info.key
+        inflight = w.inflight
+        if key in inflight:
+            inflight.discard(key)
             self._dirty.add(addr)
             self._free.add(addr)
             if self.options.rebalance:
                 tasks = self.tasks
-                w.busy_until = self.clock() + sum(self._expected(w, tasks[k])
-                                                  for k in w.inflight if k in tasks)
-            info = self.tasks.get(key)
-            if info is not None and info.pool == ROLLOUT and w.pool == TRAINER:
+                expected = self._expected
+                w.busy_until = self.clock() + sum(expected(w, tasks[k])
+                                                  for k in inflight if k in tasks)
+            if info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
-        w.cpu_inflight.discard(key)
+        else:
+            w.cpu_inflight.discard(key)
 
     def _open_barrier(self, iteration: int) -> None:
         self._barrier_open.add(iteration)
         for key in sorted(self._held_barrier.pop(iteration, ()), key=self._sort_key):
-            if self.state.get(key) == HELD:
-                self._enqueue(self.tasks[key])
+            info = self.tasks[key]
+            if info.state is HELD:
+                self._enqueue(info)
 
     def _release_stale_holds(self) -> None:
         limit = self.version + self.options.max_staleness
         for it in sorted(i for i in self._held_stale if i <= limit):
             for key in sorted(self._held_stale.pop(it), key=self._sort_key):
-                if self.state.get(key) == HELD:
-                    self._enqueue(self.tasks[key])
+                info = self.tasks[key]
+                if info.state is HELD:
+                    self._enqueue(info)
 
     def _sort_key(self, key: Key) -> tuple:
-        return self._priority(self.tasks[key]), self._order[key]
+        info = self.tasks[key]
+        return self._priority(info), info.order
 
     # -------------------------------------------------------------- rebalancing
 
@@ -511,15 +534,14 @@ class SchedulingPolicy:
         the transfer of the input bytes it lacks, then the step at its pace."""
         return max(now, w.busy_until) + self._transfer_seconds(w, info) + self._expected(w, info)
 
-    def _may_steal(self, w: WorkerInfo, key: Key, now: float) -> bool:
-        """Whether ``w`` may take ``key``, a step waiting for another worker."""
-        owner = self.workers.get(self._affinity.get(key) or "")
+    def _may_steal(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
+        """Whether ``w`` may take ``info``, a step waiting for another worker."""
+        owner = self.workers.get(info.affinity or "")
         if owner is None or owner is w:
             return True
         if not self.options.rebalance:
             # Pinned: a chunk waits for the rollout worker holding its latents.
             return owner.pool != ROLLOUT
-        info = self.tasks[key]
         if info.kind != "denoise" or self.step_time(w) is None or self.step_time(owner) is None:
             return True  # not a timestep, or nothing measured yet: any idle worker helps
         step = self._expected(owner, info)
@@ -533,16 +555,19 @@ class SchedulingPolicy:
         return False
 
     def _transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
-        loc = self._locality.get(info.key) or {}
+        loc = info.locality or {}
         return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
 
     # ---------------------------------------------------------------- decisions
 
-    def _pop_valid(self, heap: list):
-        state = self.state
-        while heap and state.get(heap[0][2]) is not READY:
+    @staticmethod
+    def _pop_valid(heap: list):
+        while heap:
+            top = heap[0]
+            if top[2].state is READY:
+                return top
             heapq.heappop(heap)
-        return heap[0] if heap else None
+        return None
 
     def _runnable_training(self, w: WorkerInfo) -> bool:
         if self._pop_valid(self._train) is not None:
@@ -556,7 +581,7 @@ class SchedulingPolicy:
         pick = shared if own is None else own if shared is None else min(own, shared)
         return pick[2] if pick else None
 
-    def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[Key | None, bool]:
+    def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         affine = self._affine.get(w.address)
         own = self._pop_valid(affine) if affine else None
         shared = self._pop_valid(self._shared)
@@ -568,11 +593,11 @@ class SchedulingPolicy:
             return None, False
         return steal[2], True
 
-    def _release(self, key: Key, w: WorkerInfo, now: float, *, tag: bool = False,
+    def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False) -> Decision:
-        info = self.tasks[key]
-        self.state[key] = RELEASED
-        self.where[key] = w.address
+        key = info.key
+        info.state = RELEASED
+        info.where = w.address
         if info.gpu:
             w.inflight.add(key)
             if len(w.inflight) >= w.slots:
@@ -620,7 +645,7 @@ class SchedulingPolicy:
                 w = self._place_cpu(self.tasks[key], self._cpu_ready[key])
                 if w is not None:
                     del self._cpu_ready[key]
-                    out.append(self._release(key, w, now))
+                    out.append(self._release(self.tasks[key], w, now))
         candidates = self._dirty
         self._dirty = set()
         if self._new_rollout or self._new_training:
@@ -655,19 +680,19 @@ class SchedulingPolicy:
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         opts = self.options
         if not opts.pools or w.pool == TRAINER:
-            key = self._take_training(w)
-            if key is not None:
-                return self._release(key, w, now)
+            info = self._take_training(w)
+            if info is not None:
+                return self._release(info, w, now)
         if not opts.pools or w.pool == ROLLOUT:
-            key, stolen = self._take_rollout(w, now)
-            if key is not None:
-                return self._release(key, w, now, stolen=stolen)
+            info, stolen = self._take_rollout(w, now)
+            if info is not None:
+                return self._release(info, w, now, stolen=stolen)
             return None
         # A trainer with no runnable training work: trainer-assisted generation.
         if opts.tag and not w.inflight and not self._runnable_training(w):
-            key, stolen = self._take_rollout(w, now)
-            if key is not None:
-                return self._release(key, w, now, tag=True, stolen=stolen)
+            info, stolen = self._take_rollout(w, now)
+            if info is not None:
+                return self._release(info, w, now, tag=True, stolen=stolen)
         return None
 
     # ---------------------------------------------------------------- telemetry
@@ -677,9 +702,9 @@ class SchedulingPolicy:
         counts = dict.fromkeys(HELD_REASONS, 0)
         counts["staleness"] = sum(len(s) for s in self._held_stale.values())
         counts["barrier"] = sum(len(s) for s in self._held_barrier.values())
-        ready = [k for k, s in self.state.items() if s == READY]
-        for key in ready:
-            info = self.tasks[key]
+        for info in self.tasks.values():
+            if info.state is not READY:
+                continue
             if self._pool_workers(info.pool) or (self.options.tag and info.pool == ROLLOUT
                                                  and self._pool_workers(TRAINER)):
                 counts["slot"] += 1
@@ -688,11 +713,13 @@ class SchedulingPolicy:
         return counts
 
     def ready_since(self, key: Key) -> float | None:
-        return self._ready_since.get(key)
+        info = self.tasks.get(key)
+        return info.ready_since if info is not None else None
 
     def eligible_since(self, key: Key) -> float | None:
         """When ``key`` became ready and passed every hold (staleness, barrier)."""
-        return self._eligible_since.get(key)
+        info = self.tasks.get(key)
+        return info.eligible_since if info is not None else None
 
     def snapshot(self) -> dict[str, Any]:
         pools: dict[str, dict[str, Any]] = {}

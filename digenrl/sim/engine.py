@@ -84,6 +84,25 @@ CostFn = Callable[[TaskInfo, SimWorker], float]
 TransferFn = Callable[[Key, TaskInfo, str, str], float]
 
 
+class _Task:
+    """The engine's state of one task."""
+
+    __slots__ = ("key", "info", "deps", "dependents", "waiting", "holder", "nbytes",
+                 "ready_at", "released", "worker_tag")
+
+    def __init__(self, key: Key, info: TaskInfo, nbytes: int):
+        self.key = key
+        self.info = info
+        self.deps: list[_Task] = []
+        self.dependents: list[_Task] = []
+        self.waiting = 0
+        self.holder: str | None = None      # the worker holding its output, once done
+        self.nbytes = nbytes                # the size of its output
+        self.ready_at = 0.0
+        self.released = 0.0
+        self.worker_tag = False
+
+
 class Simulator:
     """Runs iterations of a layout on simulated workers under one policy."""
 
@@ -101,75 +120,87 @@ class Simulator:
         self.output_bytes = output_bytes or (lambda info: 1)
         self._events: list = []
         self._seq = itertools.count()
-        self.nodes: dict[Key, Node] = {}
-        self.info: dict[Key, TaskInfo] = {}
-        self.nbytes: dict[Key, int] = {}        # the size of each task's output
+        self.tasks: dict[Key, _Task] = {}
         self.added = 0                           # tasks added over the whole run
-        self._by_iteration: dict[int, list[Key]] = defaultdict(list)
-        self.waiting: dict[Key, int] = {}
-        self.dependents: dict[Key, list[Key]] = defaultdict(list)
-        self.done: dict[Key, str] = {}          # key -> worker holding its output
-        self.ready_at: dict[Key, float] = {}
-        self.released: dict[Key, tuple[float, str, bool]] = {}
+        self._by_iteration: dict[int, list[_Task]] = defaultdict(list)
+        # Tasks waiting for keys that were never added: key -> its waiting dependents.
+        self._orphans: dict[Key, list[_Task]] = defaultdict(list)
         self.queue: dict[str, deque] = {w: deque() for w in self.workers}
         self.running: dict[str, int] = {w: 0 for w in self.workers}
         self.records: list[SimRecord] = []
         for w in workers:
             self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
 
+    @property
+    def nodes(self) -> dict[Key, _Task]:
+        """The tasks the engine still knows, by key."""
+        return self.tasks
+
     # ------------------------------------------------------------------ graph
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
-        new = []
         from_meta = TaskInfo.from_meta
-        all_nodes, all_info, nbytes = self.nodes, self.info, self.nbytes
+        tasks, orphans = self.tasks, self._orphans
         output_bytes = self.output_bytes
         by_iteration = self._by_iteration
+        new: list[tuple[_Task, list]] = []
         for node in nodes:
             key = node.key
-            all_nodes[key] = node
             info = from_meta(key, node.meta)
-            all_info[key] = info
-            nbytes[key] = output_bytes(info)
-            by_iteration[info.iteration].append(key)
-            new.append(info)
+            t = _Task(key, info, output_bytes(info))
+            tasks[key] = t
+            by_iteration[info.iteration].append(t)
+            new.append((t, node.deps))
         self.added += len(new)
-        self.policy.add_tasks(new)
-        done, waiting, dependents = self.done, self.waiting, self.dependents
-        for info in new:
-            key = info.key
-            missing = [d for d in all_nodes[key].deps if d not in done]
-            waiting[key] = len(missing)
-            for d in missing:
-                dependents[d].append(key)
-            if not missing:
-                self._ready(key)
+        self.policy.add_tasks([t.info for t, _ in new])
+        ready = []
+        for t, deps in new:
+            waiting = 0
+            resolved = t.deps
+            for d in deps:
+                dt = tasks.get(d)
+                if dt is None:
+                    orphans[d].append(t)
+                    waiting += 1
+                    continue
+                resolved.append(dt)
+                if dt.holder is None:
+                    dt.dependents.append(t)
+                    waiting += 1
+            t.waiting = waiting
+            if not waiting:
+                ready.append(t)
+            # A key added now that others were waiting for.
+            if orphans and t.key in orphans:
+                for o in orphans.pop(t.key):
+                    o.deps.append(t)
+                    t.dependents.append(o)
+        for t in ready:
+            self._ready(t)
 
-    def _ready(self, key: Key) -> None:
-        self.ready_at[key] = self.now
+    def _ready(self, t: _Task) -> None:
+        t.ready_at = self.now
         loc: dict[str, int] = {}
-        done, nbytes = self.done, self.nbytes
-        for d in self.nodes[key].deps:
-            holder = done.get(d)
-            if holder is not None and d in nbytes:
-                loc[holder] = loc.get(holder, 0) + nbytes[d]
-        self.policy.task_ready(key, loc)
+        for d in t.deps:
+            holder = d.holder
+            if holder is not None:
+                loc[holder] = loc.get(holder, 0) + d.nbytes
+        self.policy.task_ready(t.key, loc)
 
     # ----------------------------------------------------------------- events
 
-    def _push(self, t: float, kind: str, payload) -> None:
-        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
-
     def _apply_decisions(self) -> None:
-        now, released, info, queue = self.now, self.released, self.info, self.queue
+        now, tasks, queue = self.now, self.tasks, self.queue
         for d in self.policy.decide():
-            key, worker = d.key, d.worker
-            released[key] = (now, worker, d.tag)
-            if info[key].gpu:
-                queue[worker].append(key)
+            t = tasks[d.key]
+            worker = d.worker
+            t.released = now
+            t.worker_tag = d.tag
+            if t.info.gpu:
+                queue[worker].append(t)
                 self._start_next(worker)
             else:
-                self._start(key, worker, now + self.latency)
+                self._start(t, worker, now + self.latency)
 
     def _start_next(self, worker: str, queued: bool = False) -> None:
         """Start queued GPU tasks while the worker has a free GPU. A task that waited on
@@ -182,60 +213,60 @@ class Simulator:
         running = self.running
         start = self.now + (self.queued_latency if queued else self.latency)
         while running[worker] < gpus and q:
-            key = q.popleft()
             running[worker] += 1
-            self._start(key, worker, start)
+            self._start(q.popleft(), worker, start)
 
-    def _start(self, key: Key, worker: str, start: float) -> float:
-        info = self.info[key]
+    def _start(self, t: _Task, worker: str, start: float) -> None:
         w = self.workers[worker]
         fetch = 0.0
-        if self.transfer is not None:
-            done, all_info = self.done, self.info
-            for d in self.nodes[key].deps:
-                holder = done.get(d)
-                if holder is not None and holder != worker and d in all_info:
-                    t = self.transfer(d, all_info[d], holder, worker)
-                    if t > fetch:
-                        fetch = t
-        stop = start + fetch + self.cost(info, w) / w.speed
-        heapq.heappush(self._events, (stop, next(self._seq), "finish",
-                                      (key, worker, start + fetch)))
-        return stop
+        transfer = self.transfer
+        if transfer is not None:
+            for d in t.deps:
+                holder = d.holder
+                if holder is not None and holder != worker:
+                    f = transfer(d.key, d.info, holder, worker)
+                    if f > fetch:
+                        fetch = f
+        start += fetch
+        heapq.heappush(self._events, (start + self.cost(t.info, w) / w.speed,
+                                      next(self._seq), t, worker, start))
 
-    def _finish(self, key: Key, worker: str, start: float) -> None:
-        info = self.info[key]
-        rel_time, _, tag = self.released[key]
+    def _finish(self, t: _Task, worker: str, start: float) -> None:
+        info = t.info
         timestep, chunk = info.timestep, info.chunk
+        now = self.now
         self.records.append(SimRecord(
-            key, info.kind, worker, self.workers[worker].pool, info.iteration,
+            t.key, info.kind, worker, self.workers[worker].pool, info.iteration,
             info.policy_version, -1 if timestep is None else timestep,
-            -1 if chunk is None else chunk, self.ready_at[key], rel_time, start, self.now,
-            tag, info.gpu))
-        self.done[key] = worker
-        self.policy.task_done(key, worker, self.now - start)
+            -1 if chunk is None else chunk, t.ready_at, t.released, start, now,
+            t.worker_tag, info.gpu))
+        t.holder = worker
+        self.policy.task_done(t.key, worker, now - start)
         if info.gpu:
             self.running[worker] -= 1
             self._start_next(worker, queued=True)
-        waiting = self.waiting
-        for dep in self.dependents.pop(key, ()):
-            n = waiting[dep] - 1
-            waiting[dep] = n
-            if n == 0:
-                self._ready(dep)
+        dependents = t.dependents
+        if dependents:
+            t.dependents = []
+            for dep in dependents:
+                n = dep.waiting - 1
+                dep.waiting = n
+                if n == 0:
+                    self._ready(dep)
 
     def _forget(self, iteration: int) -> None:
         """Iteration ``iteration`` finished: drop what no later task reads (everything
         but its optimizer state and published weights), as Dask forgets released keys."""
         keep = (optimize_key(iteration), publish_key(iteration + 1))
         forgotten = self.policy.task_forgotten
-        for key in self._by_iteration.pop(iteration, ()):
+        tasks = self.tasks
+        for t in self._by_iteration.pop(iteration, ()):
+            key = t.key
             if key in keep:
                 continue
             forgotten(key)
-            for d in (self.nodes, self.info, self.nbytes, self.waiting, self.ready_at,
-                      self.released, self.done):
-                d.pop(key, None)
+            del tasks[key]
+            t.deps = []
 
     # -------------------------------------------------------------------- run
 
@@ -270,22 +301,24 @@ class Simulator:
         submit_upto(window + 1)
         self._apply_decisions()
         next_done = 0
-        while self._events:
-            t, _, kind, payload = heapq.heappop(self._events)
+        events = self._events
+        pop = heapq.heappop
+        finish = self._finish
+        while events:
+            t, _, task, worker, start = pop(events)
             if t > max_time:
                 break
             self.now = t
-            if kind == "finish":
-                key, worker, start = payload
-                self._finish(key, worker, start)
-                if key[0] == "stats":
-                    completed[key[1]] = t
-                    self._forget(key[1])
-                    while next_done in completed:
-                        next_done += 1
-                    submit_upto(next_done + window + 1)
+            finish(task, worker, start)
+            if task.info.kind == "stats":
+                it = task.info.iteration
+                completed[it] = t
+                self._forget(it)
+                while next_done in completed:
+                    next_done += 1
+                submit_upto(next_done + window + 1)
             # Finish every event at this instant before deciding, as the plugin does.
-            if not self._events or self._events[0][0] > self.now:
+            if not events or events[0][0] > t:
                 self._apply_decisions()
         images = plans[0].num_samples if plans else 0
         return SimResult(self.records, self.now, completed, images, list(self.workers.values()))
