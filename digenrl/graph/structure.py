@@ -78,12 +78,14 @@ class Node:
 
     __slots__ = ("key", "op", "meta", "args", "deps")
 
-    def __init__(self, key: Key, op: str, meta: dict[str, Any], args: tuple[Any, ...]):
+    def __init__(self, key: Key, op: str, meta: dict[str, Any], args: tuple[Any, ...],
+                 deps: list[Key] | None = None):
         self.key = key
         self.op = op
         self.meta = meta
         self.args = args
-        self.deps = [a.key for a in args if type(a) is Dep]
+        # ``deps``: the builder's own list of the Dep keys in ``args`` (saves the scan).
+        self.deps = [a.key for a in args if type(a) is Dep] if deps is None else deps
 
     def __repr__(self) -> str:
         return f"Node({self.key!r}, {self.op!r})"
@@ -168,25 +170,32 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     published weights of the versions the chunks read."""
     i = plan.iteration
     out = []
+    append = out.append
+    steps = range(layout.num_steps)
     for c in range(len(plan.chunks)):
         rv = layout.chunk_version(plan, c)
         ids = plan.sample_ids(c)
         prompts = plan.chunk_prompts(c)
         common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
         prev: Key = ("noise", i, c)
-        out.append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids)))
+        append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids), []))
         chain = [prev]
-        for t in range(layout.num_steps):
+        weights = publish_key(rv)
+        # The steps' annotations differ only in their timestep.
+        step_meta = task_meta("denoise", i, rv, timestep=0, **common)
+        for t in steps:
             key = ("denoise", i, c, t)
-            out.append(Node(key, "denoise", task_meta("denoise", i, rv, timestep=t, **common),
-                            (Dep(publish_key(rv)), prompts, i, t, Dep(prev))))
+            meta = step_meta.copy()
+            meta["timestep"] = t
+            append(Node(key, "denoise", meta, (Dep(weights), prompts, i, t, Dep(prev)),
+                        [weights, prev]))
             chain.append(key)
             prev = key
-        out.append(Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
-                        tuple(Dep(k) for k in chain)))
-        out.append(Node(("reward", i, c), "reward",
-                        task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
-                        (prompts, Dep(("decode", i, c)))))
+        append(Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
+                    tuple(Dep(k) for k in chain), chain))
+        append(Node(("reward", i, c), "reward",
+                    task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
+                    (prompts, Dep(("decode", i, c))), [("decode", i, c)]))
     return out
 
 
@@ -217,20 +226,28 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                         (grp, plan.group_sample_ids(grp), layout.advantage_std,
                          layout.advantage_clip, *(Dep(("reward", i, c)) for c in chunks))))
     reference = Dep(publish_key(0)) if layout.kl else None
+    weights = publish_key(tv)
     leaves: list[Key] = []
     for c in range(n_chunks):
         groups = plan.groups_of_chunk(c)
+        prompts = plan.chunk_prompts(c)
+        advantages = [("advantage", i, grp) for grp in groups]
+        # The micro-steps' annotations differ only in their timestep.
+        step_meta = task_meta("grad", i, tv, timestep=0, chunk=c, group=groups[0],
+                              behaviour_version=versions[c], samples=len(plan.sample_ids(c)))
         for t in range(layout.trained_steps):
             key = ("grad", i, c, t)
             leaves.append(key)
             before = ("noise", i, c) if t == 0 else ("denoise", i, c, t - 1)
-            out.append(Node(key, "grad",
-                            task_meta("grad", i, tv, timestep=t, chunk=c, group=groups[0],
-                                      behaviour_version=versions[c],
-                                      samples=len(plan.sample_ids(c))),
-                            (Dep(publish_key(tv)), reference, plan.chunk_prompts(c), t,
-                             Dep(before), Dep(("denoise", i, c, t)),
-                             *(Dep(("advantage", i, grp)) for grp in groups))))
+            after = ("denoise", i, c, t)
+            meta = step_meta.copy()
+            meta["timestep"] = t
+            deps = [weights, before, after, *advantages]
+            if reference is not None:
+                deps.insert(1, reference.key)
+            out.append(Node(key, "grad", meta,
+                            (Dep(weights), reference, prompts, t, Dep(before), Dep(after),
+                             *(Dep(a) for a in advantages)), deps))
     # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
     fanin = layout.reduce_fanin
     level, nodes = 0, leaves

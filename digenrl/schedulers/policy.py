@@ -476,10 +476,7 @@ class SchedulingPolicy:
             self._dirty.add(addr)
             self._free.add(addr)
             if self.options.rebalance:
-                tasks = self.tasks
-                expected = self._expected
-                w.busy_until = self.clock() + sum(expected(w, tasks[k])
-                                                  for k in inflight if k in tasks)
+                w.busy_until = self.clock() + self._expected_all(w)
             if info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
         else:
@@ -528,6 +525,21 @@ class SchedulingPolicy:
             return 0.0
         step = self.step_time(w)
         return step * max(1, info.samples) if step is not None else 0.0
+
+    def _expected_all(self, w: WorkerInfo) -> float:
+        """Expected seconds of the GPU work released to ``w``."""
+        if not w.inflight:
+            return 0.0
+        step = self.step_time(w)
+        if step is None:
+            return 0.0
+        samples = 0
+        tasks = self.tasks
+        for k in w.inflight:
+            info = tasks.get(k)
+            if info is not None and info.kind == "denoise":
+                samples += info.samples or 1
+        return step * samples
 
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
