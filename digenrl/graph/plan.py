@@ -50,14 +50,20 @@ class IterationPlan:
         return tuple(range(a, b))
 
     def chunk_prompts(self, chunk: int) -> tuple[str, ...]:
-        return tuple(self.prompts[self.group_of(s)] for s in self.sample_ids(chunk))
+        a, b = self.chunks[chunk]
+        prompts, per = self.prompts, self.samples_per_prompt
+        return tuple([prompts[s // per] for s in range(a, b)])
 
     def group_sample_ids(self, group: int) -> tuple[int, ...]:
         a = group * self.samples_per_prompt
         return tuple(range(a, a + self.samples_per_prompt))
 
     def groups_of_chunk(self, chunk: int) -> list[int]:
-        return sorted({self.group_of(s) for s in self.sample_ids(chunk)})
+        # A chunk is a consecutive range of group-major samples: its groups are too.
+        a, b = self.chunks[chunk]
+        if b <= a:
+            return []
+        return list(range(a // self.samples_per_prompt, (b - 1) // self.samples_per_prompt + 1))
 
     def chunks_of_group(self, group: int) -> list[int]:
         """The chunks holding any sample of ``group`` (chunks are consecutive ranges)."""

@@ -153,10 +153,12 @@ class SchedulingPolicy:
         self.rejected: dict[Key, str] = {}
         self._seq = itertools.count()
         self._arrivals = itertools.count()
-        # Ready GPU rollout tasks: no affinity / affinity to a worker / all (for stealing).
+        # Ready GPU rollout tasks: no affinity / affinity to a worker / the affine ones
+        # again (for stealing).
         self._shared: list = []
         self._affine: dict[str, list] = defaultdict(list)
-        self._all_rollout: list = []
+        self._all_rollout: list = []                 # the affine ones, for stealing
+        self._stealable_dead = 0
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
         self._train: list = []
         self._pinned: dict[str, list] = defaultdict(list)
@@ -329,8 +331,13 @@ class SchedulingPolicy:
             else:
                 aff = self._affinity_of(loc)
             info.affinity = aff
-            heapq.heappush(self._affine[aff] if aff else self._shared, entry)
-            heapq.heappush(self._all_rollout, entry)
+            if aff:
+                heapq.heappush(self._affine[aff], entry)
+                # Only steps waiting for a worker can be stolen: every worker sees the
+                # shared ones first anyway.
+                heapq.heappush(self._all_rollout, entry)
+            else:
+                heapq.heappush(self._shared, entry)
             self._new_rollout = True
         else:
             pin = self._pin_of(info)
@@ -599,6 +606,15 @@ class SchedulingPolicy:
         shared = self._pop_valid(self._shared)
         pick = shared if own is None else own if shared is None else min(own, shared)
         if pick is not None:
+            if pick is own:
+                # Its entry among the stealable ones is dead now: drop the dead entries
+                # in one pass once they are half the heap (cheaper than popping each).
+                self._stealable_dead += 1
+                if self._stealable_dead > 256 and 2 * self._stealable_dead > len(self._all_rollout):
+                    live = [e for e in self._all_rollout if e[2].state is READY]
+                    heapq.heapify(live)
+                    self._all_rollout = live
+                    self._stealable_dead = 0
             return pick[2], False
         steal = self._pop_valid(self._all_rollout)
         if steal is None or not self._may_steal(w, steal[2], now):
