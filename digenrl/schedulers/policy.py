@@ -113,6 +113,7 @@ class WorkerInfo:
     tag_inflight: int = 0
     step_time: float | None = None   # measured seconds per sample-step (moving average)
     busy_until: float = 0.0          # when its released GPU work is expected to end
+    step_samples: int = 0            # sample-steps of the denoise tasks it was released
 
 
 @dataclass(slots=True)
@@ -482,8 +483,11 @@ class SchedulingPolicy:
             inflight.discard(key)
             self._dirty.add(addr)
             self._free.add(addr)
+            if info.kind == "denoise":
+                w.step_samples -= max(1, info.samples)
             if self.options.rebalance:
-                w.busy_until = self.clock() + self._expected_all(w)
+                step = self.step_time(w) if w.step_samples else None
+                w.busy_until = self.clock() + (step * w.step_samples if step is not None else 0.0)
             if info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
         else:
@@ -532,21 +536,6 @@ class SchedulingPolicy:
             return 0.0
         step = self.step_time(w)
         return step * max(1, info.samples) if step is not None else 0.0
-
-    def _expected_all(self, w: WorkerInfo) -> float:
-        """Expected seconds of the GPU work released to ``w``."""
-        if not w.inflight:
-            return 0.0
-        step = self.step_time(w)
-        if step is None:
-            return 0.0
-        samples = 0
-        tasks = self.tasks
-        for k in w.inflight:
-            info = tasks.get(k)
-            if info is not None and info.kind == "denoise":
-                samples += info.samples or 1
-        return step * samples
 
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
@@ -630,6 +619,8 @@ class SchedulingPolicy:
             w.inflight.add(key)
             if len(w.inflight) >= w.slots:
                 self._free.discard(w.address)
+            if info.kind == "denoise":
+                w.step_samples += max(1, info.samples)
             if self.options.rebalance:
                 w.busy_until = max(now, w.busy_until) + self._expected(w, info)
             if tag:

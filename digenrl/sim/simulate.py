@@ -97,11 +97,16 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
 
     sim: Simulator | None = None
 
+    base: dict[tuple[str, int], float] = {}
+
     def cost(info: TaskInfo, worker: SimWorker) -> float:
         kind = info.kind
-        seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
-        if kind == "reward" and profile.costs.reward_on == "remote":
-            seconds = 0.0
+        seconds = base.get((kind, info.samples))
+        if seconds is None:
+            seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
+            if kind == "reward" and profile.costs.reward_on == "remote":
+                seconds = 0.0
+            base[(kind, info.samples)] = seconds
         if kind == "reduce":
             seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
         extra = 0.0
