@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Sequence
@@ -118,8 +117,10 @@ class Simulator:
         self.latency = dispatch_latency
         self.queued_latency = queued_latency
         self.output_bytes = output_bytes or (lambda info: 1)
-        self._events: list = []
-        self._seq = itertools.count()
+        # Pending finishes by time: many tasks end at the same instant, so a heap of the
+        # distinct times and a list per time (in the order the tasks started).
+        self._times: list[float] = []
+        self._at: dict[float, list] = {}
         self.tasks: dict[Key, _Task] = {}
         self.added = 0                           # tasks added over the whole run
         self._by_iteration: dict[int, list[_Task]] = defaultdict(list)
@@ -228,8 +229,12 @@ class Simulator:
                     if f > fetch:
                         fetch = f
         start += fetch
-        heapq.heappush(self._events, (start + self.cost(t.info, w) / w.speed,
-                                      next(self._seq), t, worker, start))
+        stop = start + self.cost(t.info, w) / w.speed
+        bucket = self._at.get(stop)
+        if bucket is None:
+            self._at[stop] = bucket = []
+            heapq.heappush(self._times, stop)
+        bucket.append((t, worker, start))
 
     def _finish(self, t: _Task, worker: str, start: float) -> None:
         info = t.info
@@ -301,24 +306,31 @@ class Simulator:
         submit_upto(window + 1)
         self._apply_decisions()
         next_done = 0
-        events = self._events
+        times, at = self._times, self._at
         pop = heapq.heappop
         finish = self._finish
-        while events:
-            t, _, task, worker, start = pop(events)
-            if t > max_time:
+        while times:
+            now = times[0]
+            if now > max_time:
                 break
-            self.now = t
-            finish(task, worker, start)
-            if task.info.kind == "stats":
-                it = task.info.iteration
-                completed[it] = t
-                self._forget(it)
-                while next_done in completed:
-                    next_done += 1
-                submit_upto(next_done + window + 1)
+            pop(times)
+            self.now = now
+            bucket = at[now]
+            # Tasks finishing at this instant, including any that start and end in it.
+            i = 0
+            while i < len(bucket):
+                task, worker, start = bucket[i]
+                i += 1
+                finish(task, worker, start)
+                if task.info.kind == "stats":
+                    it = task.info.iteration
+                    completed[it] = now
+                    self._forget(it)
+                    while next_done in completed:
+                        next_done += 1
+                    submit_upto(next_done + window + 1)
+            del at[now]
             # Finish every event at this instant before deciding, as the plugin does.
-            if not events or events[0][0] > t:
-                self._apply_decisions()
+            self._apply_decisions()
         images = plans[0].num_samples if plans else 0
         return SimResult(self.records, self.now, completed, images, list(self.workers.values()))
