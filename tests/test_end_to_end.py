@@ -35,6 +35,12 @@ def test_disaggregated_run_writes_every_step_as_its_own_task(cluster_1x1, shared
     assert not tasks[tasks.kind.isin(TRAINING)].pool.eq("rollout").any()
     assert not tasks[tasks.kind == "denoise"].pool.eq("trainer").any()
     assert (tasks.stop >= tasks.start).all()
+    # Fetches from other workers: the rollout worker fetched each version's weights
+    # (0, 1, 2) from the trainer, before the task Dask attached the fetch to started.
+    fetched = tasks.dropna(subset=["transfer_start", "transfer_stop"])
+    assert (fetched.transfer_stop >= fetched.transfer_start).all()
+    assert (fetched.transfer_stop <= fetched.start + 0.05).all()
+    assert (fetched.pool == "rollout").sum() >= 3
     m = ds["metrics"]
     assert (m.ratio_dev.values < 1e-6).all()
     for name in ("reward_mean", "reward_std", "loss", "clip_fraction", "approx_kl",
