@@ -204,21 +204,25 @@ class Driver:
             self._plans[j] = plan
         return plan
 
+    def _speeds(self) -> dict[str, float]:
+        """Each worker's declared speed, by name (as the cluster description has them)."""
+        return {str(k): float(v) for k, v in (self.handle.description.get("speeds") or {}).items()}
+
     def _generating_capacity(self) -> float:
         """The summed speeds of the workers that generate (the rollout pool; every
         worker when the mode has no pools)."""
-        speeds = self.handle.description.get("speeds") or {}
+        speeds = self._speeds()
         names = [n for p, ns in self.pools().items() if p != TRAINER for n in ns]
-        return sum(float(speeds.get(str(n), 1.0)) for n in names) or 1.0
+        return sum(speeds.get(str(n), 1.0) for n in names) or 1.0
 
     def _measure(self, records: list[dict]) -> None:
         """Adaptive chunking: what this iteration's denoise tasks measured."""
         if getattr(self.w, "chunking", None) is None:
             return
-        sizes = {(i, c): b - a for i, plan in self._plans.items()
-                 for c, (a, b) in enumerate(plan.chunks)}
-        speeds = {str(k): float(v) for k, v in (self.handle.description.get("speeds") or {}).items()}
-        m = measure_chunks(records, sizes, speeds)
+        iterations = {int(r["iteration"]) for r in records if r.get("kind") == "denoise"}
+        sizes = {(i, c): b - a for i in iterations if i in self._plans
+                 for c, (a, b) in enumerate(self._plans[i].chunks)}
+        m = measure_chunks(records, sizes, self._speeds())
         if m is not None:
             self._measured = m
 

@@ -256,16 +256,11 @@ class SchedulingPolicy:
             tasks[key] = info
             info.state = ADDED
             info.order = next(arrivals)
-            # validate_task, inlined for its common case (the plugin adds every task).
-            if (info.pool is not ROLLOUT and info.pool is not TRAINER) or (
-                    info.behaviour_version is not None
-                    and not 0 <= info.policy_version - info.behaviour_version
-                    <= options.max_staleness):
-                why = validate_task(info, options)
-                if why is not None:
-                    self.rejected[key] = why
-                    rejected[key] = why
-                    continue
+            why = validate_task(info, options)
+            if why is not None:
+                self.rejected[key] = why
+                rejected[key] = why
+                continue
             if info.pool == ROLLOUT:
                 info.pending = True
                 pending[info.iteration] += 1

@@ -132,11 +132,6 @@ class Simulator:
         for w in workers:
             self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
 
-    @property
-    def nodes(self) -> dict[Key, _Task]:
-        """The tasks the engine still knows, by key."""
-        return self.tasks
-
     # ------------------------------------------------------------------ graph
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:

@@ -106,9 +106,9 @@ def test_finished_iterations_are_forgotten_but_their_state_is_kept(flux):
     assert len(result.records) == sim.added
     # Only the optimizer state and the published weights of finished iterations remain
     # (and whatever the last iterations still hold); the policy forgot the rest.
-    old = [k for k in sim.nodes if isinstance(k, tuple) and len(k) > 1 and k[1] == 0]
+    old = [k for k in sim.tasks if isinstance(k, tuple) and len(k) > 1 and k[1] == 0]
     assert sorted(old, key=repr) == [("optimize", 0), ("publish", 0)]
-    assert ("publish", 1) in sim.nodes
+    assert ("publish", 1) in sim.tasks
     assert not any(k[0] == "denoise" and k[1] < 3 for k in sim.policy.tasks)
 
 
