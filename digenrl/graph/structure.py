@@ -18,6 +18,7 @@ annotations and the scheduler plugin.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -27,7 +28,8 @@ from digenrl.schedulers.options import PUBLISH_KIND
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "publish_key", "optimize_key",
-           "restore_key", "checkpoint_key", "rollout_version", "reduce_root_key", "INIT_KEY"]
+           "restore_key", "checkpoint_key", "rollout_version", "reduce_root_key", "INIT_KEY",
+           "iteration_shape"]
 
 Key = Hashable
 INIT_KEY: Key = ("init",)
@@ -163,6 +165,25 @@ def iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     previous iteration's state directly (as the simulator runs it)."""
     return (rollout_nodes(layout, plan) + train_nodes(layout, plan)
             + tail_nodes(layout, plan, optimize_key(plan.iteration - 1)))
+
+
+def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
+    """What :func:`iteration_nodes` depends on besides the iteration number itself.
+
+    The builders are affine in the iteration within one shape: two iterations of the
+    same shape have the same nodes in the same order, and each integer in their keys
+    and annotations either is the same in both or moves with the iteration (a later
+    iteration's keys, versions and inputs, shifted). Anything else a builder reads
+    from the iteration -- the clamped version of a lagging rollout, whether the
+    optimizer step reads the initial state, whether two inputs coincide (rollouts
+    reading the KL reference's version) -- is part of the shape. The simulator
+    relies on this to build one iteration per shape (:mod:`digenrl.sim.template`)."""
+    i = plan.iteration
+    versions = [layout.chunk_version(plan, c) for c in range(len(plan.chunks))]
+    return (dataclasses.replace(plan, iteration=0), tuple(v - i for v in versions),
+            optimize_key(i - 1) == INIT_KEY,
+            # The KL reference is version 0: the same input as rollouts of version 0.
+            layout.kl and 0 in versions)
 
 
 def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:

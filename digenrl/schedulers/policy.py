@@ -144,10 +144,21 @@ def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
 class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now."""
 
+    __slots__ = ("options", "clock", "_gap", "_pools", "_tag", "_rebalance", "_staleness",
+                 "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "_shared",
+                 "_affine", "_all_rollout", "_stealable_dead", "_train", "_pinned",
+                 "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
+                 "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
+                 "_new_rollout", "_new_training", "_ref_step", "_chunk_home", "counters")
+
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
         self.clock = clock
         self._gap = options.gap
+        self._pools = options.pools
+        self._tag = options.tag
+        self._rebalance = options.rebalance
+        self._staleness = options.max_staleness
         self.tasks: dict[Key, TaskInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.version = -1                          # newest published policy version
@@ -279,9 +290,9 @@ class SchedulingPolicy:
     def _eligible_now(self, info: TaskInfo) -> str | None:
         """The reason ``info`` must still be held, or None."""
         if info.pool == ROLLOUT:
-            if info.iteration - self.options.max_staleness > self.version:
+            if info.iteration - self._staleness > self.version:
                 return "staleness"
-        elif not self.options.gap and info.iteration >= 0 \
+        elif not self._gap and info.iteration >= 0 \
                 and info.iteration not in self._barrier_open:
             if self._rollout_pending.get(info.iteration):
                 return "barrier"
@@ -298,23 +309,22 @@ class SchedulingPolicy:
         if st is READY or st is HELD or st is RELEASED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
         info.locality = locality if locality is not None else {}
+        now = None
         if info.ready_since is None:
-            info.ready_since = self.clock()
+            info.ready_since = now = self.clock()
         why = self._eligible_now(info)
-        if why == "staleness":
+        if why is None:
+            self._enqueue(info, now)
+        else:
             info.state = HELD
-            self._held_stale[info.iteration].add(key)
-            return
-        if why == "barrier":
-            info.state = HELD
-            self._held_barrier[info.iteration].add(key)
-            return
-        self._enqueue(info)
+            held = self._held_stale if why == "staleness" else self._held_barrier
+            held[info.iteration].add(key)
 
-    def _enqueue(self, info: TaskInfo) -> None:
+    def _enqueue(self, info: TaskInfo, now: float | None = None) -> None:
+        """``info`` is runnable: queue it (``now``: the clock, when the caller read it)."""
         info.state = READY
         if info.eligible_since is None:
-            info.eligible_since = self.clock()
+            info.eligible_since = self.clock() if now is None else now
         loc = info.locality or {}
         if not info.gpu:
             self._cpu_ready[info.key] = loc

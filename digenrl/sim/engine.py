@@ -17,13 +17,13 @@ import gc
 import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import (GraphLayout, Node, init_nodes, iteration_nodes,
-                                     optimize_key, publish_key)
+from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key, publish_key
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.sim.template import Batch, IterationSource, node_batch
 
 __all__ = ["SimWorker", "SimRecord", "SimResult", "Simulator", "uniform_plans"]
 
@@ -38,8 +38,9 @@ class SimWorker:
     speed: float = 1.0          # relative speed: durations are divided by it
 
 
-@dataclass(slots=True)
-class SimRecord:
+class SimRecord(NamedTuple):
+    """One task as it ran (a tuple: millions are made in a large run)."""
+
     key: Key
     kind: str
     worker: str
@@ -135,28 +136,30 @@ class Simulator:
     # ------------------------------------------------------------------ graph
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
-        from_meta = TaskInfo.from_meta
+        self.add_batch(node_batch(list(nodes)))
+
+    def add_batch(self, batch: Batch) -> None:
+        """Add tasks (see :mod:`digenrl.sim.template` for the batch's form)."""
+        entries, externals = batch
         tasks, orphans = self.tasks, self._orphans
         output_bytes = self.output_bytes
+        new = [_Task(key, info, output_bytes(info)) for key, info, _ in entries]
         by_iteration = self._by_iteration
-        new: list[tuple[_Task, list]] = []
-        for node in nodes:
-            key = node.key
-            info = from_meta(key, node.meta)
-            t = _Task(key, info, output_bytes(info))
-            tasks[key] = t
-            by_iteration[info.iteration].append(t)
-            new.append((t, node.deps))
+        for t in new:
+            tasks[t.key] = t
+            by_iteration[t.info.iteration].append(t)
         self.added += len(new)
-        self.policy.add_tasks([t.info for t, _ in new])
+        self.policy.add_tasks([t.info for t in new])
+        # Inputs from earlier batches (None: not added yet).
+        outside = [tasks.get(k) for k in externals]
         ready = []
-        for t, deps in new:
+        for t, (_, _, inputs) in zip(new, entries):
             waiting = 0
             resolved = t.deps
-            for d in deps:
-                dt = tasks.get(d)
+            for j in inputs:
+                dt = new[j] if j >= 0 else outside[~j]
                 if dt is None:
-                    orphans[d].append(t)
+                    orphans[externals[~j]].append(t)
                     waiting += 1
                     continue
                 resolved.append(dt)
@@ -231,29 +234,6 @@ class Simulator:
             heapq.heappush(self._times, stop)
         bucket.append((t, worker, start))
 
-    def _finish(self, t: _Task, worker: str, start: float) -> None:
-        info = t.info
-        timestep, chunk = info.timestep, info.chunk
-        now = self.now
-        self.records.append(SimRecord(
-            t.key, info.kind, worker, self.workers[worker].pool, info.iteration,
-            info.policy_version, -1 if timestep is None else timestep,
-            -1 if chunk is None else chunk, t.ready_at, t.released, start, now,
-            t.worker_tag, info.gpu))
-        t.holder = worker
-        self.policy.task_done(t.key, worker, now - start)
-        if info.gpu:
-            self.running[worker] -= 1
-            self._start_next(worker, queued=True)
-        dependents = t.dependents
-        if dependents:
-            t.dependents = []
-            for dep in dependents:
-                n = dep.waiting - 1
-                dep.waiting = n
-                if n == 0:
-                    self._ready(dep)
-
     def _forget(self, iteration: int) -> None:
         """Iteration ``iteration`` finished: drop what no later task reads (everything
         but its optimizer state and published weights), as Dask forgets released keys."""
@@ -289,13 +269,14 @@ class Simulator:
     def _run(self, layout: GraphLayout, plans: Sequence[IterationPlan], window: int,
              max_time: float) -> SimResult:
         self.add_nodes(init_nodes())
+        source = IterationSource(layout)
         submitted = 0
         completed: dict[int, float] = {}
 
         def submit_upto(limit: int) -> None:
             nonlocal submitted
             while submitted < min(limit, len(plans)):
-                self.add_nodes(iteration_nodes(layout, plans[submitted]))
+                self.add_batch(source.batch(plans[submitted]))
                 submitted += 1
 
         submit_upto(window + 1)
@@ -303,7 +284,12 @@ class Simulator:
         next_done = 0
         times, at = self._times, self._at
         pop = heapq.heappop
-        finish = self._finish
+        records, append = self.records, self.records.append
+        new_record = tuple.__new__
+        pool_of = {name: w.pool for name, w in self.workers.items()}
+        task_done = self.policy.task_done
+        running, queue = self.running, self.queue
+        start_next, ready = self._start_next, self._ready
         while times:
             now = times[0]
             if now > max_time:
@@ -314,11 +300,31 @@ class Simulator:
             # Tasks finishing at this instant, including any that start and end in it.
             i = 0
             while i < len(bucket):
-                task, worker, start = bucket[i]
+                t, worker, start = bucket[i]
                 i += 1
-                finish(task, worker, start)
-                if task.info.kind == "stats":
-                    it = task.info.iteration
+                info = t.info
+                timestep, chunk = info.timestep, info.chunk
+                append(new_record(SimRecord, (
+                    t.key, info.kind, worker, pool_of[worker], info.iteration,
+                    info.policy_version, -1 if timestep is None else timestep,
+                    -1 if chunk is None else chunk, t.ready_at, t.released, start, now,
+                    t.worker_tag, info.gpu)))
+                t.holder = worker
+                task_done(t.key, worker, now - start)
+                if info.gpu:
+                    running[worker] -= 1
+                    if queue[worker]:
+                        start_next(worker, True)
+                dependents = t.dependents
+                if dependents:
+                    t.dependents = []
+                    for dep in dependents:
+                        n = dep.waiting - 1
+                        dep.waiting = n
+                        if n == 0:
+                            ready(dep)
+                if info.kind == "stats":
+                    it = info.iteration
                     completed[it] = now
                     self._forget(it)
                     while next_done in completed:

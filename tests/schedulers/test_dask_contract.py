@@ -38,7 +38,7 @@ async def submit_parked(c, s, key):
     with dask.annotate(park=True):
         f = c.submit(inc, 1, key=key)
     await async_poll_for(lambda: key in s.tasks and s.tasks[key].state == "no-worker",
-                         timeout=5)
+                         timeout=20)
     return f
 
 
@@ -46,7 +46,7 @@ async def submit_parked(c, s, key):
 async def test_1_unreachable_restrictions_park_a_task_even_when_workers_join(c, s, a, b):
     f = await submit_parked(c, s, "parked")
     async with Worker(s.address, nthreads=1):
-        await async_poll_for(lambda: len(s.workers) == 3, timeout=5)
+        await async_poll_for(lambda: len(s.workers) == 3, timeout=20)
         assert s.tasks["parked"].state == "no-worker"
     assert s.validate
     del f
@@ -70,7 +70,7 @@ async def test_3_and_6_update_graph_sees_per_key_annotations_before_any_transiti
         "park": {("x", 0): True}.get})}, {"x": set()})
     futs = c.get(hlg, list(dsk), sync=False)
     assert await futs[1] == 3
-    await async_poll_for(lambda: s.tasks[("x", 0)].state == "no-worker", timeout=5)
+    await async_poll_for(lambda: s.tasks[("x", 0)].state == "no-worker", timeout=20)
     assert s.tasks[("x", 0)].annotations == {"park": True}
     assert plugin.first_transition[("x", 0)] == ("released", "waiting")
     assert not any(start == "processing" for start, _ in [plugin.first_transition[("x", 0)]])
@@ -89,7 +89,7 @@ async def test_4_stealing_never_moves_a_task_restricted_to_one_worker(c, s, a, b
 @gen_cluster(client=True, nthreads=NTHREADS)
 async def test_4_restricted_tasks_bypass_queuing(c, s, a, b):
     futs = c.map(inc, range(50), workers=[a.address, b.address])
-    await async_poll_for(lambda: all(f.key in s.tasks for f in futs), timeout=5)
+    await async_poll_for(lambda: all(f.key in s.tasks for f in futs), timeout=20)
     assert not s.queued
     await c.gather(futs)
 
