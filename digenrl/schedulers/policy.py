@@ -100,7 +100,7 @@ class TaskInfo:
                    int(get("samples") or 0))
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkerInfo:
     address: str
     name: str
@@ -279,13 +279,14 @@ class SchedulingPolicy:
 
     def _priority(self, info: TaskInfo) -> tuple:
         stage = _STAGE.get(info.kind, info.timestep or 0)
-        chunk = info.chunk if info.chunk is not None else 1 << 30
-        if info.pool == ROLLOUT:
-            if self._gap:
-                return (info.iteration, chunk, stage)
-            return (info.iteration, stage, chunk)
-        # Training: older iterations first; a group's micro-steps in timestep order.
-        return (info.iteration, chunk, stage)
+        chunk = info.chunk
+        if chunk is None:
+            chunk = 1 << 30
+        # Training, and rollout with GAP: older iterations first, a chunk's steps in
+        # timestep order; rollout without GAP: breadth-first over chunks.
+        if self._gap or info.pool != ROLLOUT:
+            return (info.iteration, chunk, stage)
+        return (info.iteration, stage, chunk)
 
     def _eligible_now(self, info: TaskInfo) -> str | None:
         """The reason ``info`` must still be held, or None."""
@@ -485,14 +486,15 @@ class SchedulingPolicy:
         key = info.key
         inflight = w.inflight
         if key in inflight:
-            inflight.discard(key)
+            inflight.remove(key)
             self._dirty.add(addr)
             self._free.add(addr)
             if info.kind == "denoise":
                 w.step_samples -= max(1, info.samples)
-            if self.options.rebalance:
-                step = self.step_time(w) if w.step_samples else None
-                w.busy_until = self.clock() + (step * w.step_samples if step is not None else 0.0)
+            if self._rebalance:
+                n = w.step_samples
+                step = self.step_time(w) if n else None
+                w.busy_until = self.clock() + (step * n if step is not None else 0.0)
             if info.pool == ROLLOUT and w.pool == TRAINER:
                 w.tag_inflight -= 1
         else:
@@ -621,13 +623,15 @@ class SchedulingPolicy:
         info.state = RELEASED
         info.where = w.address
         if info.gpu:
-            w.inflight.add(key)
-            if len(w.inflight) >= w.slots:
+            inflight = w.inflight
+            inflight.add(key)
+            if len(inflight) >= w.slots:
                 self._free.discard(w.address)
             if info.kind == "denoise":
                 w.step_samples += max(1, info.samples)
-            if self.options.rebalance:
-                w.busy_until = max(now, w.busy_until) + self._expected(w, info)
+            if self._rebalance:
+                busy = w.busy_until
+                w.busy_until = (now if now > busy else busy) + self._expected(w, info)
             if tag:
                 w.tag_inflight += 1
         else:
@@ -673,15 +677,19 @@ class SchedulingPolicy:
         candidates = self._dirty
         self._dirty = set()
         if self._new_rollout or self._new_training:
+            workers, rollout, training = self.workers, self._new_rollout, self._new_training
+            may_generate, may_train = self._may_generate, self._may_train
             for addr in self._free:
-                w = self.workers[addr]
-                if len(w.inflight) < w.slots and (
-                        (self._new_rollout and self._may_generate(w))
-                        or (self._new_training and self._may_train(w))):
-                    candidates.add(w.address)
+                w = workers[addr]
+                if len(w.inflight) < w.slots and ((rollout and may_generate(w))
+                                                  or (training and may_train(w))):
+                    candidates.add(addr)
             self._new_rollout = self._new_training = False
-        active = sorted((self.workers[a] for a in candidates if a in self.workers),
-                        key=lambda w: (len(w.inflight), w.name))
+        workers = self.workers
+        # The least loaded first (names are unique: the worker itself is never compared).
+        order = sorted([(len(w.inflight), w.name, w) for w in map(workers.get, candidates)
+                        if w is not None])
+        active = [w for _, _, w in order]
         while active:
             still = []
             for w in active:
@@ -695,25 +703,24 @@ class SchedulingPolicy:
         return out
 
     def _may_generate(self, w: WorkerInfo) -> bool:
-        return (not self.options.pools or w.pool == ROLLOUT
-                or (self.options.tag and not w.inflight))
+        return not self._pools or w.pool == ROLLOUT or (self._tag and not w.inflight)
 
     def _may_train(self, w: WorkerInfo) -> bool:
-        return not self.options.pools or w.pool == TRAINER
+        return not self._pools or w.pool == TRAINER
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
-        opts = self.options
-        if not opts.pools or w.pool == TRAINER:
+        pools, pool = self._pools, w.pool
+        if not pools or pool == TRAINER:
             info = self._take_training(w)
             if info is not None:
                 return self._release(info, w, now)
-        if not opts.pools or w.pool == ROLLOUT:
+        if not pools or pool == ROLLOUT:
             info, stolen = self._take_rollout(w, now)
             if info is not None:
                 return self._release(info, w, now, stolen=stolen)
             return None
         # A trainer with no runnable training work: trainer-assisted generation.
-        if opts.tag and not w.inflight and not self._runnable_training(w):
+        if self._tag and not w.inflight and not self._runnable_training(w):
             info, stolen = self._take_rollout(w, now)
             if info is not None:
                 return self._release(info, w, now, tag=True, stolen=stolen)
