@@ -1,14 +1,19 @@
-"""Micro-benchmarks behind two statements in docs/.
+"""Micro-benchmarks behind statements in docs/.
 
     python workflows/microbench.py dispatch   # a chain hop: parked-and-released vs plain Dask
     python workflows/microbench.py malloc     # a forward pass under Dask's nanny malloc setting
+    python workflows/microbench.py eventloop  # the simulator's CPU per task vs a bare event loop
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
 by the plugin and released by the policy), alternating, and prints milliseconds per hop.
 ``malloc`` times the default transformer's forward pass in fresh processes with and
 without ``MALLOC_TRIM_THRESHOLD_=65536`` (what Dask's nanny exports), and with that
-variable plus the allocator tuning the worker plugin applies.
+variable plus the allocator tuning the worker plugin applies. ``eventloop`` times, in
+one process, a bare discrete-event loop over chains of tasks (one input each, a FIFO of
+ready tasks, a heap of finishes, one record per task: the least any event simulator in
+Python does per task) and ``digenrl simulate``'s engine on the FLUX-like profile, and
+prints CPU microseconds per task for both.
 """
 
 from __future__ import annotations
@@ -110,14 +115,85 @@ def malloc() -> None:
         print(f"{label:<42} {v / first:6.2f}x")
 
 
+def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple[int, float]:
+    """Tasks run and CPU seconds of the bare loop."""
+    import heapq
+
+    class Task:
+        __slots__ = ("key", "dependents", "waiting")
+
+        def __init__(self, key):
+            self.key, self.dependents, self.waiting = key, [], 0
+
+    n, t0 = 0, time.process_time()
+    seq = 0
+    for it in range(iterations):
+        tasks, ready = {}, []
+        for c in range(chains):
+            prev = None
+            for t in range(length):
+                x = Task(("step", it, c, t))
+                tasks[x.key] = x
+                n += 1
+                if prev is None:
+                    heapq.heappush(ready, ((it, c, t), seq, x))
+                    seq += 1
+                else:
+                    prev.dependents.append(x)
+                    x.waiting = 1
+                prev = x
+        events, now, free, records = [], 0.0, list(range(workers)), []
+        while ready or events:
+            while free and ready:
+                _, _, x = heapq.heappop(ready)
+                heapq.heappush(events, (now + 1.0 + 0.001 * (x.key[2] % 7), seq, x, free.pop()))
+                seq += 1
+            now, _, x, w = heapq.heappop(events)
+            records.append((x.key, w, now))
+            free.append(w)
+            for d in x.dependents:
+                d.waiting -= 1
+                if not d.waiting:
+                    heapq.heappush(ready, ((it, d.key[2], d.key[3]), seq, d))
+                    seq += 1
+        tasks.clear()
+    return n, time.process_time() - t0
+
+
+def eventloop(gpus: int, iterations: int) -> None:
+    from digenrl.bench import VARIANTS, _schedule_config
+    from digenrl.sim.profile import load_profile
+    from digenrl.sim.simulate import simulate
+
+    profile = load_profile("flux12b-16gpu").scaled(gpus)
+    s = _schedule_config(VARIANTS["digenrl"])
+    t0 = time.process_time()
+    report = simulate(profile, s.options(), iterations, stale_groups=s.stale_groups)
+    sim = (time.process_time() - t0) / report.tasks
+    # The bare loop on as many chains and workers, with as many tasks per chain.
+    chains = profile.prompts_per_iteration * profile.samples_per_prompt // profile.chunk_size
+    per_chain = report.tasks // (iterations * chains)
+    n, cpu = _bare_loop(gpus, chains, per_chain, iterations)
+    bare = cpu / n
+    print(f"digenrl simulate, {profile.name}, {iterations} iterations: {report.tasks} tasks, "
+          f"{1e6 * sim:.1f} us CPU per task")
+    print(f"bare event loop, {chains} chains of {per_chain} on {gpus} workers: {n} tasks, "
+          f"{1e6 * bare:.1f} us CPU per task")
+    print(f"ratio {sim / bare:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["dispatch", "malloc"])
+    p.add_argument("what", choices=["dispatch", "malloc", "eventloop"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
+    p.add_argument("--iterations", type=int, default=8, help="eventloop: iterations")
     args = p.parse_args()
     if args.what == "dispatch":
         dispatch(args.hops, args.rounds)
+    elif args.what == "eventloop":
+        eventloop(args.gpus, args.iterations)
     else:
         malloc()
 
