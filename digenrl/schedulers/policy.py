@@ -686,10 +686,11 @@ class SchedulingPolicy:
                     candidates.add(addr)
             self._new_rollout = self._new_training = False
         workers = self.workers
-        # The least loaded first (names are unique: the worker itself is never compared).
-        order = sorted([(len(w.inflight), w.name, w) for w in map(workers.get, candidates)
-                        if w is not None])
-        active = [w for _, _, w in order]
+        # The least loaded first, by name (addresses are unique: workers are never
+        # compared themselves).
+        order = sorted([(len(w.inflight), w.name, w.address, w)
+                        for w in map(workers.get, candidates) if w is not None])
+        active = [entry[3] for entry in order]
         while active:
             still = []
             for w in active:

@@ -8,7 +8,9 @@ workers costs what the transfer function says. The driver's behaviour is modelle
 iterations are submitted within the same window as :class:`digenrl.runner.Runner` uses.
 
 The same :class:`~digenrl.schedulers.policy.SchedulingPolicy` object the Dask plugin
-uses makes every decision, so what the simulator shows is what the plugin does.
+uses makes every decision, so what the simulator shows is what the plugin does. Each
+iteration's tasks are the graph builders' (:mod:`digenrl.sim.template` repeats them,
+shifted, for later iterations of one shape).
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ class Simulator:
         next_done = 0
         times, at = self._times, self._at
         pop = heapq.heappop
-        records, append = self.records, self.records.append
+        append = self.records.append
         new_record = tuple.__new__
         pool_of = {name: w.pool for name, w in self.workers.items()}
         task_done = self.policy.task_done
