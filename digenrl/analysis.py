@@ -190,10 +190,10 @@ def _fetching(tasks, workers: np.ndarray, t0: np.ndarray, t1: np.ndarray) -> np.
     out = np.zeros(len(workers))
     spans = tasks.dropna(subset=["transfer_start", "transfer_stop"])
     names = spans["worker_name"].to_numpy()
+    starts, stops = spans["transfer_start"].to_numpy(), spans["transfer_stop"].to_numpy()
     for name in np.unique(workers):
         rows = names == name
-        s = spans["transfer_start"].to_numpy()[rows]
-        e = spans["transfer_stop"].to_numpy()[rows]
+        s, e = starts[rows], stops[rows]
         if not len(s):
             continue
         order = np.argsort(s)

@@ -141,8 +141,8 @@ class RunStore:
         arr[...] = values
 
     def _append(self, group: str, name: str, values: np.ndarray, rows: int = 0) -> None:
-        """Append ``values`` to ``group.name``; ``rows``: the group's length along its
-        first dimension before this commit (a new task column starts at it)."""
+        """Append ``values`` to ``group.name``; ``rows``: the rows a column new to the
+        group starts with (the ``tasks`` group's length before this commit, else 0)."""
         grp = self.root[group]
         dims = _DIMS[group]
         extra = _EXTRA_DIMS.get((group, name), ())
@@ -164,7 +164,7 @@ class RunStore:
             fill = np.nan if values.dtype.kind == "f" else None
             # A task column new to this version, appended to an older run's store: its
             # earlier rows hold the fill value (NaN), so every column keeps one length.
-            grp.create_array(name, shape=(rows if group == "tasks" else 0,) + values.shape[1:],
+            grp.create_array(name, shape=(rows,) + values.shape[1:],
                              chunks=chunks, dtype=dtype, dimension_names=dims + extra,
                              fill_value=fill)
         arr = grp[name]
