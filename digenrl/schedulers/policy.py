@@ -57,6 +57,9 @@ Key = Hashable
 ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "released",
                                                  "done", "forgotten")
 
+#: The states in which a task is already ready, held or running.
+_QUEUED = frozenset({READY, HELD, RELEASED})
+
 #: Where the non-denoise kinds sit in a chunk's order of work.
 _STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
 
@@ -114,6 +117,7 @@ class WorkerInfo:
     step_time: float | None = None   # measured seconds per sample-step (moving average)
     busy_until: float = 0.0          # when its released GPU work is expected to end
     step_samples: int = 0            # sample-steps of the denoise tasks it was released
+    rank: int = 0                    # its place among all workers by name (then address)
 
 
 @dataclass(slots=True)
@@ -123,6 +127,7 @@ class Decision:
     time: float
     tag: bool = False          # a rollout task released to a trainer
     stolen: bool = False       # taken from another worker's affinity
+    info: TaskInfo | None = field(default=None, compare=False, repr=False)  # the task
 
 
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
@@ -149,7 +154,8 @@ class SchedulingPolicy:
                  "_affine", "_all_rollout", "_stealable_dead", "_train", "_pinned",
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
-                 "_new_rollout", "_new_training", "_ref_step", "_chunk_home", "counters")
+                 "_new_rollout", "_new_training", "_ref_step", "_chunk_home", "_counts",
+                 "_released", "_ranked")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -185,8 +191,10 @@ class SchedulingPolicy:
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self._dirty: set[str] = set()
-        self._free: set[str] = set()               # workers with a free GPU slot
+        # Workers with a free GPU slot, by pool.
+        self._free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
         self._pool_lists: dict[str, list[WorkerInfo]] = {}
+        self._ranked = True                        # every worker's rank is current
         self._round_robin: dict[str, int] = defaultdict(int)
         self._new_rollout = False
         self._new_training = False
@@ -194,8 +202,9 @@ class SchedulingPolicy:
         self._ref_step: float | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
-        # Telemetry.
-        self.counters: dict[str, int] = defaultdict(int)
+        # Telemetry (releases are counted apart: one is counted per task).
+        self._counts: dict[str, int] = defaultdict(int)
+        self._released = 0
 
     # ------------------------------------------------------------------ workers
 
@@ -213,8 +222,9 @@ class SchedulingPolicy:
         self.workers[address] = WorkerInfo(address, name, pool, gpus,
                                            gpus * self.options.slots_per_worker, speed)
         self._dirty.add(address)
-        self._free.add(address)
+        self._free[pool].add(address)
         self._pool_lists.clear()
+        self._ranked = False
         self._repin()
 
     def remove_worker(self, address: str) -> list[Key]:
@@ -222,10 +232,11 @@ class SchedulingPolicy:
         back as ready once their inputs exist again)."""
         w = self.workers.pop(address, None)
         self._dirty.discard(address)
-        self._free.discard(address)
         self._pool_lists.clear()
+        self._ranked = False
         if w is None:
             return []
+        self._free[w.pool].discard(address)
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
             info = self.tasks.get(key)
@@ -288,38 +299,33 @@ class SchedulingPolicy:
             return (info.iteration, chunk, stage)
         return (info.iteration, stage, chunk)
 
-    def _eligible_now(self, info: TaskInfo) -> str | None:
-        """The reason ``info`` must still be held, or None."""
-        if info.pool == ROLLOUT:
-            if info.iteration - self._staleness > self.version:
-                return "staleness"
-        elif not self._gap and info.iteration >= 0 \
-                and info.iteration not in self._barrier_open:
-            if self._rollout_pending.get(info.iteration):
-                return "barrier"
-            self._barrier_open.add(info.iteration)
-        return None
-
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
         """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
         (the policy keeps the mapping: pass one the caller no longer changes)."""
         info = self.tasks.get(key)
         if info is None or (self.rejected and key in self.rejected):
             return
-        st = info.state
-        if st is READY or st is HELD or st is RELEASED:
+        if info.state in _QUEUED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
         info.locality = locality if locality is not None else {}
         now = None
         if info.ready_since is None:
             info.ready_since = now = self.clock()
-        why = self._eligible_now(info)
-        if why is None:
-            self._enqueue(info, now)
-        else:
-            info.state = HELD
-            held = self._held_stale if why == "staleness" else self._held_barrier
-            held[info.iteration].add(key)
+        # Held while the staleness bound keeps its iteration's rollout back, or, without
+        # GAP, until its iteration's rollout work is done (training).
+        it = info.iteration
+        if info.pool == ROLLOUT:
+            if it - self._staleness > self.version:
+                info.state = HELD
+                self._held_stale[it].add(key)
+                return
+        elif not self._gap and it >= 0 and it not in self._barrier_open:
+            if self._rollout_pending.get(it):
+                info.state = HELD
+                self._held_barrier[it].add(key)
+                return
+            self._barrier_open.add(it)
+        self._enqueue(info, now)
 
     def _enqueue(self, info: TaskInfo, now: float | None = None) -> None:
         """``info`` is runnable: queue it (``now``: the clock, when the caller read it)."""
@@ -405,11 +411,13 @@ class SchedulingPolicy:
         info = self.tasks.get(key)
         if info is None:
             return
-        if duration is not None and duration > 0 and info.kind == "denoise":
-            w = self.workers.get(worker) if worker is not None else None
-            if w is not None:
-                self._observe(w, duration / max(1, info.samples))
-        elif info.kind == "noise" and worker is not None:
+        kind = info.kind
+        if kind == "denoise":
+            if duration is not None and duration > 0 and worker is not None:
+                w = self.workers.get(worker)
+                if w is not None:
+                    self._observe(w, duration / max(1, info.samples))
+        elif kind == "noise" and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
         self._unrelease(info)
         info.state = DONE
@@ -423,7 +431,7 @@ class SchedulingPolicy:
                     self._rollout_pending[info.iteration] = left
                 if not left:
                     self._open_barrier(info.iteration)
-        if info.kind == PUBLISH_KIND and info.policy_version > self.version:
+        if kind == PUBLISH_KIND and info.policy_version > self.version:
             self.version = info.policy_version
             self._release_stale_holds()
 
@@ -488,14 +496,14 @@ class SchedulingPolicy:
         if key in inflight:
             inflight.remove(key)
             self._dirty.add(addr)
-            self._free.add(addr)
+            self._free[w.pool].add(addr)
             if info.kind == "denoise":
                 w.step_samples -= max(1, info.samples)
             if self._rebalance:
                 n = w.step_samples
                 step = self.step_time(w) if n else None
                 w.busy_until = self.clock() + (step * n if step is not None else 0.0)
-            if info.pool == ROLLOUT and w.pool == TRAINER:
+            if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
         else:
             w.cpu_inflight.discard(key)
@@ -566,7 +574,7 @@ class SchedulingPolicy:
         if (self._transfer_seconds(w, info) < step and self.finish_time(w, info, now)
                 <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
             return True
-        self.counters["kept"] += 1
+        self._counts["kept"] += 1
         return False
 
     def _transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
@@ -626,22 +634,29 @@ class SchedulingPolicy:
             inflight = w.inflight
             inflight.add(key)
             if len(inflight) >= w.slots:
-                self._free.discard(w.address)
+                self._free[w.pool].discard(w.address)
             if info.kind == "denoise":
-                w.step_samples += max(1, info.samples)
-            if self._rebalance:
+                n = max(1, info.samples)
+                w.step_samples += n
+                if self._rebalance:
+                    # The step at the worker's pace (as _expected has it).
+                    step = w.step_time if w.step_time is not None else self.step_time(w)
+                    busy = w.busy_until
+                    w.busy_until = (now if now > busy else busy) + \
+                        (step * n if step is not None else 0.0)
+            elif self._rebalance:
                 busy = w.busy_until
-                w.busy_until = (now if now > busy else busy) + self._expected(w, info)
+                w.busy_until = now if now > busy else busy
             if tag:
                 w.tag_inflight += 1
         else:
             w.cpu_inflight.add(key)
-        self.counters["released"] += 1
+        self._released += 1
         if tag:
-            self.counters["tag_released"] += 1
+            self._counts["tag_released"] += 1
         if stolen:
-            self.counters["stolen"] += 1
-        return Decision(key, w.address, now, tag, stolen)
+            self._counts["stolen"] += 1
+        return Decision(key, w.address, now, tag, stolen, info)
 
     def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes; without inputs on the pool, the
@@ -676,38 +691,45 @@ class SchedulingPolicy:
                     out.append(self._release(self.tasks[key], w, now))
         candidates = self._dirty
         self._dirty = set()
-        if self._new_rollout or self._new_training:
-            workers, rollout, training = self.workers, self._new_rollout, self._new_training
-            may_generate, may_train = self._may_generate, self._may_train
-            for addr in self._free:
-                w = workers[addr]
-                if len(w.inflight) < w.slots and ((rollout and may_generate(w))
-                                                  or (training and may_train(w))):
-                    candidates.add(addr)
-            self._new_rollout = self._new_training = False
         workers = self.workers
-        # The least loaded first, by name (addresses are unique: workers are never
-        # compared themselves).
-        order = sorted([(len(w.inflight), w.name, w.address, w)
-                        for w in map(workers.get, candidates) if w is not None])
-        active = [entry[3] for entry in order]
+        rollout, training = self._new_rollout, self._new_training
+        if rollout or training:
+            # The free workers that may take the new kind of work: any worker without
+            # pools; rollout workers rollout work and trainers training work; with TAG,
+            # trainers with nothing released rollout work too.
+            free = self._free
+            if not self._pools:
+                candidates |= free[COLOCATED]
+            else:
+                if rollout:
+                    candidates |= free[ROLLOUT]
+                if training:
+                    candidates |= free[TRAINER]
+                elif self._tag:
+                    candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
+            self._new_rollout = self._new_training = False
+        # The least loaded first, by name (ranks are unique: workers are never compared
+        # themselves).
+        if not self._ranked:
+            ordered = sorted(workers.values(), key=lambda w: (w.name, w.address))
+            for rank, w in enumerate(ordered):
+                w.rank = rank
+            self._ranked = True
+        order = sorted([(len(w.inflight), w.rank, w)
+                        for w in map(workers.get, candidates)
+                        if w is not None and len(w.inflight) < w.slots])
+        active = [entry[2] for entry in order]
+        decide_one = self._decide_one
         while active:
             still = []
             for w in active:
-                if len(w.inflight) >= w.slots:
-                    continue
-                d = self._decide_one(w, now)
+                d = decide_one(w, now)
                 if d is not None:
                     out.append(d)
-                    still.append(w)
+                    if len(w.inflight) < w.slots:
+                        still.append(w)
             active = still
         return out
-
-    def _may_generate(self, w: WorkerInfo) -> bool:
-        return not self._pools or w.pool == ROLLOUT or (self._tag and not w.inflight)
-
-    def _may_train(self, w: WorkerInfo) -> bool:
-        return not self._pools or w.pool == TRAINER
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         pools, pool = self._pools, w.pool
@@ -728,6 +750,14 @@ class SchedulingPolicy:
         return None
 
     # ---------------------------------------------------------------- telemetry
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Telemetry: tasks ``released`` (of them ``tag_released`` to trainers and
+        ``stolen`` from another worker's affinity), steps ``kept`` on a slower worker."""
+        counts = defaultdict(int, self._counts)
+        counts["released"] = self._released
+        return counts
 
     def held(self) -> dict[str, int]:
         """How many ready tasks wait, by reason."""

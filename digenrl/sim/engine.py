@@ -19,6 +19,8 @@ import gc
 import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from functools import cached_property, partial
+from operator import attrgetter
 from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 from digenrl.graph.plan import IterationPlan
@@ -27,7 +29,7 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
 
-__all__ = ["SimWorker", "SimRecord", "SimResult", "Simulator", "uniform_plans"]
+__all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans"]
 
 Key = Hashable
 
@@ -41,7 +43,7 @@ class SimWorker:
 
 
 class SimRecord(NamedTuple):
-    """One task as it ran (a tuple: millions are made in a large run)."""
+    """One task as it ran."""
 
     key: Key
     kind: str
@@ -61,11 +63,38 @@ class SimRecord(NamedTuple):
 
 @dataclass
 class SimResult:
-    records: list[SimRecord]
+    finished: list[_Task]   # the engine's tasks, in the order they finished
     end: float
     completed: dict[int, float] = field(default_factory=dict)  # iteration -> optimize stop
     images: int = 0
     workers: list[SimWorker] = field(default_factory=list)
+
+    @property
+    def tasks(self) -> int:
+        return len(self.finished)
+
+    @cached_property
+    def records(self) -> list[SimRecord]:
+        """Every task as it ran, in the order they finished (made on first use: a
+        large run finishes millions of tasks and most callers need only :meth:`busy`)."""
+        new = tuple.__new__
+        return [new(SimRecord, (
+            t.key, t.kind, t.holder, t.on.pool, t.iteration, t.policy_version,
+            -1 if t.timestep is None else t.timestep, -1 if t.chunk is None else t.chunk,
+            t.ready_at, t.released, t.start, t.stop, t.worker_tag, t.gpu))
+            for t in self.finished]
+
+    def busy(self, t0: float, t1: float) -> dict[str, float]:
+        """GPU-seconds each worker computed within ``[t0, t1]``."""
+        busy: dict[str, float] = {}
+        for gpu, worker, start, stop in map(attrgetter("gpu", "holder", "start", "stop"),
+                                            self.finished):
+            if gpu:
+                start = start if start > t0 else t0
+                stop = stop if stop < t1 else t1
+                if stop > start:
+                    busy[worker] = busy.get(worker, 0.0) + (stop - start)
+        return busy
 
     def throughput(self, skip: int = 1) -> float:
         """Images per second over iterations ``skip..`` (the first includes start-up)."""
@@ -83,26 +112,37 @@ def uniform_plans(n: int, prompts_per_iteration: int, samples_per_prompt: int,
 
 
 CostFn = Callable[[TaskInfo, SimWorker], float]
-TransferFn = Callable[[Key, TaskInfo, str, str], float]
+#: Seconds to move a task's output from the worker holding it to another one.
+TransferFn = Callable[[TaskInfo], float]
 
 
-class _Task:
-    """The engine's state of one task."""
+class SimClock:
+    """Simulated time: the policy's clock, which cost functions may read too."""
 
-    __slots__ = ("key", "info", "deps", "dependents", "waiting", "holder", "nbytes",
-                 "ready_at", "released", "worker_tag")
+    __slots__ = ("now",)
 
-    def __init__(self, key: Key, info: TaskInfo, nbytes: int):
-        self.key = key
-        self.info = info
-        self.deps: list[_Task] = []
-        self.dependents: list[_Task] = []
-        self.waiting = 0
-        self.holder: str | None = None      # the worker holding its output, once done
-        self.nbytes = nbytes                # the size of its output
-        self.ready_at = 0.0
-        self.released = 0.0
-        self.worker_tag = False
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+class _Task(TaskInfo):
+    """A task: the policy's :class:`TaskInfo` (the same object the policy holds) with
+    the engine's state of it. The state is set when the task is added."""
+
+    __slots__ = ("deps", "dependents", "waiting", "holder", "nbytes", "fetch", "ready_at",
+                 "released", "worker_tag", "on", "start", "stop")
+
+
+class _Worker:
+    """The engine's state of one worker."""
+
+    __slots__ = ("name", "pool", "gpus", "speed", "spec", "queue", "running")
+
+    def __init__(self, spec: SimWorker):
+        self.name, self.pool, self.gpus, self.speed = spec.name, spec.pool, spec.gpus, spec.speed
+        self.spec = spec
+        self.queue: deque[_Task] = deque()   # GPU tasks released to it, not started
+        self.running = 0                     # GPU tasks running
 
 
 class Simulator:
@@ -111,12 +151,16 @@ class Simulator:
     def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
                  *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
                  queued_latency: float = 0.0,
-                 output_bytes: Callable[[TaskInfo], int] | None = None):
-        self.now = 0.0
-        self.policy = SchedulingPolicy(options, clock=lambda: self.now)
+                 output_bytes: Callable[[TaskInfo], int] | None = None,
+                 clock: SimClock | None = None):
+        # (The policy reads the clock object, not the simulator: nothing the run makes
+        # refers back to the simulator, so reference counting frees it all.)
+        self.clock = clock or SimClock()
+        self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"))
         self.workers = {w.name: w for w in workers}
+        self._workers = {w.name: _Worker(w) for w in workers}
         self.cost = cost
-        self.transfer = transfer
+        self.transfer = transfer or (lambda info: 0.0)
         self.latency = dispatch_latency
         self.queued_latency = queued_latency
         self.output_bytes = output_bytes or (lambda info: 1)
@@ -129,44 +173,56 @@ class Simulator:
         self._by_iteration: dict[int, list[_Task]] = defaultdict(list)
         # Tasks waiting for keys that were never added: key -> its waiting dependents.
         self._orphans: dict[Key, list[_Task]] = defaultdict(list)
-        self.queue: dict[str, deque] = {w: deque() for w in self.workers}
-        self.running: dict[str, int] = {w: 0 for w in self.workers}
-        self.records: list[SimRecord] = []
+        self.finished: list[_Task] = []
         for w in workers:
             self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     # ------------------------------------------------------------------ graph
 
     def add_nodes(self, nodes: Iterable[Node]) -> None:
-        self.add_batch(node_batch(list(nodes)))
+        self.add_batch(node_batch(list(nodes), _Task))
 
     def add_batch(self, batch: Batch) -> None:
-        """Add tasks (see :mod:`digenrl.sim.template` for the batch's form)."""
+        """Add tasks (see :mod:`digenrl.sim.template` for the batch's form; its tasks are
+        made with the factory ``_Task``)."""
         entries, externals = batch
-        tasks, orphans = self.tasks, self._orphans
-        output_bytes = self.output_bytes
-        new = [_Task(key, info, output_bytes(info)) for key, info, _ in entries]
-        by_iteration = self._by_iteration
-        for t in new:
-            tasks[t.key] = t
-            by_iteration[t.info.iteration].append(t)
+        tasks, orphans, by_iteration = self.tasks, self._orphans, self._by_iteration
+        output_bytes, transfer = self.output_bytes, self.transfer
+        new = []
+        append = new.append
+        for key, t, _ in entries:
+            t.dependents = []
+            t.holder = None
+            t.nbytes = output_bytes(t)
+            t.fetch = transfer(t)
+            t.ready_at = t.released = 0.0
+            t.worker_tag = False
+            tasks[key] = t
+            by_iteration[t.iteration].append(t)
+            append(t)
         self.added += len(new)
-        self.policy.add_tasks([t.info for t in new])
+        self.policy.add_tasks(new)
         # Inputs from earlier batches (None: not added yet).
         outside = [tasks.get(k) for k in externals]
+        missing = any(d is None for d in outside)
         ready = []
         for t, (_, _, inputs) in zip(new, entries):
+            deps = [new[j] if j >= 0 else outside[~j] for j in inputs]
             waiting = 0
-            resolved = t.deps
-            for j in inputs:
-                dt = new[j] if j >= 0 else outside[~j]
-                if dt is None:
-                    orphans[externals[~j]].append(t)
-                    waiting += 1
-                    continue
-                resolved.append(dt)
-                if dt.holder is None:
-                    dt.dependents.append(t)
+            if missing:
+                for j in inputs:
+                    if j < 0 and outside[~j] is None:
+                        orphans[externals[~j]].append(t)
+                        waiting += 1
+                deps = [d for d in deps if d is not None]
+            t.deps = deps
+            for d in deps:
+                if d.holder is None:
+                    d.dependents.append(t)
                     waiting += 1
             t.waiting = waiting
             if not waiting:
@@ -180,61 +236,54 @@ class Simulator:
             self._ready(t)
 
     def _ready(self, t: _Task) -> None:
-        t.ready_at = self.now
+        """Every input of ``t`` exists: tell the policy where its bytes are."""
+        t.ready_at = self.clock.now
         loc: dict[str, int] = {}
         for d in t.deps:
             holder = d.holder
-            if holder is not None:
-                loc[holder] = loc.get(holder, 0) + d.nbytes
+            loc[holder] = loc.get(holder, 0) + d.nbytes
         self.policy.task_ready(t.key, loc)
 
     # ----------------------------------------------------------------- events
 
     def _apply_decisions(self) -> None:
-        now, tasks, queue = self.now, self.tasks, self.queue
+        """Start (or queue on its worker) every task the policy releases now. A task
+        released to a worker with a free GPU pays the dispatch latency; one queued there
+        starts ``queued_latency`` after a GPU frees (the worker's own hand-over)."""
+        now, workers = self.clock.now, self._workers
+        start = now + self.latency
         for d in self.policy.decide():
-            t = tasks[d.key]
-            worker = d.worker
+            t = d.info          # (the engine's task: the policy holds the same objects)
+            w = workers[d.worker]
             t.released = now
             t.worker_tag = d.tag
-            if t.info.gpu:
-                queue[worker].append(t)
-                self._start_next(worker)
-            else:
-                self._start(t, worker, now + self.latency)
+            if t.gpu:
+                # (A worker's queue is empty whenever it has a free GPU.)
+                if w.running < w.gpus:
+                    w.running += 1
+                else:
+                    w.queue.append(t)
+                    continue
+            self._start(t, w, start)
 
-    def _start_next(self, worker: str, queued: bool = False) -> None:
-        """Start queued GPU tasks while the worker has a free GPU. A task that waited on
-        the worker starts ``queued_latency`` after the GPU frees (the worker's own hand-over);
-        one just released to an idle worker pays the dispatch latency."""
-        q = self.queue[worker]
-        if not q:
-            return
-        gpus = self.workers[worker].gpus
-        running = self.running
-        start = self.now + (self.queued_latency if queued else self.latency)
-        while running[worker] < gpus and q:
-            running[worker] += 1
-            self._start(q.popleft(), worker, start)
-
-    def _start(self, t: _Task, worker: str, start: float) -> None:
-        w = self.workers[worker]
+    def _start(self, t: _Task, w: _Worker, start: float) -> None:
+        """``t`` starts on ``w`` at ``start``, once the inputs it lacks have arrived."""
         fetch = 0.0
-        transfer = self.transfer
-        if transfer is not None:
-            for d in t.deps:
-                holder = d.holder
-                if holder is not None and holder != worker:
-                    f = transfer(d.key, d.info, holder, worker)
-                    if f > fetch:
-                        fetch = f
+        name = w.name
+        for d in t.deps:
+            if d.holder != name:
+                f = d.fetch
+                if f > fetch:
+                    fetch = f
         start += fetch
-        stop = start + self.cost(t.info, w) / w.speed
+        t.on = w
+        t.start = start
+        stop = start + self.cost(t, w.spec) / w.speed
         bucket = self._at.get(stop)
         if bucket is None:
             self._at[stop] = bucket = []
             heapq.heappush(self._times, stop)
-        bucket.append((t, worker, start))
+        bucket.append(t)
 
     def _forget(self, iteration: int) -> None:
         """Iteration ``iteration`` finished: drop what no later task reads (everything
@@ -248,7 +297,7 @@ class Simulator:
                 continue
             forgotten(key)
             del tasks[key]
-            t.deps = []
+            t.deps = ()
 
     # -------------------------------------------------------------------- run
 
@@ -265,13 +314,18 @@ class Simulator:
         try:
             return self._run(layout, plans, window, max_time)
         finally:
+            # What the run made outlives it (the finished tasks): move it straight to
+            # the oldest generation rather than have the next young collection traverse
+            # millions of objects.
+            gc.freeze()
+            gc.unfreeze()
             if collecting:
                 gc.enable()
 
     def _run(self, layout: GraphLayout, plans: Sequence[IterationPlan], window: int,
              max_time: float) -> SimResult:
         self.add_nodes(init_nodes())
-        source = IterationSource(layout)
+        source = IterationSource(layout, _Task)
         submitted = 0
         completed: dict[int, float] = {}
 
@@ -286,47 +340,46 @@ class Simulator:
         next_done = 0
         times, at = self._times, self._at
         pop = heapq.heappop
-        append = self.records.append
-        new_record = tuple.__new__
-        pool_of = {name: w.pool for name, w in self.workers.items()}
+        append = self.finished.append
         task_done = self.policy.task_done
-        running, queue = self.running, self.queue
-        start_next, ready = self._start_next, self._ready
+        start_task, ready = self._start, self._ready
+        queued_latency = self.queued_latency
+        clock = self.clock
         while times:
             now = times[0]
             if now > max_time:
                 break
             pop(times)
-            self.now = now
+            clock.now = now
             bucket = at[now]
             # Tasks finishing at this instant, including any that start and end in it.
             i = 0
             while i < len(bucket):
-                t, worker, start = bucket[i]
+                t = bucket[i]
                 i += 1
-                info = t.info
-                timestep, chunk = info.timestep, info.chunk
-                append(new_record(SimRecord, (
-                    t.key, info.kind, worker, pool_of[worker], info.iteration,
-                    info.policy_version, -1 if timestep is None else timestep,
-                    -1 if chunk is None else chunk, t.ready_at, t.released, start, now,
-                    t.worker_tag, info.gpu)))
-                t.holder = worker
-                task_done(t.key, worker, now - start)
-                if info.gpu:
-                    running[worker] -= 1
-                    if queue[worker]:
-                        start_next(worker, True)
+                w = t.on
+                name = w.name
+                t.stop = now
+                t.holder = name
+                append(t)
+                task_done(t.key, name, now - t.start)
+                if t.gpu:
+                    # The freed GPU takes the next task queued on the worker.
+                    queue = w.queue
+                    if queue:
+                        start_task(queue.popleft(), w, now + queued_latency)
+                    else:
+                        w.running -= 1
                 dependents = t.dependents
                 if dependents:
-                    t.dependents = []
+                    t.dependents = ()   # (none are added to a finished task)
                     for dep in dependents:
                         n = dep.waiting - 1
                         dep.waiting = n
                         if n == 0:
                             ready(dep)
-                if info.kind == "stats":
-                    it = info.iteration
+                if t.kind == "stats":
+                    it = t.iteration
                     completed[it] = now
                     self._forget(it)
                     while next_done in completed:
@@ -336,4 +389,7 @@ class Simulator:
             # Finish every event at this instant before deciding, as the plugin does.
             self._apply_decisions()
         images = plans[0].num_samples if plans else 0
-        return SimResult(self.records, self.now, completed, images, list(self.workers.values()))
+        # Tasks left unfinished (a run cut at max_time) drop their links to one another.
+        for t in self.tasks.values():
+            t.dependents = ()
+        return SimResult(self.finished, clock.now, completed, images, list(self.workers.values()))

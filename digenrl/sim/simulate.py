@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, Mapping
 from digenrl.graph.structure import reduce_root_key
 from digenrl.schedulers.options import ROLLOUT, TRAINER, ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
-from digenrl.sim.engine import SimResult, SimWorker, Simulator
+from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
@@ -88,14 +88,18 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     layout = profile.layout(options.max_staleness, stale_groups)
     plans = profile.plans(iterations)
     root_reduce: dict[int, Hashable] = {}
-    versions: dict[str, set[int]] = {}
     phase: dict[str, str | None] = {}
     sync_total = [0.0]
     workers = _workers(profile, speeds)
-    pools = {w.name: w.pool for w in workers}
     sync = profile.weight_sync_seconds()
+    # The policy versions each rollout worker holds (disaggregated: it fetches each new
+    # one from the trainers once).
+    versions: dict[str, set[int]] = {} if colocated or not sync else \
+        {w.name: set() for w in workers if w.pool == ROLLOUT}
+    switch = profile.colocated.phase_switch if colocated else 0.0
+    remote_reward = profile.costs.reward_on == "remote"
 
-    sim: Simulator | None = None
+    clock = SimClock()
 
     base: dict[tuple[str, int], float] = {}
 
@@ -104,33 +108,33 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
         seconds = base.get((kind, info.samples))
         if seconds is None:
             seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
-            if kind == "reward" and profile.costs.reward_on == "remote":
+            if kind == "reward" and remote_reward:
                 seconds = 0.0
             base[(kind, info.samples)] = seconds
         if kind == "reduce":
             seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
         extra = 0.0
         name = worker.name
-        if not colocated and pools[name] == ROLLOUT and kind in ROLLOUT_KINDS and sync:
-            held = versions.setdefault(name, set())
-            if info.policy_version not in held:
+        if versions:
+            held = versions.get(name)
+            if held is not None and kind in ROLLOUT_KINDS and info.policy_version not in held:
                 held.add(info.policy_version)
                 extra += sync
                 sync_total[0] += sync
-        if colocated and profile.colocated.phase_switch:
+        if switch:
             p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAIN_KINDS else None
             if p is not None:
                 if phase.get(name) not in (None, p):
-                    extra += profile.colocated.phase_switch
+                    extra += switch
                 phase[name] = p
-        factor = slowdown(name, sim.now) if slowdown is not None else 1.0
+        factor = slowdown(name, clock.now) if slowdown is not None else 1.0
         # The engine divides by the worker's speed; extras are network time, not compute.
         return seconds * factor + extra * worker.speed
 
     latent = profile.costs.latent_bytes_per_sample
     net = profile.network
 
-    def transfer(dep: Hashable, info: TaskInfo, src: str, dst: str) -> float:
+    def transfer(info: TaskInfo) -> float:
         if info.kind in ("noise", "denoise") and latent:
             return net.latency + latent * info.samples / net.bandwidth
         return 0.0
@@ -138,7 +142,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
-                    output_bytes=lambda info: max(1, info.samples))
+                    output_bytes=lambda info: max(1, info.samples), clock=clock)
     # The reduction root of each iteration carries the all-reduce.
     for plan in plans:
         root_reduce[plan.iteration] = reduce_root_key(
@@ -160,10 +164,7 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
     images = profile.images_per_iteration * (len(its) - skip)
     rate = images / (t1 - t0)
     ideal = profile.ideal_images_per_s(sum(w.speed for w in result.workers))
-    busy: dict[str, float] = {}
-    for r in result.records:
-        if r.gpu:
-            busy[r.worker] = busy.get(r.worker, 0.0) + max(0.0, min(r.stop, t1) - max(r.start, t0))
+    busy = result.busy(t0, t1)
     util = {}
     groups = {ROLLOUT: [w for w in result.workers if w.pool == ROLLOUT],
               TRAINER: [w for w in result.workers if w.pool == TRAINER]}
@@ -176,7 +177,7 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
                             iterations=iterations, images_per_s=rate,
                             ideal_images_per_s=ideal, ideal_fraction=rate / ideal,
                             utilisation=util, weight_sync_s=sync, wall_s=wall,
-                            tasks=len(result.records), result=result)
+                            tasks=result.tasks, result=result)
 
 
 def simulate_variants(profile: Profile, variants, iterations: int, *,

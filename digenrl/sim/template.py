@@ -31,11 +31,12 @@ Entry = tuple[Key, TaskInfo, Sequence[int]]
 Batch = tuple[list[Entry], list[Key]]
 
 
-def node_batch(nodes: Sequence[Node]) -> Batch:
-    """The engine's batch of built nodes."""
+def node_batch(nodes: Sequence[Node], factory: type[TaskInfo] = TaskInfo) -> Batch:
+    """The engine's batch of built nodes (each task made by ``factory``: TaskInfo or
+    a subclass of it)."""
     index = {n.key: j for j, n in enumerate(nodes)}
     externals: dict[Key, int] = {}
-    from_meta = TaskInfo.from_meta
+    from_meta = factory.from_meta
     entries = []
     for n in nodes:
         inputs = []
@@ -116,12 +117,13 @@ class IterationTemplate:
                          tuple(inputs_a)))
         return cls(ia, rows, externals)
 
-    def batch(self, iteration: int) -> Batch:
-        """The batch of ``iteration`` (of this template's shape)."""
+    def batch(self, iteration: int, factory: type[TaskInfo] = TaskInfo) -> Batch:
+        """The batch of ``iteration`` (of this template's shape), its tasks made by
+        ``factory``."""
         d = iteration - self.base
         entries = []
         append = entries.append
-        info = TaskInfo
+        info = factory
         for (head, k, km, tail, kind, pool, it, itm, pv, pvm, gpu, timestep, chunk, group,
              bv, bvm, samples, inputs) in self._rows:
             key = head + (k + d * km,) + tail
@@ -136,8 +138,9 @@ class IterationSource:
     :func:`iteration_nodes` until its shape has been built twice, from the shape's
     template after that."""
 
-    def __init__(self, layout: GraphLayout):
+    def __init__(self, layout: GraphLayout, factory: type[TaskInfo] = TaskInfo):
         self.layout = layout
+        self.factory = factory
         # The latest shape built once, with its batch (one is kept: a run has few shapes
         # and they come in a row).
         self._first: tuple[Hashable, int, Batch] | None = None
@@ -148,12 +151,12 @@ class IterationSource:
         shape = iteration_shape(self.layout, plan)
         template = self._templates.get(shape)
         if template is not None:
-            return template.batch(plan.iteration)
+            return template.batch(plan.iteration, self.factory)
         self.built += 1
-        batch = node_batch(iteration_nodes(self.layout, plan))
+        batch = node_batch(iteration_nodes(self.layout, plan), self.factory)
         if shape not in self._templates:
-            # (The engine changes only the policy's state of the tasks, not the fields
-            # a template is compiled from.)
+            # (The engine changes only its own and the policy's state of the tasks, not
+            # the fields a template is compiled from.)
             if self._first is not None and self._first[0] == shape:
                 self._templates[shape] = IterationTemplate.compile(
                     self._first[1:], (plan.iteration, batch))

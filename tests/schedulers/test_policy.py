@@ -49,6 +49,20 @@ def test_pools_route_tasks_to_their_workers():
     assert where == {"d": "r0", "g": "t0"}
 
 
+def test_a_decision_carries_the_task_and_counters_count_releases():
+    p = policy_with(opts("digenrl", tag=False))
+    tasks = [info("d", "denoise", "rollout"), info("g", "grad", "trainer", chunk=0,
+                                                   behaviour_version=0)]
+    p.add_tasks(tasks)
+    p.task_ready("d")
+    p.task_ready("g")
+    decisions = p.decide()
+    assert {d.key: d.info for d in decisions} == {"d": tasks[0], "g": tasks[1]}
+    assert all(d.info is t for d in decisions for t in tasks if t.key == d.key)
+    assert p.counters["released"] == 2 and p.counters["stolen"] == 0
+    assert p.snapshot()["counters"]["released"] == 2
+
+
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(5)])

@@ -112,6 +112,51 @@ def test_finished_iterations_are_forgotten_but_their_state_is_kept(flux):
     assert not any(k[0] == "denoise" and k[1] < 3 for k in sim.policy.tasks)
 
 
+def test_busy_time_is_the_records_gpu_time_clipped_to_the_window(flux):
+    r = simulate(flux, opts("digenrl"), 4).result
+    t0, t1 = r.completed[0], r.completed[2]
+    expected: dict = {}
+    for rec in r.records:
+        if rec.gpu:
+            span = min(rec.stop, t1) - max(rec.start, t0)
+            if span > 0:
+                expected[rec.worker] = expected.get(rec.worker, 0.0) + span
+    busy = r.busy(t0, t1)
+    assert busy.keys() == expected.keys() and len(busy) > 1
+    assert all(busy[w] == pytest.approx(expected[w], abs=1e-9) for w in busy)
+
+
+def test_a_finished_simulation_is_freed_by_reference_counting(flux):
+    """Nothing a run makes refers back to the simulator and finished tasks hold no links
+    to one another, so a run's millions of objects go when the result is dropped, not
+    at some later pass of the cyclic collector."""
+    import gc
+    import weakref
+
+    from digenrl.sim.engine import Simulator, _Task
+    from digenrl.sim.simulate import _workers
+
+    def tasks_alive():
+        return sum(type(o) is _Task for o in gc.get_objects())
+
+    o = opts("digenrl")
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        before = tasks_alive()
+        sim = Simulator(o, _workers(flux), lambda info, w: 1.0 if info.gpu else 0.0)
+        result = sim.run(flux.layout(o.max_staleness), flux.plans(4))
+        assert len(result.records) == sim.added
+        assert tasks_alive() >= before + sim.added
+        gone = weakref.ref(sim)
+        del sim, result
+        assert gone() is None
+        assert tasks_alive() <= before
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_simulate_command(capsys):
     assert main(["simulate", "flux12b-16gpu", "--gpus", "64", "--iterations", "3",
                  "--variants", "disaggregated,digenrl"]) == 0
