@@ -175,7 +175,7 @@ def eventloop(gpus: int, iterations: int) -> None:
     chains = profile.prompts_per_iteration * profile.samples_per_prompt // profile.chunk_size
     tasks = report.tasks
     per_chain = tasks // (iterations * chains)
-    del report  # (its tasks go now: the bare loop's collector passes would walk them)
+    del report  # (its tasks are freed now, not held through the bare loop)
     # With the cyclic collector off, as the simulator runs.
     gc.disable()
     try:
