@@ -60,6 +60,10 @@ ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "rele
 #: The states in which a task is already ready, held or running.
 _QUEUED = frozenset({READY, HELD, RELEASED})
 
+# (Hot paths write ``n if n > 1 else 1`` and ``b if b < a else a`` rather than calling
+# max and min: those builtins parse their arguments as keywords, at a cost per call
+# comparable to the rest of a task's event.)
+
 #: Where the non-denoise kinds sit in a chunk's order of work.
 _STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
 
@@ -416,7 +420,8 @@ class SchedulingPolicy:
             if duration is not None and duration > 0 and worker is not None:
                 w = self.workers.get(worker)
                 if w is not None:
-                    self._observe(w, duration / max(1, info.samples))
+                    n = info.samples
+                    self._observe(w, duration / (n if n > 1 else 1))
         elif kind == "noise" and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
         self._unrelease(info)
@@ -498,7 +503,8 @@ class SchedulingPolicy:
             self._dirty.add(addr)
             self._free[w.pool].add(addr)
             if info.kind == "denoise":
-                w.step_samples -= max(1, info.samples)
+                n = info.samples
+                w.step_samples -= n if n > 1 else 1
             if self._rebalance:
                 n = w.step_samples
                 step = self.step_time(w) if n else None
@@ -550,7 +556,8 @@ class SchedulingPolicy:
         if info.kind != "denoise":
             return 0.0
         step = self.step_time(w)
-        return step * max(1, info.samples) if step is not None else 0.0
+        n = info.samples
+        return step * (n if n > 1 else 1) if step is not None else 0.0
 
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
@@ -601,14 +608,16 @@ class SchedulingPolicy:
         pinned = self._pinned.get(w.address)
         own = self._pop_valid(pinned) if pinned else None
         shared = self._pop_valid(self._train)
-        pick = shared if own is None else own if shared is None else min(own, shared)
+        pick = shared if own is None else own if shared is None else \
+            shared if shared < own else own
         return pick[2] if pick else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         affine = self._affine.get(w.address)
         own = self._pop_valid(affine) if affine else None
         shared = self._pop_valid(self._shared)
-        pick = shared if own is None else own if shared is None else min(own, shared)
+        pick = shared if own is None else own if shared is None else \
+            shared if shared < own else own
         if pick is not None:
             if pick is own:
                 # Its entry among the stealable ones is dead now: drop the dead entries
@@ -636,7 +645,8 @@ class SchedulingPolicy:
             if len(inflight) >= w.slots:
                 self._free[w.pool].discard(w.address)
             if info.kind == "denoise":
-                n = max(1, info.samples)
+                n = info.samples
+                n = n if n > 1 else 1
                 w.step_samples += n
                 if self._rebalance:
                     # The step at the worker's pace (as _expected has it).

@@ -142,7 +142,8 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
-                    output_bytes=lambda info: max(1, info.samples), clock=clock)
+                    output_bytes=lambda info: info.samples if info.samples > 1 else 1,
+                    clock=clock)
     # The reduction root of each iteration carries the all-reduce.
     for plan in plans:
         root_reduce[plan.iteration] = reduce_root_key(
