@@ -60,9 +60,9 @@ ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "rele
 #: The states in which a task is already ready, held or running.
 _QUEUED = frozenset({READY, HELD, RELEASED})
 
-# (Hot paths write ``n if n > 1 else 1`` and ``b if b < a else a`` rather than calling
-# max and min: those builtins parse their arguments as keywords, at a cost per call
-# comparable to the rest of a task's event.)
+# (Per-task paths write ``n if n > 1 else 1`` and ``b if b < a else a`` rather than call
+# max and min: those builtins parse their arguments as keywords, some hundreds of
+# instructions per call, 2% of a large simulation's.)
 
 #: Where the non-denoise kinds sit in a chunk's order of work.
 _STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
