@@ -10,7 +10,7 @@ by the plugin and released by the policy), alternating, and prints milliseconds 
 ``malloc`` times the default transformer's forward pass in fresh processes with and
 without ``MALLOC_TRIM_THRESHOLD_=65536`` (what Dask's nanny exports), and with that
 variable plus the allocator tuning the worker plugin applies. ``eventloop`` times, in
-one process, a bare discrete-event loop over chains of tasks (one input each, a FIFO of
+one process, a bare discrete-event loop over chains of tasks (one input each, a heap of
 ready tasks, a heap of finishes, one record per task: the least any event simulator in
 Python does per task) and ``digenrl simulate``'s engine on the FLUX-like profile, and
 prints CPU microseconds per task for both.

@@ -646,17 +646,10 @@ class SchedulingPolicy:
                 self._free[w.pool].discard(w.address)
             if info.kind == "denoise":
                 n = info.samples
-                n = n if n > 1 else 1
-                w.step_samples += n
-                if self._rebalance:
-                    # The step at the worker's pace (as _expected has it).
-                    step = w.step_time if w.step_time is not None else self.step_time(w)
-                    busy = w.busy_until
-                    w.busy_until = (now if now > busy else busy) + \
-                        (step * n if step is not None else 0.0)
-            elif self._rebalance:
+                w.step_samples += n if n > 1 else 1
+            if self._rebalance:
                 busy = w.busy_until
-                w.busy_until = now if now > busy else busy
+                w.busy_until = (now if now > busy else busy) + self._expected(w, info)
             if tag:
                 w.tag_inflight += 1
         else:

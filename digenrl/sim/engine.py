@@ -157,7 +157,6 @@ class Simulator:
         # refers back to the simulator, so reference counting frees it all.)
         self.clock = clock or SimClock()
         self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"))
-        self.workers = {w.name: w for w in workers}
         self._workers = {w.name: _Worker(w) for w in workers}
         self.cost = cost
         self.transfer = transfer or (lambda info: 0.0)
@@ -180,6 +179,10 @@ class Simulator:
     @property
     def now(self) -> float:
         return self.clock.now
+
+    @property
+    def workers(self) -> dict[str, SimWorker]:
+        return {name: w.spec for name, w in self._workers.items()}
 
     # ------------------------------------------------------------------ graph
 
@@ -392,4 +395,5 @@ class Simulator:
         # Tasks left unfinished (a run cut at max_time) drop their links to one another.
         for t in self.tasks.values():
             t.dependents = ()
-        return SimResult(self.finished, clock.now, completed, images, list(self.workers.values()))
+        return SimResult(self.finished, clock.now, completed, images,
+                         [w.spec for w in self._workers.values()])
