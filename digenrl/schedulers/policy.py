@@ -277,9 +277,8 @@ class SchedulingPolicy:
         options = self.options
         for info in infos:
             key = info.key
-            if key in tasks:
-                continue
-            tasks[key] = info
+            if tasks.setdefault(key, info) is not info:
+                continue   # known already
             info.state = ADDED
             info.order = next(arrivals)
             why = validate_task(info, options)
@@ -292,7 +291,10 @@ class SchedulingPolicy:
                 pending[info.iteration] += 1
         return rejected
 
-    def _priority(self, info: TaskInfo) -> tuple:
+    def _entry(self, info: TaskInfo, tie: int) -> tuple:
+        """``info``'s entry in a ready heap: its priority (three integers), then ``tie``
+        (unique: the task itself is never compared), then the task. One flat tuple, so a
+        heap comparison reads one object."""
         stage = _STAGE.get(info.kind, info.timestep or 0)
         chunk = info.chunk
         if chunk is None:
@@ -300,14 +302,21 @@ class SchedulingPolicy:
         # Training, and rollout with GAP: older iterations first, a chunk's steps in
         # timestep order; rollout without GAP: breadth-first over chunks.
         if self._gap or info.pool != ROLLOUT:
-            return (info.iteration, chunk, stage)
-        return (info.iteration, stage, chunk)
+            return (info.iteration, chunk, stage, tie, info)
+        return (info.iteration, stage, chunk, tie, info)
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
         """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
         (the policy keeps the mapping: pass one the caller no longer changes)."""
         info = self.tasks.get(key)
-        if info is None or (self.rejected and key in self.rejected):
+        if info is not None:
+            self.ready(info, locality)
+
+    def ready(self, info: TaskInfo, locality: Mapping[str, int] | None = None) -> None:
+        """:meth:`task_ready` for a caller that holds the task: ``info`` is the object
+        it passed to :meth:`add_tasks` (the simulator's tasks are such objects)."""
+        key = info.key
+        if self.rejected and key in self.rejected:
             return
         if info.state in _QUEUED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
@@ -340,8 +349,9 @@ class SchedulingPolicy:
         if not info.gpu:
             self._cpu_ready[info.key] = loc
             return
-        # Heap entries hold the task itself: a popped entry is live while it is READY.
-        entry = (self._priority(info), next(self._seq), info)
+        # Heap entries hold the task itself (entry[4]): a popped entry is live while the
+        # task is READY.
+        entry = self._entry(info, next(self._seq))
         if info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == "denoise":
                 aff = self._first_step_home(info)
@@ -399,7 +409,7 @@ class SchedulingPolicy:
         self._pinned = defaultdict(list)
         self._train = []
         for entry in entries:
-            info = entry[2]
+            info = entry[4]
             if info.state is not READY:
                 continue
             pin = self._pin_of(info)
@@ -413,8 +423,12 @@ class SchedulingPolicy:
                   duration: float | None = None) -> None:
         """``key`` finished on ``worker`` after computing for ``duration`` seconds."""
         info = self.tasks.get(key)
-        if info is None:
-            return
+        if info is not None:
+            self.done(info, worker, duration)
+
+    def done(self, info: TaskInfo, worker: str | None = None,
+             duration: float | None = None) -> None:
+        """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
         kind = info.kind
         if kind == "denoise":
             if duration is not None and duration > 0 and worker is not None:
@@ -531,7 +545,7 @@ class SchedulingPolicy:
 
     def _sort_key(self, key: Key) -> tuple:
         info = self.tasks[key]
-        return self._priority(info), info.order
+        return self._entry(info, info.order)
 
     # -------------------------------------------------------------- rebalancing
 
@@ -594,7 +608,7 @@ class SchedulingPolicy:
     def _pop_valid(heap: list):
         while heap:
             top = heap[0]
-            if top[2].state is READY:
+            if top[4].state is READY:
                 return top
             heapq.heappop(heap)
         return None
@@ -610,7 +624,7 @@ class SchedulingPolicy:
         shared = self._pop_valid(self._train)
         pick = shared if own is None else own if shared is None else \
             shared if shared < own else own
-        return pick[2] if pick else None
+        return pick[4] if pick else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         affine = self._affine.get(w.address)
@@ -624,15 +638,15 @@ class SchedulingPolicy:
                 # in one pass once they are half the heap (cheaper than popping each).
                 self._stealable_dead += 1
                 if self._stealable_dead > 256 and 2 * self._stealable_dead > len(self._all_rollout):
-                    live = [e for e in self._all_rollout if e[2].state is READY]
+                    live = [e for e in self._all_rollout if e[4].state is READY]
                     heapq.heapify(live)
                     self._all_rollout = live
                     self._stealable_dead = 0
-            return pick[2], False
+            return pick[4], False
         steal = self._pop_valid(self._all_rollout)
-        if steal is None or not self._may_steal(w, steal[2], now):
+        if steal is None or not self._may_steal(w, steal[4], now):
             return None, False
-        return steal[2], True
+        return steal[4], True
 
     def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False) -> Decision:

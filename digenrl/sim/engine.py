@@ -167,18 +167,24 @@ class Simulator:
         # distinct times and a list per time (in the order the tasks started).
         self._times: list[float] = []
         self._at: dict[float, list] = {}
-        self.tasks: dict[Key, _Task] = {}
         self.added = 0                           # tasks added over the whole run
         self._by_iteration: dict[int, list[_Task]] = defaultdict(list)
         # Tasks waiting for keys that were never added: key -> its waiting dependents.
         self._orphans: dict[Key, list[_Task]] = defaultdict(list)
         self.finished: list[_Task] = []
+        self._one_holder: dict[tuple, dict[str, int]] = {}   # see _ready
         for w in workers:
             self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
 
     @property
     def now(self) -> float:
         return self.clock.now
+
+    @property
+    def tasks(self) -> dict[Key, _Task]:
+        """The tasks added and not forgotten, by key: the policy's table, which holds
+        the engine's own task objects."""
+        return self.policy.tasks
 
     @property
     def workers(self) -> dict[str, SimWorker]:
@@ -193,23 +199,23 @@ class Simulator:
         """Add tasks (see :mod:`digenrl.sim.template` for the batch's form; its tasks are
         made with the factory ``_Task``)."""
         entries, externals = batch
-        tasks, orphans, by_iteration = self.tasks, self._orphans, self._by_iteration
+        orphans, by_iteration = self._orphans, self._by_iteration
         output_bytes, transfer = self.output_bytes, self.transfer
         new = []
         append = new.append
-        for key, t, _ in entries:
+        for _, t, _ in entries:
             t.dependents = []
             t.holder = None
             t.nbytes = output_bytes(t)
             t.fetch = transfer(t)
             t.ready_at = t.released = 0.0
             t.worker_tag = False
-            tasks[key] = t
             by_iteration[t.iteration].append(t)
             append(t)
         self.added += len(new)
         self.policy.add_tasks(new)
         # Inputs from earlier batches (None: not added yet).
+        tasks = self.policy.tasks
         outside = [tasks.get(k) for k in externals]
         missing = any(d is None for d in outside)
         ready = []
@@ -241,11 +247,25 @@ class Simulator:
     def _ready(self, t: _Task) -> None:
         """Every input of ``t`` exists: tell the policy where its bytes are."""
         t.ready_at = self.clock.now
-        loc: dict[str, int] = {}
+        holder, total, loc = None, 0, None
         for d in t.deps:
-            holder = d.holder
-            loc[holder] = loc.get(holder, 0) + d.nbytes
-        self.policy.task_ready(t.key, loc)
+            h = d.holder
+            if loc is None:
+                if holder is None or h == holder:
+                    holder = h
+                    total += d.nbytes
+                    continue
+                loc = {holder: total}
+            loc[h] = loc.get(h, 0) + d.nbytes
+        if loc is None:
+            # All inputs on one worker (or none): a mapping shared by every such task,
+            # which the policy only reads. A large run keeps hundreds of thousands of
+            # tasks ready or running; one small dict each would be that many cache misses.
+            shared = self._one_holder
+            loc = shared.get((holder, total))
+            if loc is None:
+                loc = shared[(holder, total)] = {holder: total} if holder is not None else {}
+        self.policy.ready(t, loc)
 
     # ----------------------------------------------------------------- events
 
@@ -293,13 +313,11 @@ class Simulator:
         but its optimizer state and published weights), as Dask forgets released keys."""
         keep = (optimize_key(iteration), publish_key(iteration + 1))
         forgotten = self.policy.task_forgotten
-        tasks = self.tasks
         for t in self._by_iteration.pop(iteration, ()):
             key = t.key
             if key in keep:
                 continue
             forgotten(key)
-            del tasks[key]
             t.deps = ()
 
     # -------------------------------------------------------------------- run
@@ -344,7 +362,7 @@ class Simulator:
         times, at = self._times, self._at
         pop = heapq.heappop
         append = self.finished.append
-        task_done = self.policy.task_done
+        task_done = self.policy.done
         start_task, ready = self._start, self._ready
         queued_latency = self.queued_latency
         clock = self.clock
@@ -365,7 +383,7 @@ class Simulator:
                 t.stop = now
                 t.holder = name
                 append(t)
-                task_done(t.key, name, now - t.start)
+                task_done(t, name, now - t.start)
                 if t.gpu:
                     # The freed GPU takes the next task queued on the worker.
                     queue = w.queue

@@ -63,6 +63,34 @@ def test_a_decision_carries_the_task_and_counters_count_releases():
     assert p.snapshot()["counters"]["released"] == 2
 
 
+def test_events_by_key_and_by_the_held_task_are_the_same_events():
+    """The plugin reports events by key, the simulator with the task it holds
+    (``ready``/``done``): one policy fed each way decides the same."""
+    def tasks():
+        return [info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(6)] + [
+            info(("g", 0), "grad", "trainer", chunk=0, behaviour_version=0),
+            info(("late", 0), "grad", "trainer", version=5, chunk=0, behaviour_version=0)]
+
+    def drive(by_key):
+        p = policy_with(opts("digenrl"), rollout=2, trainer=1)
+        held = tasks()
+        rejected = p.add_tasks(held)
+        log = []
+        for t in held:
+            for _ in range(2):   # a repeated event changes nothing
+                p.task_ready(t.key, {}) if by_key else p.ready(t, {})
+        log.append([(d.key, d.worker) for d in p.decide()])
+        for t in held[:2]:
+            args = (t.key if by_key else t, "r0", 0.5)
+            p.task_done(*args) if by_key else p.done(*args)
+        log.append([(d.key, d.worker) for d in p.decide()])
+        return rejected, log, p.snapshot()
+
+    rejected, log, snapshot = drive(by_key=True)
+    assert list(rejected) == [("late", 0)] and log[0] and log[1]
+    assert drive(by_key=False) == (rejected, log, snapshot)
+
+
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(5)])
