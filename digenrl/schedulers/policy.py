@@ -510,10 +510,8 @@ class SchedulingPolicy:
         w = self.workers.get(addr)
         if w is None:
             return
-        key = info.key
-        inflight = w.inflight
-        if key in inflight:
-            inflight.remove(key)
+        if info.gpu:   # (released GPU tasks are in inflight, others in cpu_inflight)
+            w.inflight.discard(info.key)
             self._dirty.add(addr)
             self._free[w.pool].add(addr)
             if info.kind == "denoise":
@@ -526,7 +524,7 @@ class SchedulingPolicy:
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
         else:
-            w.cpu_inflight.discard(key)
+            w.cpu_inflight.discard(info.key)
 
     def _open_barrier(self, iteration: int) -> None:
         self._barrier_open.add(iteration)

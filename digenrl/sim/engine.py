@@ -373,11 +373,10 @@ class Simulator:
             pop(times)
             clock.now = now
             bucket = at[now]
-            # Tasks finishing at this instant, including any that start and end in it.
-            i = 0
-            while i < len(bucket):
-                t = bucket[i]
-                i += 1
+            # Tasks finishing at this instant, including any that start and end in it:
+            # those are appended to the bucket while it is walked, and a list iterator
+            # reaches what is appended to its list.
+            for t in bucket:
                 w = t.on
                 name = w.name
                 t.stop = now
