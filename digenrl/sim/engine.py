@@ -112,8 +112,10 @@ def uniform_plans(n: int, prompts_per_iteration: int, samples_per_prompt: int,
 
 
 CostFn = Callable[[TaskInfo, SimWorker], float]
-#: Seconds to move a task's output from the worker holding it to another one.
-TransferFn = Callable[[TaskInfo], float]
+#: Seconds to move the output of a task of a kind and sample count from the worker
+#: holding it to another one. (This and the output's size depend on nothing else of the
+#: task: the engine computes each once per kind and sample count.)
+TransferFn = Callable[[str, int], float]
 
 
 class SimClock:
@@ -151,7 +153,7 @@ class Simulator:
     def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
                  *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
                  queued_latency: float = 0.0,
-                 output_bytes: Callable[[TaskInfo], int] | None = None,
+                 output_bytes: Callable[[str, int], int] | None = None,
                  clock: SimClock | None = None):
         # (The policy reads the clock object, not the simulator: nothing the run makes
         # refers back to the simulator, so reference counting frees it all.)
@@ -159,10 +161,12 @@ class Simulator:
         self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"))
         self._workers = {w.name: _Worker(w) for w in workers}
         self.cost = cost
-        self.transfer = transfer or (lambda info: 0.0)
+        self.transfer = transfer or (lambda kind, samples: 0.0)
         self.latency = dispatch_latency
         self.queued_latency = queued_latency
-        self.output_bytes = output_bytes or (lambda info: 1)
+        self.output_bytes = output_bytes or (lambda kind, samples: 1)
+        # (kind, samples) -> (output bytes, transfer seconds): both depend on nothing else.
+        self._sizes: dict[tuple[str, int], tuple[int, float]] = {}
         # Pending finishes by time: many tasks end at the same instant, so a heap of the
         # distinct times and a list per time (in the order the tasks started).
         self._times: list[float] = []
@@ -200,14 +204,17 @@ class Simulator:
         made with the factory ``_Task``)."""
         entries, externals = batch
         orphans, by_iteration = self._orphans, self._by_iteration
-        output_bytes, transfer = self.output_bytes, self.transfer
+        sizes = self._sizes
         new = []
         append = new.append
         for _, t, _ in entries:
             t.dependents = []
             t.holder = None
-            t.nbytes = output_bytes(t)
-            t.fetch = transfer(t)
+            size = sizes.get((t.kind, t.samples))
+            if size is None:
+                size = sizes[(t.kind, t.samples)] = (
+                    self.output_bytes(t.kind, t.samples), self.transfer(t.kind, t.samples))
+            t.nbytes, t.fetch = size
             t.ready_at = t.released = 0.0
             t.worker_tag = False
             by_iteration[t.iteration].append(t)

@@ -134,15 +134,15 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     latent = profile.costs.latent_bytes_per_sample
     net = profile.network
 
-    def transfer(info: TaskInfo) -> float:
-        if info.kind in ("noise", "denoise") and latent:
-            return net.latency + latent * info.samples / net.bandwidth
+    def transfer(kind: str, samples: int) -> float:
+        if kind in ("noise", "denoise") and latent:
+            return net.latency + latent * samples / net.bandwidth
         return 0.0
 
     sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
-                    output_bytes=lambda info: info.samples if info.samples > 1 else 1,
+                    output_bytes=lambda kind, samples: samples if samples > 1 else 1,
                     clock=clock)
     # The reduction root of each iteration carries the all-reduce.
     for plan in plans:
