@@ -265,9 +265,8 @@ class Simulator:
                 loc = {holder: total}
             loc[h] = loc.get(h, 0) + d.nbytes
         if loc is None:
-            # All inputs on one worker (or none): a mapping shared by every such task,
-            # which the policy only reads. A large run keeps hundreds of thousands of
-            # tasks ready or running; one small dict each would be that many cache misses.
+            # All inputs on one worker (or none): one mapping shared by every such task
+            # (the policy only reads it) rather than a small dict each.
             shared = self._one_holder
             loc = shared.get((holder, total))
             if loc is None:

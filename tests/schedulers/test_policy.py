@@ -76,13 +76,13 @@ def test_events_by_key_and_by_the_held_task_are_the_same_events():
         held = tasks()
         rejected = p.add_tasks(held)
         log = []
+        ready, done = (p.task_ready, p.task_done) if by_key else (p.ready, p.done)
         for t in held:
             for _ in range(2):   # a repeated event changes nothing
-                p.task_ready(t.key, {}) if by_key else p.ready(t, {})
+                ready(t.key if by_key else t, {})
         log.append([(d.key, d.worker) for d in p.decide()])
         for t in held[:2]:
-            args = (t.key if by_key else t, "r0", 0.5)
-            p.task_done(*args) if by_key else p.done(*args)
+            done(t.key if by_key else t, "r0", 0.5)
         log.append([(d.key, d.worker) for d in p.decide()])
         return rejected, log, p.snapshot()
 
