@@ -19,7 +19,6 @@ prints CPU microseconds per task for both.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import statistics
 import subprocess
@@ -163,6 +162,7 @@ def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple
 
 def eventloop(gpus: int, iterations: int) -> None:
     from digenrl.bench import VARIANTS, _schedule_config
+    from digenrl.sim.engine import collector_off
     from digenrl.sim.profile import load_profile
     from digenrl.sim.simulate import simulate
 
@@ -177,11 +177,8 @@ def eventloop(gpus: int, iterations: int) -> None:
     per_chain = tasks // (iterations * chains)
     del report  # (its tasks are freed now, not held through the bare loop)
     # With the cyclic collector off, as the simulator runs.
-    gc.disable()
-    try:
+    with collector_off():
         n, cpu = _bare_loop(gpus, chains, per_chain, iterations)
-    finally:
-        gc.enable()
     bare = cpu / n
     print(f"digenrl simulate, {profile.name}, {iterations} iterations: {tasks} tasks, "
           f"{1e6 * sim:.1f} us CPU per task")

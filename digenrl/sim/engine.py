@@ -18,10 +18,11 @@ from __future__ import annotations
 import gc
 import heapq
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key, publish_key
@@ -29,7 +30,8 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
 
-__all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans"]
+__all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans",
+           "collector_off"]
 
 Key = Hashable
 
@@ -116,6 +118,18 @@ CostFn = Callable[[TaskInfo, SimWorker], float]
 #: holding it to another one. (This and the output's size depend on nothing else of the
 #: task: the engine computes each once per kind and sample count.)
 TransferFn = Callable[[str, int], float]
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off for the block, and back as it was after."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class SimClock:
@@ -336,18 +350,15 @@ class Simulator:
             window = self.policy.options.max_staleness + 1
         # The run allocates millions of small objects and frees none of them in cycles:
         # the cyclic collector's passes over them would cost a quarter of the run.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            return self._run(layout, plans, window, max_time)
-        finally:
-            # What the run made outlives it (the finished tasks): move it straight to
-            # the oldest generation rather than have the next young collection traverse
-            # millions of objects.
-            gc.freeze()
-            gc.unfreeze()
-            if collecting:
-                gc.enable()
+        with collector_off():
+            try:
+                return self._run(layout, plans, window, max_time)
+            finally:
+                # What the run made outlives it (the finished tasks): move it straight
+                # to the oldest generation rather than have the next young collection
+                # traverse millions of objects.
+                gc.freeze()
+                gc.unfreeze()
 
     def _run(self, layout: GraphLayout, plans: Sequence[IterationPlan], window: int,
              max_time: float) -> SimResult:

@@ -133,16 +133,14 @@ def test_a_finished_simulation_is_freed_by_reference_counting(flux):
     import gc
     import weakref
 
-    from digenrl.sim.engine import Simulator, _Task
+    from digenrl.sim.engine import Simulator, _Task, collector_off
     from digenrl.sim.simulate import _workers
 
     def tasks_alive():
         return sum(type(o) is _Task for o in gc.get_objects())
 
     o = opts("digenrl")
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         before = tasks_alive()
         sim = Simulator(o, _workers(flux), lambda info, w: 1.0 if info.gpu else 0.0)
         result = sim.run(flux.layout(o.max_staleness), flux.plans(4))
@@ -152,9 +150,6 @@ def test_a_finished_simulation_is_freed_by_reference_counting(flux):
         del sim, result
         assert gone() is None
         assert tasks_alive() <= before
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def test_simulate_command(capsys):
