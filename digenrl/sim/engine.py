@@ -155,6 +155,7 @@ class _Worker:
     __slots__ = ("name", "pool", "gpus", "speed", "spec", "queue", "running")
 
     def __init__(self, spec: SimWorker):
+        # (Copies of the frozen spec's fields: every start and finish reads them.)
         self.name, self.pool, self.gpus, self.speed = spec.name, spec.pool, spec.gpus, spec.speed
         self.spec = spec
         self.queue: deque[_Task] = deque()   # GPU tasks released to it, not started
