@@ -519,7 +519,7 @@ class SchedulingPolicy:
                 w.step_samples -= n if n > 1 else 1
             if self._rebalance:
                 n = w.step_samples
-                step = self.step_time(w) if n else None
+                step = (w.step_time or self.step_time(w)) if n else None
                 w.busy_until = self.clock() + (step * n if step is not None else 0.0)
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
@@ -625,9 +625,17 @@ class SchedulingPolicy:
         return pick[4] if pick else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
-        affine = self._affine.get(w.address)
-        own = self._pop_valid(affine) if affine else None
-        shared = self._pop_valid(self._shared)
+        # (The tops are read here first: they are usually live, and a call costs more.)
+        own = self._affine.get(w.address)
+        if own:
+            own = own[0] if own[0][4].state is READY else self._pop_valid(own)
+        else:
+            own = None
+        shared = self._shared
+        if shared:
+            shared = shared[0] if shared[0][4].state is READY else self._pop_valid(shared)
+        else:
+            shared = None
         pick = shared if own is None else own if shared is None else \
             shared if shared < own else own
         if pick is not None:
@@ -656,12 +664,19 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self._free[w.pool].discard(w.address)
+            busy = w.busy_until
             if info.kind == "denoise":
                 n = info.samples
-                w.step_samples += n if n > 1 else 1
-            if self._rebalance:
-                busy = w.busy_until
-                w.busy_until = (now if now > busy else busy) + self._expected(w, info)
+                n = n if n > 1 else 1
+                w.step_samples += n
+                if self._rebalance:
+                    step = w.step_time
+                    if step is None:
+                        step = self.step_time(w)
+                    w.busy_until = (now if now > busy else busy) + (
+                        step * n if step is not None else 0.0)
+            elif self._rebalance and now > busy:
+                w.busy_until = now      # (other kinds are expected to take no time)
             if tag:
                 w.tag_inflight += 1
         else:
@@ -679,11 +694,18 @@ class SchedulingPolicy:
         pool = self._pool_workers(info.pool)
         if not pool:
             return None
-        holders = [self.workers[a] for a, b in loc.items() if b > 0 and a in self.workers
-                   and (not self.options.pools or self.workers[a].pool == info.pool)]
-        if holders:
-            return min(holders, key=lambda w: (-loc[w.address],
-                                               len(w.inflight) + len(w.cpu_inflight), w.name))
+        # Most bytes first, then the least loaded, then by name.
+        best, best_rank = None, None
+        workers, pools = self.workers, self.options.pools
+        for a, b in loc.items():
+            w = workers.get(a) if b > 0 else None
+            if w is None or (pools and w.pool != info.pool):
+                continue
+            rank = (-b, len(w.inflight) + len(w.cpu_inflight), w.name)
+            if best is None or rank < best_rank:
+                best, best_rank = w, rank
+        if best is not None:
+            return best
         key = info.pool if self.options.pools else COLOCATED
         i = self._round_robin[key] % len(pool)
         self._round_robin[key] = i + 1

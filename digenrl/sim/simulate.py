@@ -115,9 +115,9 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
             seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
         extra = 0.0
         name = worker.name
-        if versions:
+        if versions and kind in ROLLOUT_KINDS:
             held = versions.get(name)
-            if held is not None and kind in ROLLOUT_KINDS and info.policy_version not in held:
+            if held is not None and info.policy_version not in held:
                 held.add(info.policy_version)
                 extra += sync
                 sync_total[0] += sync
@@ -127,9 +127,10 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                 if phase.get(name) not in (None, p):
                     extra += switch
                 phase[name] = p
-        factor = slowdown(name, clock.now) if slowdown is not None else 1.0
+        if slowdown is not None:
+            seconds *= slowdown(name, clock.now)
         # The engine divides by the worker's speed; extras are network time, not compute.
-        return seconds * factor + extra * worker.speed
+        return seconds + extra * worker.speed if extra else seconds
 
     latent = profile.costs.latent_bytes_per_sample
     net = profile.network
