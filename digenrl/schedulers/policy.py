@@ -519,7 +519,7 @@ class SchedulingPolicy:
                 w.step_samples -= n if n > 1 else 1
             if self._rebalance:
                 n = w.step_samples
-                step = (w.step_time or self.step_time(w)) if n else None
+                step = self.step_time(w) if n else None
                 w.busy_until = self.clock() + (step * n if step is not None else 0.0)
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
@@ -664,19 +664,15 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self._free[w.pool].discard(w.address)
-            busy = w.busy_until
             if info.kind == "denoise":
                 n = info.samples
-                n = n if n > 1 else 1
-                w.step_samples += n
-                if self._rebalance:
-                    step = w.step_time
-                    if step is None:
-                        step = self.step_time(w)
-                    w.busy_until = (now if now > busy else busy) + (
-                        step * n if step is not None else 0.0)
-            elif self._rebalance and now > busy:
-                w.busy_until = now      # (other kinds are expected to take no time)
+                w.step_samples += n if n > 1 else 1
+            if self._rebalance:
+                busy = w.busy_until
+                if info.kind == "denoise":
+                    w.busy_until = (now if now > busy else busy) + self._expected(w, info)
+                elif now > busy:
+                    w.busy_until = now      # (other kinds are expected to take no time)
             if tag:
                 w.tag_inflight += 1
         else:
