@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -63,6 +64,25 @@ def _resident(dask_worker, versions):
     return out
 
 
+def _in_background(fn) -> Future:
+    """``fn()`` on a daemon thread, as a future. (Not an executor, whose exit joins the
+    thread: a run that hangs then fails the test at its timeout instead of hanging it.)"""
+    fut: Future = Future()
+
+    def target():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 -- handed to the test
+            fut.set_exception(e)
+
+    threading.Thread(target=target, name="run", daemon=True).start()
+    return fut
+
+
+def _all_processing(dask_scheduler):
+    return {a: [ts.key for ts in ws.processing] for a, ws in dask_scheduler.workers.items()}
+
+
 def run_killing(cluster, path, pool: str, kind: str, min_iteration: int):
     """Run the reference config; SIGKILL the ``pool`` worker while it computes a
     ``kind`` task of iteration ``min_iteration`` or later. Returns the killed worker's
@@ -70,23 +90,27 @@ def run_killing(cluster, path, pool: str, kind: str, min_iteration: int):
     client = cluster.client
     address = _pool_worker(client, pool)
     cfg = small_config(iterations=REFERENCE_ITERATIONS)
-    with ThreadPoolExecutor(1) as pool_:
-        run = pool_.submit(Runner(cfg, str(path), cluster=cluster).run)
-        deadline = time.monotonic() + 300
-        while True:
-            if run.done():
-                run.result()  # raises what stopped it, if anything
-                raise AssertionError(f"the run ended before the {pool} worker computed a "
-                                     f"{kind} task of iteration {min_iteration} or later")
-            assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
-            keys = client.run_on_scheduler(_processing, address=address)
-            hit = [k for k in keys if k[0] == kind and k[1] >= min_iteration]
-            if hit:
-                pid = client.run(os.getpid, workers=[address])[address]
-                os.kill(pid, signal.SIGKILL)
-                break
-            time.sleep(0.01)
+    run = _in_background(Runner(cfg, str(path), cluster=cluster).run)
+    deadline = time.monotonic() + 300
+    while True:
+        if run.done():
+            run.result()  # raises what stopped it, if anything
+            raise AssertionError(f"the run ended before the {pool} worker computed a "
+                                 f"{kind} task of iteration {min_iteration} or later")
+        assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
+        keys = client.run_on_scheduler(_processing, address=address)
+        hit = [k for k in keys if k[0] == kind and k[1] >= min_iteration]
+        if hit:
+            pid = client.run(os.getpid, workers=[address])[address]
+            os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    try:
         run.result(timeout=600)
+    except TimeoutError:  # (concurrent.futures raises the builtin since 3.11)
+        stuck = client.run_on_scheduler(_all_processing)
+        raise AssertionError(f"the run did not finish within 600 s of the kill; "
+                             f"processing per worker: {stuck}") from None
     # The nanny's new process joins again (the next tests use the whole cluster).
     client.wait_for_workers(2, timeout=120)
     return address, hit
