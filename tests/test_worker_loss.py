@@ -80,7 +80,7 @@ def _in_background(fn) -> Future:
 
 
 def _all_processing(dask_scheduler):
-    return {a: [ts.key for ts in ws.processing] for a, ws in dask_scheduler.workers.items()}
+    return {a: _processing(dask_scheduler, a) for a in dask_scheduler.workers}
 
 
 def run_killing(cluster, path, pool: str, kind: str, min_iteration: int):
