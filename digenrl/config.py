@@ -188,7 +188,7 @@ MAX_STEPS = 1000
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """The Flow-GRPO SDE sampler (DESIGN.md section 3)."""
+    """The Flow-GRPO SDE sampler (docs/algorithm.md)."""
 
     num_steps: int = 8
     """Denoising steps per sample, 2 to 1000 (sigmas from FlowMatchEulerDiscreteScheduler over its 1000 training timesteps)."""

@@ -1,6 +1,6 @@
 """The output store: one Zarr (v3) store per run, readable with ``xarray.open_zarr``.
 
-Groups (DESIGN.md section 6): ``samples`` (iteration, sample), ``steps`` (iteration,
+Groups (README.md, "Output store"): ``samples`` (iteration, sample), ``steps`` (iteration,
 sample, step), ``metrics`` (iteration) and ``tasks`` (task). The run appends one iteration
 at a time. Each append first writes the new rows (beyond the arrays' committed shapes)
 and then commits by rewriting the consolidated metadata at the root -- a single atomic

@@ -1,4 +1,4 @@
-"""The shape of an iteration's DAG as plain data (DESIGN.md section 4).
+"""The shape of an iteration's DAG as plain data (docs/architecture.md, "One iteration").
 
 ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
 (chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->

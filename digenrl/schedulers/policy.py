@@ -2,7 +2,7 @@
 
 The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
 added, become ready, finish or are lost -- and asks it for decisions: which ready task to
-release to which worker. Every rule of DESIGN.md section 5 lives here:
+release to which worker. Every rule of docs/scheduling.md lives here:
 
 * **pools**: a task runs only on a worker of its pool (with ``pools`` off every GPU
   worker is one ``colocated`` pool);

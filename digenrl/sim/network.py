@@ -78,10 +78,10 @@ __all__ = ["FatTree", "CircuitFabric", "Placement", "PatternTime", "NetworkCase"
            "format_network_study", "run_network_study", "DEFAULT_GPUS",
            "DEFAULT_OVERSUBSCRIPTIONS", "DEFAULT_SWITCHING_DELAYS"]
 
-#: Bytes per direction per GPU NIC: 400 Gb/s InfiniBand (FACTS.md, "Hardware").
+#: Bytes per direction per GPU NIC: 400 Gb/s InfiniBand (docs/sources.md, "Hardware").
 NIC_BANDWIDTH = 50e9
 #: Bytes per direction per GPU over NVLink 4: 900 GB/s per GPU counting both directions
-#: (FACTS.md, "Hardware"), halved.
+#: (docs/sources.md, "Hardware"), halved.
 NVLINK_BANDWIDTH = 450e9
 #: Seconds per message end to end (the shipped profiles' ``network.latency``).
 MESSAGE_LATENCY = 5e-6
@@ -432,8 +432,8 @@ def network_case(profile: Profile, gpus: int, oversubscription: float = 1.0, *,
                  tree: FatTree | None = None, circuit: CircuitFabric | None = None
                  ) -> NetworkCase:
     """Both fabrics for ``profile`` scaled to ``gpus`` GPUs. ``tree`` / ``circuit``:
-    the fabric parameters (default: FACTS.md's H800 figures, the profile's NIC bandwidth
-    and latency); ``oversubscription`` replaces the tree's."""
+    the fabric parameters (default: the H800 figures of docs/sources.md, the profile's
+    NIC bandwidth and latency); ``oversubscription`` replaces the tree's."""
     _integer("network_case", "gpus", gpus, 2)
     for d in delays:
         _number("network_case", "delays", d, 0, False)

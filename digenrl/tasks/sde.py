@@ -1,4 +1,4 @@
-"""The Flow-GRPO sampler step as pure functions (DESIGN.md section 3).
+"""The Flow-GRPO sampler step as pure functions (docs/algorithm.md).
 
 Flow matching: x_sigma = (1 - sigma) x0 + sigma eps, sigma runs from 1 (noise) to 0;
 the transformer predicts a velocity v. All arithmetic is float32 and stateless: given the

@@ -1,7 +1,7 @@
 """Training tasks: the initial state, gradient micro-steps, the fixed-order reduction,
 the AdamW step that publishes the next policy version.
 
-Loss (Flow-GRPO, DESIGN.md section 3), per sample and trained timestep, with
+Loss (Flow-GRPO, docs/algorithm.md), per sample and trained timestep, with
 ``logp`` under the trainer's weights and ``logp_b`` recorded at rollout:
 
 * ``off_policy_correction = "decoupled"`` (default; AReaL's decoupled PPO objective):

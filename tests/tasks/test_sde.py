@@ -1,4 +1,4 @@
-"""The SDE step against the formulas of DESIGN.md section 3, computed independently."""
+"""The SDE step against the formulas of docs/algorithm.md, computed independently."""
 
 import math
 
@@ -10,7 +10,7 @@ from digenrl.tasks.sde import euler_step, noise_scale, sde_step
 
 
 def reference_step(x, v, sigma, sigma_next, a, eps):
-    """DESIGN.md section 3 in float64 numpy, written out term by term."""
+    """docs/algorithm.md's step in float64 numpy, written out term by term."""
     x, v, eps = (np.asarray(t, np.float64) for t in (x, v, eps))
     dt = sigma_next - sigma
     denom_sigma = sigma_next if sigma == 1.0 else sigma
