@@ -10,7 +10,10 @@ the iteration, and exit status 1; the store keeps the complete iterations before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -250,19 +253,94 @@ def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool
     return 0
 
 
+def _stored(args: argparse.Namespace) -> tuple[str | None, int | None]:
+    """The store a ``run`` writes and how many complete iterations it holds now (None
+    when there is no store yet, or the command writes none)."""
+    if args.command != "run" or getattr(args, "check", False):
+        return None, None
+    out = getattr(args, "resume", None) or getattr(args, "out", None)
+    if not out:
+        return None, None
+    try:
+        return out, committed_iterations(out)
+    except (StoreError, OSError, KeyError):
+        return out, None
+
+
+def _resume_command(args: argparse.Namespace, out: str) -> str:
+    """The command that continues ``out``: the stored config, on the same cluster."""
+    cmd = f"digenrl run --resume {out}"
+    if getattr(args, "scheduler", None):
+        cmd += f" --scheduler {args.scheduler}"
+    return cmd
+
+
 def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
     """The one line a run stopped by a failing reward ends with."""
-    out = getattr(args, "resume", None) or getattr(args, "out", None)
+    out, n = _stored(args)
     hint = "set reward.on_error: drop to leave such samples out of training and count them"
-    if out:
-        try:
-            n = committed_iterations(out)
-        except (StoreError, OSError, KeyError):
-            n = None
-        if n is not None:
-            hint = (f"{out} holds the {n} complete iteration{'s' if n != 1 else ''} before "
-                    f"it (--resume {out} continues it); {hint}")
+    if n is not None:
+        hint = (f"{out} holds the {n} complete iteration{'s' if n != 1 else ''} before "
+                f"it (--resume {out} continues it); {hint}")
     return f"{e} ({hint})"
+
+
+class Stopped(KeyboardInterrupt):
+    """The first SIGINT or SIGTERM a command receives: raised in the main thread so the
+    command unwinds (a run's driver cancels its work and leaves the store as its last
+    commit made it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupted(args: argparse.Namespace, signum: int) -> str:
+    """The one line a command stopped by a signal ends with."""
+    name = signal.Signals(signum).name
+    out, n = _stored(args)
+    if out is None:
+        return f"digenrl {args.command}: stopped by {name}"
+    if n is None:
+        return (f"digenrl {args.command}: stopped by {name} before {out} held any "
+                f"iteration; start it again with --out {out} --overwrite")
+    return (f"digenrl {args.command}: stopped by {name}; {out} holds {n} complete "
+            f"iteration{'s' if n != 1 else ''}; continue with: {_resume_command(args, out)}")
+
+
+@contextlib.contextmanager
+def _stop_on_signals(args: argparse.Namespace):
+    """While a command runs, the first SIGINT or SIGTERM (a job scheduler's stop) raises
+    :class:`Stopped`; a second one exits at once. The previous handlers come back after
+    (``main`` is also called from other programs and tests)."""
+    if sys.platform == "win32" or not _in_main_thread():
+        yield
+        return
+
+    def at_once(signum, frame):
+        print(f"digenrl {args.command}: {signal.Signals(signum).name} again, exiting at once",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    def first(signum, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, at_once)
+        print(f"digenrl {args.command}: {signal.Signals(signum).name} received, stopping "
+              "(again to exit at once)", file=sys.stderr, flush=True)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, first) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -390,8 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(getattr(args, "quiet", False))
     try:
-        return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-                "simulate": _cmd_simulate}[args.command](args)
+        with _stop_on_signals(args):
+            return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
+                    "simulate": _cmd_simulate}[args.command](args)
+    except Stopped as e:
+        print(_interrupted(args, e.signum), file=sys.stderr)
+        return 128 + e.signum
     except (ConfigError, StoreError) as e:
         if getattr(args, "debug", False):
             raise
@@ -403,8 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"digenrl {args.command}: error: {_one_line(_reward_failure(e, args))}",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"digenrl {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # outside the main thread, or on a platform without signals
+        print(_interrupted(args, signal.SIGINT), file=sys.stderr)
         return 130
 
 

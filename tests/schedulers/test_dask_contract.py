@@ -11,9 +11,11 @@ from dask._task_spec import Task
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Worker
 from distributed.diagnostics.plugin import SchedulerPlugin
-from distributed.utils_test import async_poll_for, gen_cluster, inc, slowinc
+from distributed.utils_test import async_poll_for, inc, slowinc
 
 from digenrl.schedulers.plugin import PARKED
+
+from inprocess import pooled_cluster
 
 NTHREADS = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 
@@ -42,7 +44,7 @@ async def submit_parked(c, s, key):
     return f
 
 
-@gen_cluster(client=True, nthreads=NTHREADS)
+@pooled_cluster(NTHREADS)
 async def test_1_unreachable_restrictions_park_a_task_even_when_workers_join(c, s, a, b):
     f = await submit_parked(c, s, "parked")
     async with Worker(s.address, nthreads=1):
@@ -52,7 +54,7 @@ async def test_1_unreachable_restrictions_park_a_task_even_when_workers_join(c, 
     del f
 
 
-@gen_cluster(client=True, nthreads=NTHREADS)
+@pooled_cluster(NTHREADS)
 async def test_2_new_restriction_plus_processing_sends_it_there(c, s, a, b):
     f = await submit_parked(c, s, "parked")
     s.tasks["parked"].worker_restrictions = {b.address}
@@ -61,7 +63,7 @@ async def test_2_new_restriction_plus_processing_sends_it_there(c, s, a, b):
     assert s.tasks["parked"].who_has == {s.workers[b.address]}
 
 
-@gen_cluster(client=True, nthreads=NTHREADS)
+@pooled_cluster(NTHREADS)
 async def test_3_and_6_update_graph_sees_per_key_annotations_before_any_transition(c, s, a, b):
     plugin = Parker()
     s.add_plugin(plugin)
@@ -77,8 +79,8 @@ async def test_3_and_6_update_graph_sees_per_key_annotations_before_any_transiti
     del futs
 
 
-@gen_cluster(client=True, nthreads=NTHREADS,
-             config={"distributed.scheduler.work-stealing-interval": "10ms"})
+@pooled_cluster(NTHREADS,
+               config={"distributed.scheduler.work-stealing-interval": "10ms"})
 async def test_4_stealing_never_moves_a_task_restricted_to_one_worker(c, s, a, b):
     assert "stealing" in s.extensions
     futs = c.map(slowinc, range(20), delay=0.05, workers=[a.address])
@@ -86,7 +88,7 @@ async def test_4_stealing_never_moves_a_task_restricted_to_one_worker(c, s, a, b
     assert all(s.tasks[f.key].who_has == {s.workers[a.address]} for f in futs)
 
 
-@gen_cluster(client=True, nthreads=NTHREADS)
+@pooled_cluster(NTHREADS)
 async def test_4_restricted_tasks_bypass_queuing(c, s, a, b):
     futs = c.map(inc, range(50), workers=[a.address, b.address])
     await async_poll_for(lambda: all(f.key in s.tasks for f in futs), timeout=20)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from distributed import Event
-from distributed.utils_test import async_poll_for, gen_cluster, inc
+from distributed.utils_test import async_poll_for, inc
 
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
 
+from inprocess import pooled_cluster
 from plugin_helpers import annotated, task_meta, wait_for_event, worker_name
 
 ROLLOUT = {"resources": {"GPU": 1, "rollout": 1}}
@@ -27,7 +28,7 @@ async def install(s, **kw):
     return plugin
 
 
-@gen_cluster(client=True, nthreads=POOLED)
+@pooled_cluster(POOLED)
 async def test_pools_come_from_the_workers_own_resources(c, s, r, t):
     plugin = await install(s, tag=False)
     tasks = {}
@@ -47,7 +48,7 @@ async def test_pools_come_from_the_workers_own_resources(c, s, r, t):
     assert plugin.run == "test"
 
 
-@gen_cluster(client=True, nthreads=POOLED)
+@pooled_cluster(POOLED)
 async def test_a_bad_graph_is_held_until_the_bound_allows_then_released(c, s, r, t):
     """A rollout of iteration 2 reading version 0 with max_staleness 1 must wait until
     version 1 is published -- and never run earlier."""
@@ -71,7 +72,7 @@ async def test_a_bad_graph_is_held_until_the_bound_allows_then_released(c, s, r,
     assert recs[str(("denoise", 2, 0, 0))]["released"] >= recs[str(("publish", 1))]["finished"]
 
 
-@gen_cluster(client=True, nthreads=POOLED)
+@pooled_cluster(POOLED)
 async def test_training_beyond_the_bound_fails_with_a_clear_error(c, s, r, t):
     await install(s, max_staleness=1)
     tasks = {("grad", 3, 0, 0): (inc, (1,), task_meta("grad", 3, 3, chunk=0, timestep=0,
@@ -86,7 +87,7 @@ async def test_training_beyond_the_bound_fails_with_a_clear_error(c, s, r, t):
         raise AssertionError("the task ran")
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 2, ROLLOUT), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
+@pooled_cluster([("127.0.0.1", 2, ROLLOUT), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
 async def test_an_untagged_worker_is_not_used_and_is_reported(c, s, r, untagged):
     await install(s, tag=False)
     tasks = {("denoise", 0, j, 0): (worker_name, (j,), task_meta("denoise", 0, 0, chunk=j, timestep=0))
