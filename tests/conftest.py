@@ -2,6 +2,11 @@
 
 The clusters are session-scoped (starting worker processes costs seconds); every run
 registers its own scheduler policy and worker state, so runs never see each other's.
+
+Every cluster of the suite -- the session's, the in-process ones, and those of the
+``digenrl`` and ``dask`` processes the tests start -- runs with Dask's own state
+validation on (each scheduler and worker transition checked), and a test fails if a
+scheduler in this process logs an error while it runs.
 """
 
 from __future__ import annotations
@@ -10,12 +15,46 @@ import logging
 import os
 from typing import Any, NamedTuple
 
+import dask
 import pytest
 
 from digenrl.config import ClusterConfig, config_from_dict
 
+from inprocess import VALIDATING
+
 os.environ.setdefault("PYTHONHASHSEED", "0")
 logging.getLogger("distributed").setLevel(logging.WARNING)
+dask.config.set(VALIDATING)
+for _key in ("distributed.scheduler.validate", "distributed.worker.validate"):
+    # Processes the tests start (digenrl run, dask scheduler/worker) read it from here.
+    os.environ["DASK_" + _key.upper().replace(".", "__").replace("-", "_")] = "True"
+
+
+class _Errors(logging.Handler):
+    """The error records of the schedulers running in this process."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_SCHEDULER_ERRORS = _Errors()
+logging.getLogger("distributed.scheduler").addHandler(_SCHEDULER_ERRORS)
+
+
+@pytest.fixture(autouse=True)
+def no_scheduler_error():
+    """A test fails if a scheduler logged an error while it ran: under validation, an
+    invalid transition (the plugin's included) is logged and raised there, where the
+    test would not see it."""
+    start = len(_SCHEDULER_ERRORS.records)
+    yield
+    new = _SCHEDULER_ERRORS.records[start:]
+    assert not new, "a scheduler logged errors: " + "; ".join(
+        r.getMessage()[:300] for r in new)
 
 #: A small model and iteration so cluster tests take seconds; every mechanism is real.
 SMALL = {
