@@ -46,7 +46,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping
 
-from digenrl.schedulers.options import COLOCATED, PUBLISH_KIND, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.vocabulary import (COLOCATED, DENOISE, NOISE, POOLS, PUBLISH, ROLLOUT, TRAINER,
+                                stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -63,9 +65,6 @@ _QUEUED = frozenset({READY, HELD, RELEASED})
 # (Per-task paths write ``n if n > 1 else 1`` and ``b if b < a else a`` rather than call
 # max and min: those builtins parse their arguments as keywords, some hundreds of
 # instructions per call, 2% of a large simulation's.)
-
-#: Where the non-denoise kinds sit in a chunk's order of work.
-_STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
 
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
@@ -136,7 +135,7 @@ class Decision:
 
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
-    if info.pool not in (ROLLOUT, TRAINER):
+    if info.pool not in POOLS:
         return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
     if info.behaviour_version is not None:
         staleness = info.policy_version - info.behaviour_version
@@ -221,7 +220,7 @@ class SchedulingPolicy:
             return
         if not self.options.pools:
             pool = COLOCATED
-        elif pool not in (ROLLOUT, TRAINER):
+        elif pool not in POOLS:
             return
         self.workers[address] = WorkerInfo(address, name, pool, gpus,
                                            gpus * self.options.slots_per_worker, speed)
@@ -295,7 +294,7 @@ class SchedulingPolicy:
         """``info``'s entry in a ready heap: its priority (three integers), then ``tie``
         (unique: the task itself is never compared), then the task. One flat tuple, so a
         heap comparison reads one object."""
-        stage = _STAGE.get(info.kind, info.timestep or 0)
+        stage = stage_of(info.kind, info.timestep)
         chunk = info.chunk
         if chunk is None:
             chunk = 1 << 30
@@ -353,7 +352,7 @@ class SchedulingPolicy:
         # task is READY.
         entry = self._entry(info, next(self._seq))
         if info.pool == ROLLOUT:
-            if info.timestep == 0 and info.kind == "denoise":
+            if info.timestep == 0 and info.kind == DENOISE:
                 aff = self._first_step_home(info)
             else:
                 aff = self._affinity_of(loc)
@@ -430,13 +429,13 @@ class SchedulingPolicy:
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
         kind = info.kind
-        if kind == "denoise":
+        if kind == DENOISE:
             if duration is not None and duration > 0 and worker is not None:
                 w = self.workers.get(worker)
                 if w is not None:
                     n = info.samples
                     self._observe(w, duration / (n if n > 1 else 1))
-        elif kind == "noise" and worker is not None:
+        elif kind == NOISE and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
         self._unrelease(info)
         info.state = DONE
@@ -450,7 +449,7 @@ class SchedulingPolicy:
                     self._rollout_pending[info.iteration] = left
                 if not left:
                     self._open_barrier(info.iteration)
-        if kind == PUBLISH_KIND and info.policy_version > self.version:
+        if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
             self._release_stale_holds()
 
@@ -488,7 +487,7 @@ class SchedulingPolicy:
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
-        if info.kind == "noise":
+        if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
         if info.pending:
             info.pending = False
@@ -514,7 +513,7 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self._dirty.add(addr)
             self._free[w.pool].add(addr)
-            if info.kind == "denoise":
+            if info.kind == DENOISE:
                 n = info.samples
                 w.step_samples -= n if n > 1 else 1
             if self._rebalance:
@@ -565,7 +564,7 @@ class SchedulingPolicy:
 
     def _expected(self, w: WorkerInfo, info: TaskInfo) -> float:
         """Expected seconds of ``info`` on ``w`` (denoise steps; others count 0)."""
-        if info.kind != "denoise":
+        if info.kind != DENOISE:
             return 0.0
         step = self.step_time(w)
         n = info.samples
@@ -584,7 +583,7 @@ class SchedulingPolicy:
         if not self.options.rebalance:
             # Pinned: a chunk waits for the rollout worker holding its latents.
             return owner.pool != ROLLOUT
-        if info.kind != "denoise" or self.step_time(w) is None or self.step_time(owner) is None:
+        if info.kind != DENOISE or self.step_time(w) is None or self.step_time(owner) is None:
             return True  # not a timestep, or nothing measured yet: any idle worker helps
         step = self._expected(owner, info)
         # The move must cost less than the step it moves, and the step must end before
@@ -664,12 +663,12 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self._free[w.pool].discard(w.address)
-            if info.kind == "denoise":
+            if info.kind == DENOISE:
                 n = info.samples
                 w.step_samples += n if n > 1 else 1
             if self._rebalance:
                 busy = w.busy_until
-                if info.kind == "denoise":
+                if info.kind == DENOISE:
                     w.busy_until = (now if now > busy else busy) + self._expected(w, info)
                 elif now > busy:
                     w.busy_until = now      # (other kinds are expected to take no time)

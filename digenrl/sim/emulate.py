@@ -27,16 +27,15 @@ from typing import Any, Hashable
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Node
-from digenrl.schedulers.options import ROLLOUT, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
 from digenrl.sim.profile import Profile
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
+from digenrl.vocabulary import OPTIMIZE, REWARD, ROLLOUT, ROLLOUT_KINDS, STATS, TRAINING_KINDS
 
 __all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_state"]
 
 Key = Hashable
-ROLLOUT_OPS = frozenset({"noise", "denoise", "decode", "reward"})
-TRAIN_OPS = frozenset({"advantage", "grad", "reduce", "optimize"})
 
 
 @dataclass(frozen=True)
@@ -88,14 +87,14 @@ def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
         for factor, start, stop in state["windows"]:
             if start <= now < stop:
                 wait *= factor
-    if task.sync_seconds and resources.get(ROLLOUT, 0) > 0 and task.kind in ROLLOUT_OPS:
+    if task.sync_seconds and resources.get(ROLLOUT, 0) > 0 and task.kind in ROLLOUT_KINDS:
         with _LOCK:
             fresh = task.version not in state["versions"]
             state["versions"].add(task.version)
         if fresh:
             wait += task.sync_seconds
     if task.switch_seconds:
-        phase = "rollout" if task.kind in ROLLOUT_OPS else "train" if task.kind in TRAIN_OPS else None
+        phase = "rollout" if task.kind in ROLLOUT_KINDS else "train" if task.kind in TRAINING_KINDS else None
         if phase is not None:
             with _LOCK:
                 switched = state["phase"] is not None and state["phase"] != phase
@@ -109,7 +108,7 @@ def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
 class EmulatedWorkload:
     """The iteration DAG of a profile, each task sleeping for its cost."""
 
-    collected = ("stats",)
+    collected = (STATS,)
 
     def __init__(self, profile: Profile, options: ScheduleOptions, iterations: int, *,
                  time_scale: float | None = None, stale_groups: int | None = None):
@@ -133,7 +132,7 @@ class EmulatedWorkload:
         p = self.profile
         kind = node.op
         seconds = p.task_seconds(kind, node.meta.get("samples") or 0, colocated=self.colocated)
-        if kind == "reward" and p.costs.reward_on == "remote":
+        if kind == REWARD and p.costs.reward_on == "remote":
             seconds = 0.0
         if node.key == root_reduce:
             seconds = p.allreduce_seconds()
@@ -144,7 +143,7 @@ class EmulatedWorkload:
             switch_seconds=p.colocated.phase_switch if self.colocated else 0.0)
 
     def bind(self, nodes, outputs) -> IterationGraph:
-        root = next((n.deps[1] for n in nodes if n.op == "optimize"), None)
+        root = next((n.deps[1] for n in nodes if n.op == OPTIMIZE), None)
         return bind(nodes, lambda node: (run_emulated, (self._task(node, root),)), outputs)
 
     def check_resume(self, attrs: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key,
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
+from digenrl.vocabulary import STATS
 
 __all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans",
            "collector_off"]
@@ -416,7 +417,7 @@ class Simulator:
                         dep.waiting = n
                         if n == 0:
                             ready(dep)
-                if t.kind == "stats":
+                if t.kind == STATS:
                     it = t.iteration
                     completed[it] = now
                     self._forget(it)

@@ -19,7 +19,7 @@ import yaml
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.schedulers.options import ROLLOUT, TRAINER
+from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, REWARD, ROLLOUT, TRAINER
 
 __all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR"]
 
@@ -168,16 +168,16 @@ class Profile:
         """Seconds a task of ``kind`` over ``samples`` samples takes on a speed-1 GPU."""
         c = self.costs
         fwd = c.denoise_per_sample * c.cfg_factor * samples
-        if kind == "denoise":
+        if kind == DENOISE:
             return fwd
-        if kind == "grad":
+        if kind == GRAD:
             extra = fwd if colocated and self.colocated.recompute_old_logprob else 0.0
             return fwd * c.train_factor + extra
-        if kind == "decode":
+        if kind == DECODE:
             return c.decode_per_sample * samples
-        if kind == "reward":
+        if kind == REWARD:
             return c.reward_per_sample * samples
-        if kind == "optimize":
+        if kind == OPTIMIZE:
             return c.optimizer_step
         return 0.0
 
@@ -198,12 +198,12 @@ class Profile:
         n = self.images_per_iteration
         chunks = n // self.chunk_size
         t = self.task_seconds
-        total = chunks * self.num_steps * t("denoise", self.chunk_size)
-        total += chunks * self.trained_steps * t("grad", self.chunk_size, colocated=colocated)
-        total += chunks * t("decode", self.chunk_size)
+        total = chunks * self.num_steps * t(DENOISE, self.chunk_size)
+        total += chunks * self.trained_steps * t(GRAD, self.chunk_size, colocated=colocated)
+        total += chunks * t(DECODE, self.chunk_size)
         if self.costs.reward_on == "gpu":
-            total += chunks * t("reward", self.chunk_size)
-        return total + t("optimize", 0)
+            total += chunks * t(REWARD, self.chunk_size)
+        return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:
         """Images/s with every GPU busy: ``capacity`` is the sum of the workers' speeds

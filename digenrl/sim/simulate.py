@@ -19,20 +19,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping
 
 from digenrl.graph.structure import reduce_root_key
-from digenrl.schedulers.options import ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
+from digenrl.variants import variant_schedule
+from digenrl.vocabulary import (COLOCATED, DENOISE, NOISE, REDUCE, REWARD, ROLLOUT,
+                                ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
-           "ROLLOUT_KINDS", "DASK_ROUND_TRIP"]
+           "DASK_ROUND_TRIP"]
 
 #: The scheduler<->worker round trip of one task on this kind of machine, seconds
 #: (``python workflows/microbench.py dispatch``: 5.7 ms per hop of a dependent chain).
 DASK_ROUND_TRIP = 0.0057
-
-ROLLOUT_KINDS = frozenset({"noise", "denoise", "decode", "reward"})
-TRAIN_KINDS = frozenset({"advantage", "grad", "reduce", "optimize"})
 
 
 @dataclass
@@ -108,10 +108,10 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
         seconds = base.get((kind, info.samples))
         if seconds is None:
             seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
-            if kind == "reward" and remote_reward:
+            if kind == REWARD and remote_reward:
                 seconds = 0.0
             base[(kind, info.samples)] = seconds
-        if kind == "reduce":
+        if kind == REDUCE:
             seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
         extra = 0.0
         name = worker.name
@@ -122,7 +122,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                 extra += sync
                 sync_total[0] += sync
         if switch:
-            p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAIN_KINDS else None
+            p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAINING_KINDS else None
             if p is not None:
                 if phase.get(name) not in (None, p):
                     extra += switch
@@ -136,7 +136,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     net = profile.network
 
     def transfer(kind: str, samples: int) -> float:
-        if kind in ("noise", "denoise") and latent:
+        if kind in (NOISE, DENOISE) and latent:
             return net.latency + latent * samples / net.bandwidth
         return 0.0
 
@@ -171,7 +171,7 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
     groups = {ROLLOUT: [w for w in result.workers if w.pool == ROLLOUT],
               TRAINER: [w for w in result.workers if w.pool == TRAINER]}
     if not options.pools:
-        groups = {"colocated": list(result.workers)}
+        groups = {COLOCATED: list(result.workers)}
     for pool, ws in groups.items():
         if ws:
             util[pool] = sum(busy.get(w.name, 0.0) for w in ws) / (len(ws) * (t1 - t0))
@@ -186,13 +186,12 @@ def simulate_variants(profile: Profile, variants, iterations: int, *,
                       dispatch_latency: float = 0.005, queued_latency: float = 0.0,
                       latencies: Mapping[str, tuple[float, float]] | None = None,
                       skip: int = 1, drain: int = 1) -> list[tuple[str, SimulationReport]]:
-    """Every named variant (``digenrl.bench.VARIANTS``) of ``profile``. ``latencies``:
-    per variant, the (dispatch, queued) latencies to use instead of the common ones."""
-    from digenrl.bench import VARIANTS, _schedule_config
-
+    """Every named variant (:data:`digenrl.variants.VARIANTS`) of ``profile``.
+    ``latencies``: per variant, the (dispatch, queued) latencies to use instead of the
+    common ones."""
     out = []
     for name in variants:
-        s = _schedule_config(VARIANTS[name])
+        s = variant_schedule(name)
         dispatch, queued = (latencies or {}).get(name, (dispatch_latency, queued_latency))
         out.append((name, simulate(profile, s.options(), iterations,
                                    stale_groups=s.stale_groups, dispatch_latency=dispatch,
@@ -214,7 +213,7 @@ def format_reports(reports, emulated: Mapping[str, float] | None = None,
     lines = [head, "-" * len(head)]
     for name, r in reports:
         u = "/".join(f"{r.utilisation[p]:.2f}" if p in r.utilisation else "-"
-                     for p in (ROLLOUT, TRAINER, "colocated"))
+                     for p in (ROLLOUT, TRAINER, COLOCATED))
         line = (f"{name:<14}{r.gpus:>6}{r.images_per_s:>10.4f}{r.ideal_fraction:>7.3f}{u:>18}"
                 f"{r.tasks:>10}{r.wall_s:>8.1f}")
         if emulated and name in emulated:

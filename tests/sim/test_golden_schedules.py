@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.bench import VARIANTS
+from digenrl.variants import VARIANTS
 from digenrl.sim.profile import Slowdown, list_profiles, load_profile
 from digenrl.sim.simulate import simulate_variants
 
