@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -21,7 +21,8 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, REWARD, ROLLOUT, TRAINER
 
-__all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR"]
+__all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR",
+           "slowdown_at"]
 
 PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
 
@@ -87,6 +88,15 @@ class Slowdown:
     stop: float
 
 
+def slowdown_at(slowdowns: Iterable[Slowdown], worker: str, now: float) -> float:
+    """How many times slower ``worker`` runs at ``now`` under ``slowdowns``."""
+    f = 1.0
+    for s in slowdowns:
+        if s.worker == worker and s.start <= now < s.stop:
+            f *= s.factor
+    return f
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -135,11 +145,7 @@ class Profile:
 
     def slowdown_factor(self, worker: str, now: float) -> float:
         """How many times slower ``worker`` runs at ``now`` (profile seconds)."""
-        f = 1.0
-        for s in self.slowdowns:
-            if s.worker == worker and s.start <= now < s.stop:
-                f *= s.factor
-        return f
+        return slowdown_at(self.slowdowns, worker, now)
 
     def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
         return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,

@@ -2,12 +2,11 @@
 
 The discrete-event engine (:mod:`digenrl.sim.engine`) runs a profile's iteration DAG
 under the same :class:`~digenrl.schedulers.policy.SchedulingPolicy` the Dask plugin
-uses. Costs are the profile's, exactly as the emulator sleeps them; the network is
-modelled as the emulator's tasks pay it -- a rollout worker waits ``weight_bytes /
-bandwidth`` the first time it reads a new version, the trainers all-reduce the
-gradients once per iteration at the reduction root -- plus moving latents between
-workers (``latent_bytes / bandwidth + latency``) and a dispatch latency per task (the
-scheduler round trip: Dask's own overhead).
+uses. Tasks cost what :mod:`digenrl.sim.costs` says, the one cost model the emulator
+sleeps too (weight sync, phase switch, remote reward, the all-reduce at the reduction
+root); on top of it the simulator models what Dask does for the emulator: moving
+latents between workers (``latent_bytes / bandwidth + latency``) and a dispatch latency
+per task (the scheduler round trip).
 """
 
 from __future__ import annotations
@@ -16,16 +15,15 @@ import dataclasses
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Mapping
 
-from digenrl.graph.structure import reduce_root_key
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
 from digenrl.variants import variant_schedule
-from digenrl.vocabulary import (COLOCATED, DENOISE, NOISE, REDUCE, REWARD, ROLLOUT,
-                                ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
+from digenrl.vocabulary import COLOCATED, DENOISE, NOISE, ROLLOUT, TRAINER
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
            "DASK_ROUND_TRIP"]
@@ -84,51 +82,22 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
     if slowdown is None and profile.slowdowns:
         slowdown = profile.slowdown_factor
-    colocated = not options.pools
     layout = profile.layout(options.max_staleness, stale_groups)
     plans = profile.plans(iterations)
-    root_reduce: dict[int, Hashable] = {}
-    phase: dict[str, str | None] = {}
-    sync_total = [0.0]
     workers = _workers(profile, speeds)
-    sync = profile.weight_sync_seconds()
-    # The policy versions each rollout worker holds (disaggregated: it fetches each new
-    # one from the trainers once).
-    versions: dict[str, set[int]] = {} if colocated or not sync else \
-        {w.name: set() for w in workers if w.pool == ROLLOUT}
-    switch = profile.colocated.phase_switch if colocated else 0.0
-    remote_reward = profile.costs.reward_on == "remote"
-
+    colocated = not options.pools
+    costs = TaskCosts(profile, layout, plans, colocated=colocated)
+    extras = Extras.of(profile, colocated=colocated)
+    held = {w.name: WorkerHeld() for w in workers}
+    rollout_worker = {w.name: w.pool == ROLLOUT for w in workers}
     clock = SimClock()
 
-    base: dict[tuple[str, int], float] = {}
-
     def cost(info: TaskInfo, worker: SimWorker) -> float:
-        kind = info.kind
-        seconds = base.get((kind, info.samples))
-        if seconds is None:
-            seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
-            if kind == REWARD and remote_reward:
-                seconds = 0.0
-            base[(kind, info.samples)] = seconds
-        if kind == REDUCE:
-            seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
-        extra = 0.0
-        name = worker.name
-        if versions and kind in ROLLOUT_KINDS:
-            held = versions.get(name)
-            if held is not None and info.policy_version not in held:
-                held.add(info.policy_version)
-                extra += sync
-                sync_total[0] += sync
-        if switch:
-            p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAINING_KINDS else None
-            if p is not None:
-                if phase.get(name) not in (None, p):
-                    extra += switch
-                phase[name] = p
+        kind, name = info.kind, worker.name
+        seconds = costs.seconds(kind, info.samples, info.key, info.iteration)
         if slowdown is not None:
             seconds *= slowdown(name, clock.now)
+        extra = extras.pay(held[name], kind, info.policy_version, rollout_worker[name])
         # The engine divides by the worker's speed; extras are network time, not compute.
         return seconds + extra * worker.speed if extra else seconds
 
@@ -145,14 +114,11 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                     queued_latency=queued_latency,
                     output_bytes=lambda kind, samples: samples if samples > 1 else 1,
                     clock=clock)
-    # The reduction root of each iteration carries the all-reduce.
-    for plan in plans:
-        root_reduce[plan.iteration] = reduce_root_key(
-            plan.iteration, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
     t = time.perf_counter()
     result = sim.run(layout, plans)
     wall = time.perf_counter() - t
-    return _report(profile, options, result, iterations, skip, drain, wall, sync_total[0])
+    synced = sum(h.synced for h in held.values())
+    return _report(profile, options, result, iterations, skip, drain, wall, synced)
 
 
 def _report(profile: Profile, options: ScheduleOptions, result: SimResult, iterations: int,
