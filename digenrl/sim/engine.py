@@ -80,11 +80,12 @@ class SimResult:
     def records(self) -> list[SimRecord]:
         """Every task as it ran, in the order they finished (made on first use: a
         large run finishes millions of tasks and most callers need only :meth:`busy`)."""
-        new = tuple.__new__
-        return [new(SimRecord, (
-            t.key, t.kind, t.holder, t.on.pool, t.iteration, t.policy_version,
-            -1 if t.timestep is None else t.timestep, -1 if t.chunk is None else t.chunk,
-            t.ready_at, t.released, t.start, t.stop, t.worker_tag, t.gpu))
+        return [SimRecord(
+            key=t.key, kind=t.kind, worker=t.holder, pool=t.on.pool, iteration=t.iteration,
+            policy_version=t.policy_version,
+            timestep=-1 if t.timestep is None else t.timestep,
+            chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
+            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu)
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:

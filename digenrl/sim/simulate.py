@@ -112,7 +112,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
-                    output_bytes=lambda kind, samples: samples if samples > 1 else 1,
+                    output_bytes=lambda kind, samples: max(samples, 1),
                     clock=clock)
     t = time.perf_counter()
     result = sim.run(layout, plans)
