@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from digenrl.vocabulary import COLOCATED, DENOISE, GPU_KINDS, ROLLOUT, TRAINER
+from digenrl.vocabulary import COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT, TRAINER
 
 __all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline",
            "dispatch_overhead", "pools_served", "store_pools"]
@@ -84,7 +84,7 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
     then in the profile's time) and the profile's own ideal bound.
     """
     speeds = speeds or {}
-    opt = tasks[tasks["kind"] == "optimize"].sort_values("iteration")
+    opt = tasks[tasks["kind"] == OPTIMIZE].sort_values("iteration")
     ends = opt.groupby("iteration")["stop"].max()
     its = sorted(int(i) for i in ends.index)
     if len(its) <= skip + drain:

@@ -130,11 +130,11 @@ def test_rollouts_wait_for_the_staleness_bound_even_in_a_bad_graph():
     p.add_tasks([info("bad", DENOISE, iteration=3, version=0)])
     p.task_ready("bad")
     assert p.decide() == [] and p.held()["staleness"] == 1
-    p.add_tasks([info(("publish", v), PUBLISH, iteration=v - 1, version=v,
+    p.add_tasks([info((PUBLISH, v), PUBLISH, iteration=v - 1, version=v,
                       gpu=False) for v in (1, 2)])
-    p.task_done(("publish", 1))
+    p.task_done((PUBLISH, 1))
     assert p.decide() == []
-    p.task_done(("publish", 2))
+    p.task_done((PUBLISH, 2))
     assert [d.key for d in p.decide()] == ["bad"]
 
 
