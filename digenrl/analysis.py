@@ -14,13 +14,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
+from digenrl.vocabulary import COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT, TRAINER
 
-__all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline", "GPU_KINDS",
+__all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline",
            "dispatch_overhead", "pools_served", "store_pools"]
-
-#: Kinds that hold a GPU slot (a reward does too when its reward needs the GPU).
-GPU_KINDS = ("denoise", "decode", "grad", "optimize")
 
 
 def pools_served(tagged: Mapping[str, Iterable[str]], pooled: bool) -> dict[str, list[str]]:
@@ -87,7 +84,7 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
     then in the profile's time) and the profile's own ideal bound.
     """
     speeds = speeds or {}
-    opt = tasks[tasks["kind"] == "optimize"].sort_values("iteration")
+    opt = tasks[tasks["kind"] == OPTIMIZE].sort_values("iteration")
     ends = opt.groupby("iteration")["stop"].max()
     its = sorted(int(i) for i in ends.index)
     if len(its) <= skip + drain:
@@ -160,7 +157,7 @@ def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -
         mask &= g["stop"].to_numpy() > t0
     if t1 is not None:
         mask &= g["stop"].to_numpy() <= t1
-    den = mask & (g["kind"] == "denoise").to_numpy()
+    den = mask & (g["kind"] == DENOISE).to_numpy()
 
     def ms(values, m, f=np.mean):
         return float(f(values[m]) * 1000) if m.any() else float("nan")

@@ -1,12 +1,13 @@
 """``digenrl bench``: every mode and ablation on the same work and cluster, in one go.
 
-Each variant is the base work with some schedule switches changed; all run on the one
-cluster the benchmark starts, one after another, and are measured over the same window
-(after the first iteration, which includes start-up). The table gives images/s,
-images/GPU/s, the fraction of the ideal bound (GPU work / GPU slots), utilisation and
-idle GPU-seconds per pool, the Dask overhead per task, and each variant's throughput
-ratio to the others. With ``--emulate PROFILE`` the work is a cost profile's, on
-emulated GPUs (figures are then in the profile's time, not the emulator's).
+Each variant (:mod:`digenrl.variants`) is the base work with some schedule switches
+changed; all run on the one cluster the benchmark starts, one after another, and are
+measured over the same window (after the first iteration, which includes start-up).
+The table gives images/s, images/GPU/s, the fraction of the ideal bound (GPU work /
+GPU slots), utilisation and idle GPU-seconds per pool, the Dask overhead per task, and
+each variant's throughput ratio to the others. With ``--emulate PROFILE`` the work is a
+cost profile's, on emulated GPUs (figures are then in the profile's time, not the
+emulator's).
 """
 
 from __future__ import annotations
@@ -18,34 +19,15 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from digenrl.analysis import WindowStats, dispatch_overhead, store_pools, window_stats
-from digenrl.config import (ConfigError, RunConfig, ScheduleConfig, apply_overrides,
-                            config_from_dict, config_to_dict)
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
+from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
+                            config_to_dict)
 from digenrl.store import open_run
+from digenrl.variants import VARIANTS, variant_schedule
+from digenrl.vocabulary import COLOCATED, ROLLOUT, TRAINER
 
-__all__ = ["VARIANTS", "DEFAULT_VARIANTS", "BenchResult", "bench_config", "bench_profile",
-           "format_table", "measure_store"]
+__all__ = ["BenchResult", "bench_config", "bench_profile", "format_table", "measure_store"]
 
 logger = logging.getLogger("digenrl")
-
-#: Named variants: schedule overrides on top of the base work.
-VARIANTS: dict[str, dict[str, Any]] = {
-    "colocated": {"schedule.mode": "colocated"},
-    "disaggregated": {"schedule.mode": "disaggregated"},
-    "digenrl": {"schedule.mode": "digenrl"},
-    # Each technique alone, on top of the synchronous disaggregated design.
-    "gap": {"schedule.mode": "disaggregated", "schedule.gap": True},
-    "tsp": {"schedule.mode": "disaggregated", "schedule.tsp": True},
-    "tag": {"schedule.mode": "disaggregated", "schedule.tag": True},
-    "staleness-1": {"schedule.mode": "disaggregated", "schedule.max_staleness": 1},
-    # DigenRL without asynchrony, and with it only for the tail bubble.
-    "digenrl-sync": {"schedule.mode": "digenrl", "schedule.max_staleness": 0},
-    "digenrl-tail": {"schedule.mode": "digenrl", "schedule.stale_groups": 1},
-    # DigenRL with every chunk pinned to the worker it started on (no rebalancing).
-    "digenrl-pinned": {"schedule.mode": "digenrl", "schedule.rebalance": False},
-}
-DEFAULT_VARIANTS = ("colocated", "disaggregated", "digenrl", "gap", "tsp", "tag",
-                    "staleness-1")
 
 
 @dataclass
@@ -80,18 +62,6 @@ def measure_store(path: str | Path, skip: int = 1,
                          skip, drain=drain, time_scale=scale, speeds=speeds,
                          ideal_images_per_s=ideal)
     return stats, dispatch_overhead(tasks)
-
-
-def _schedule_config(overrides: Mapping[str, Any]) -> ScheduleConfig:
-    fields = {}
-    for k, v in overrides.items():
-        section, _, name = k.partition(".")
-        if section != "schedule":
-            raise ConfigError(f"variants: an emulated variant may change schedule.* only, got {k!r}")
-        fields[name] = v
-    cfg = ScheduleConfig(**fields)
-    cfg.validate()
-    return cfg
 
 
 def _run_variants(variants: Sequence[str], out_dir: str | Path, make: Callable, handle,
@@ -158,7 +128,7 @@ def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iter
     from digenrl.sim.emulate import EmulatedWorkload
 
     _check_variants(variants, VARIANTS, skip, drain, iterations)
-    schedules = {v: _schedule_config(VARIANTS[v]) for v in variants}
+    schedules = {v: variant_schedule(v) for v in variants}
     handle = cluster or start_emulated_cluster(
         profile.rollout_workers, profile.trainer_workers, profile.speeds(), dashboard_address)
 

@@ -85,7 +85,7 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from digenrl.bench import DEFAULT_VARIANTS, VARIANTS
+    from digenrl.variants import DEFAULT_VARIANTS, VARIANTS
 
     parser = argparse.ArgumentParser(prog="digenrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -385,9 +385,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return 0
-    from digenrl.bench import VARIANTS, bench_profile, measure_store
+    from digenrl.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
+    from digenrl.variants import VARIANTS
 
     try:
         profile = load_profile(args.profile)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import pandas as pd
 
 from digenrl.schedulers.options import ScheduleOptions
-
-ROLLOUT_KINDS = {"noise", "denoise", "decode", "reward"}
-TRAINING = {"grad", "reduce", "optimize"}
+from digenrl.vocabulary import (COLOCATED, GRAD, PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER,
+                                TRAINING_KINDS)
 
 
 def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
@@ -24,23 +23,23 @@ def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
     task was runnable on that trainer (any grad with TSP; without it, the grads of the
     chunks mapped to it) and only to a trainer with no GPU task in flight."""
     if not options.pools:
-        assert t.pool.eq("colocated").all(), sorted(set(t.pool))
+        assert t.pool.eq(COLOCATED).all(), sorted(set(t.pool))
         assert not t.tag.any()
         return
-    assert not t[t.kind.isin(TRAINING)].pool.eq("rollout").any(), \
-        t[t.kind.isin(TRAINING) & t.pool.eq("rollout")].key.tolist()
-    on_trainers = t[t.kind.isin(ROLLOUT_KINDS) & t.pool.eq("trainer")]
+    assert not t[t.kind.isin(TRAINING_KINDS)].pool.eq(ROLLOUT).any(), \
+        t[t.kind.isin(TRAINING_KINDS) & t.pool.eq(ROLLOUT)].key.tolist()
+    on_trainers = t[t.kind.isin(ROLLOUT_KINDS) & t.pool.eq(TRAINER)]
     assert on_trainers.tag.all(), on_trainers[~on_trainers.tag].key.tolist()
     tag = t[t.tag]
     if not options.tag:
         assert tag.empty and on_trainers.empty, tag.key.tolist()
         return
-    assert tag.pool.eq("trainer").all() and set(tag.kind) <= ROLLOUT_KINDS
-    grads = t[t.kind == "grad"]
+    assert tag.pool.eq(TRAINER).all() and set(tag.kind) <= ROLLOUT_KINDS
+    grads = t[t.kind == GRAD]
     if not options.tsp:
         # Without TSP a chunk's micro-steps run only on the trainer it maps to (by name),
         # so only those are runnable on that trainer.
-        trainers = sorted(set(t.worker_name[t.pool == "trainer"]))
+        trainers = sorted(set(t.worker_name[t.pool == TRAINER]))
         grads = grads.assign(runs_on=[trainers[c % len(trainers)] for c in grads.chunk])
     gpu = t[t.gpu]
     for row in tag.itertuples():
@@ -60,7 +59,7 @@ def assert_staleness_bound(t: pd.DataFrame, options: ScheduleOptions) -> None:
     i - max_staleness is published."""
     k = options.max_staleness
     rollout = t[t.kind.isin(ROLLOUT_KINDS)]
-    grads = t[t.kind == "grad"]
+    grads = t[t.kind == GRAD]
     behaviour = rollout.groupby(["iteration", "chunk"]).policy_version.agg(["min", "max"])
     assert (behaviour["min"] == behaviour["max"]).all(), "a chunk generated with two versions"
     trained = grads.groupby(["iteration", "chunk"]).policy_version.agg(["min", "max"])
@@ -68,7 +67,7 @@ def assert_staleness_bound(t: pd.DataFrame, options: ScheduleOptions) -> None:
     staleness = (trained["max"] - behaviour["max"]).dropna()
     assert len(staleness) == len(trained), "a trained chunk without its rollout records"
     assert ((staleness >= 0) & (staleness <= k)).all(), staleness[staleness > k].to_dict()
-    published = t[t.kind == "publish"].groupby("policy_version").finished.min()
+    published = t[t.kind == PUBLISH].groupby("policy_version").finished.min()
     for row in rollout.itertuples():
         need = row.iteration - k
         if need < 0:

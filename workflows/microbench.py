@@ -38,8 +38,9 @@ def dispatch(hops: int, rounds: int) -> None:
 
     from digenrl.cluster import start_cluster
     from digenrl.config import ClusterConfig
-    from digenrl.graph.keys import ANNOTATION, task_meta
+    from digenrl.graph.keys import task_meta
     from digenrl.schedulers.options import MODES, ScheduleOptions
+    from digenrl.vocabulary import ANNOTATION
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
     handle = start_cluster(ClusterConfig(dashboard_address=None))
@@ -161,13 +162,13 @@ def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple
 
 
 def eventloop(gpus: int, iterations: int) -> None:
-    from digenrl.bench import VARIANTS, _schedule_config
     from digenrl.sim.engine import collector_off
     from digenrl.sim.profile import load_profile
     from digenrl.sim.simulate import simulate
+    from digenrl.variants import variant_schedule
 
     profile = load_profile("flux12b-16gpu").scaled(gpus)
-    s = _schedule_config(VARIANTS["digenrl"])
+    s = variant_schedule("digenrl")
     t0 = time.process_time()
     report = simulate(profile, s.options(), iterations, stale_groups=s.stale_groups)
     sim = (time.process_time() - t0) / report.tasks

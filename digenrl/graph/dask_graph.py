@@ -13,9 +13,9 @@ from typing import Any, Callable, Hashable, Sequence
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from digenrl.graph.keys import ANNOTATION
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import INIT_KEY, Dep, Node, optimize_key, publish_key
+from digenrl.vocabulary import ANNOTATION
 
 __all__ = ["IterationGraph", "bind", "init_outputs", "iteration_outputs"]
 

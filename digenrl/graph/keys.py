@@ -1,34 +1,18 @@
-"""Task keys and the annotations the scheduler plugin reads.
+"""The annotation the scheduler plugin reads on every task.
 
 A key is a tuple whose first element is the task kind, so Dask's dashboard colours the
 kinds apart and its per-prefix duration estimates stay meaningful. The plugin never
-parses keys: everything it needs is in the ``digenrl`` annotation built here.
+parses keys: everything it needs is in the ``digenrl`` annotation built here, in the
+words of :mod:`digenrl.vocabulary`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from digenrl.schedulers.options import PUBLISH_KIND, ROLLOUT, TRAINER
+from digenrl.vocabulary import GPU_KINDS, KIND_POOL, KINDS
 
-__all__ = ["KINDS", "KIND_POOL", "GPU_KINDS", "task_meta", "ANNOTATION"]
-
-#: The annotation name carrying :func:`task_meta` on every task of a run.
-ANNOTATION = "digenrl"
-
-KINDS = ("init", "noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
-         "optimize", PUBLISH_KIND, "stats", "checkpoint", "restore")
-
-#: The pool each kind belongs to in the disaggregated modes.
-KIND_POOL = {
-    "noise": ROLLOUT, "denoise": ROLLOUT, "decode": ROLLOUT, "reward": ROLLOUT,
-    "init": TRAINER, "advantage": TRAINER, "grad": TRAINER, "reduce": TRAINER,
-    "optimize": TRAINER, PUBLISH_KIND: TRAINER, "stats": TRAINER,
-    "checkpoint": TRAINER, "restore": TRAINER,
-}
-
-#: Kinds that occupy a GPU slot (a ``reward`` does too when a reward needs the GPU).
-GPU_KINDS = frozenset({"denoise", "decode", "grad", "optimize"})
+__all__ = ["task_meta"]
 
 
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,

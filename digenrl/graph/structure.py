@@ -24,7 +24,7 @@ from typing import Any, Hashable
 
 from digenrl.graph.keys import task_meta
 from digenrl.graph.plan import IterationPlan
-from digenrl.schedulers.options import PUBLISH_KIND
+from digenrl.vocabulary import PUBLISH
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "publish_key", "optimize_key",
@@ -36,7 +36,7 @@ INIT_KEY: Key = ("init",)
 
 
 def publish_key(version: int) -> Key:
-    return (PUBLISH_KIND, version)
+    return (PUBLISH, version)
 
 
 def optimize_key(iteration: int) -> Key:
@@ -141,7 +141,7 @@ def init_nodes(checkpoint: bool = False) -> list[Node]:
     """Version 0: the initial trainer state and its published weights (and, for runs
     that checkpoint, its checkpoint)."""
     nodes = [Node(INIT_KEY, "init", task_meta("init", -1, 0), ()),
-             Node(publish_key(0), "publish", task_meta(PUBLISH_KIND, -1, 0), (Dep(INIT_KEY),))]
+             Node(publish_key(0), "publish", task_meta(PUBLISH, -1, 0), (Dep(INIT_KEY),))]
     if checkpoint:
         nodes.append(Node(checkpoint_key(0), "checkpoint", task_meta("checkpoint", -1, 0),
                           (0, Dep(INIT_KEY))))
@@ -155,7 +155,7 @@ def restore_nodes(version: int, publish: bool = False) -> list[Node]:
                   task_meta("restore", version - 1, version), (version,))]
     if publish:
         nodes.append(Node(publish_key(version), "publish",
-                          task_meta(PUBLISH_KIND, version - 1, version),
+                          task_meta(PUBLISH, version - 1, version),
                           (Dep(restore_key(version)),)))
     return nodes
 
@@ -297,7 +297,7 @@ def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
     out += [
         Node(("optimize", i), "optimize", task_meta("optimize", i, i),
              (Dep(state), Dep(root), i)),
-        Node(publish_key(i + 1), "publish", task_meta(PUBLISH_KIND, i, i + 1),
+        Node(publish_key(i + 1), "publish", task_meta(PUBLISH, i, i + 1),
              (Dep(("optimize", i)),)),
         Node(("stats", i), "stats", task_meta("stats", i, i), (Dep(("optimize", i)),)),
     ]

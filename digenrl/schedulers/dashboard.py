@@ -16,9 +16,9 @@ import weakref
 from functools import partial
 from typing import Any
 
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER
 from digenrl.schedulers.palette import KIND_COLOURS
 from digenrl.schedulers.policy import HELD_REASONS
+from digenrl.vocabulary import COLOCATED, ROLLOUT, TRAINER
 
 __all__ = ["install", "ROUTE", "DigenRLPage"]
 

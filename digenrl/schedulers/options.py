@@ -6,16 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScheduleOptions", "MODES", "POOLS", "ROLLOUT", "TRAINER", "COLOCATED",
-           "PUBLISH_KIND"]
+# (The pool names are defined in digenrl.vocabulary; they are importable from here too.)
+from digenrl.vocabulary import COLOCATED, POOLS, ROLLOUT, TRAINER  # noqa: F401
 
-ROLLOUT = "rollout"
-TRAINER = "trainer"
-COLOCATED = "colocated"
-#: The worker pools a worker can be tagged with (a resource of that name).
-POOLS = (ROLLOUT, TRAINER)
-#: The task kind whose completion makes a new policy version available.
-PUBLISH_KIND = "publish"
+__all__ = ["ScheduleOptions", "MODES"]
 
 
 @dataclass(frozen=True)

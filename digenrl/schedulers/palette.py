@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, GRAD, INIT, NOISE,
+                                OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD, STATS)
+
 __all__ = ["KIND_COLOURS", "use_kind_colours"]
 
 KIND_COLOURS = {
-    "noise": "#c7c7c7", "denoise": "#1f77b4", "decode": "#17becf", "reward": "#2ca02c",
-    "advantage": "#bcbd22", "grad": "#d62728", "reduce": "#ff9896", "optimize": "#9467bd",
-    "publish": "#8c564b", "stats": "#7f7f7f", "init": "#e377c2",
-    "checkpoint": "#393b79", "restore": "#637939",
+    NOISE: "#c7c7c7", DENOISE: "#1f77b4", DECODE: "#17becf", REWARD: "#2ca02c",
+    ADVANTAGE: "#bcbd22", GRAD: "#d62728", REDUCE: "#ff9896", OPTIMIZE: "#9467bd",
+    PUBLISH: "#8c564b", STATS: "#7f7f7f", INIT: "#e377c2",
+    CHECKPOINT: "#393b79", RESTORE: "#637939",
 }
 
 _PATCHED = False

@@ -33,8 +33,9 @@ from typing import Any, Hashable
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
 
-from digenrl.schedulers.options import POOLS, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.vocabulary import ANNOTATION, POOLS
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources"]
@@ -42,7 +43,6 @@ __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "digenrl"
-ANNOTATION = "digenrl"
 #: The restriction of a parked task: an address no worker can ever have.
 PARKED = "tcp://digenrl-parked.invalid:9"
 

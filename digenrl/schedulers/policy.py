@@ -44,9 +44,11 @@ import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
-from digenrl.schedulers.options import COLOCATED, PUBLISH_KIND, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.vocabulary import (COLOCATED, DENOISE, NOISE, POOLS, PUBLISH, ROLLOUT, TRAINER,
+                                stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -59,13 +61,6 @@ ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "rele
 
 #: The states in which a task is already ready, held or running.
 _QUEUED = frozenset({READY, HELD, RELEASED})
-
-# (Per-task paths write ``n if n > 1 else 1`` and ``b if b < a else a`` rather than call
-# max and min: those builtins parse their arguments as keywords, some hundreds of
-# instructions per call, 2% of a large simulation's.)
-
-#: Where the non-denoise kinds sit in a chunk's order of work.
-_STAGE = {"noise": -1, "decode": 1_000_000, "reward": 1_000_001}
 
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
@@ -97,14 +92,78 @@ class TaskInfo:
     affinity: str | None = field(default=None, compare=False, repr=False)
     pin: str | None = field(default=None, compare=False, repr=False)
     pending: bool = field(default=False, compare=False, repr=False)  # rollout outstanding
+    #: The sample-steps a ``denoise`` task computes: its samples, at least one.
+    sample_steps: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sample_steps = max(self.samples, 1)
 
     @classmethod
     def from_meta(cls, key: Key, meta: Mapping[str, Any]) -> "TaskInfo":
-        get = meta.get
-        return cls(key, meta["kind"], meta["pool"], int(meta["iteration"]),
-                   int(meta["policy_version"]), bool(meta["gpu"]), get("timestep"),
-                   get("chunk"), get("group"), get("behaviour_version"),
-                   int(get("samples") or 0))
+        return cls(key=key, kind=meta["kind"], pool=meta["pool"],
+                   iteration=int(meta["iteration"]),
+                   policy_version=int(meta["policy_version"]), gpu=bool(meta["gpu"]),
+                   timestep=meta.get("timestep"), chunk=meta.get("chunk"),
+                   group=meta.get("group"), behaviour_version=meta.get("behaviour_version"),
+                   samples=int(meta.get("samples") or 0))
+
+
+class ReadyEntry(NamedTuple):
+    """A ready task's place in a :class:`ReadyHeap`."""
+
+    #: (iteration, chunk, stage), or for rollout without GAP (iteration, stage, chunk).
+    priority: tuple[int, int, int]
+    tie: int           # unique to the entry, so the task itself is never compared
+    info: TaskInfo
+
+
+def _more_urgent(a: ReadyEntry | None, b: ReadyEntry | None) -> ReadyEntry | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return b if b < a else a
+
+
+class ReadyHeap:
+    """Ready GPU tasks, the most urgent first.
+
+    A task may wait in more than one heap (its worker's and the stealable ones) and
+    stops being ready when it is released, lost or forgotten; its entries stay where
+    they are and are dead from then on: an entry is live while its task is READY.
+    :meth:`peek` drops the dead entries it finds on top.
+    """
+
+    __slots__ = ("entries", "dead")
+
+    def __init__(self) -> None:
+        self.entries: list[ReadyEntry] = []
+        self.dead = 0        # entries known dead (see :meth:`one_dead`)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def push(self, entry: ReadyEntry) -> None:
+        heapq.heappush(self.entries, entry)
+
+    def peek(self) -> ReadyEntry | None:
+        """The most urgent live entry (None when there is none)."""
+        entries = self.entries
+        while entries:
+            top = entries[0]
+            if top.info.state is READY:
+                return top
+            heapq.heappop(entries)
+        return None
+
+    def one_dead(self) -> None:
+        """One more entry is dead (its task was taken from another heap). Once the dead
+        are half the heap they are dropped in one pass, cheaper than popping each."""
+        self.dead += 1
+        if self.dead > 256 and 2 * self.dead > len(self.entries):
+            self.entries = [e for e in self.entries if e.info.state is READY]
+            heapq.heapify(self.entries)
+            self.dead = 0
 
 
 @dataclass(slots=True)
@@ -136,7 +195,7 @@ class Decision:
 
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
-    if info.pool not in (ROLLOUT, TRAINER):
+    if info.pool not in POOLS:
         return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
     if info.behaviour_version is not None:
         staleness = info.policy_version - info.behaviour_version
@@ -153,9 +212,9 @@ def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
 class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now."""
 
-    __slots__ = ("options", "clock", "_gap", "_pools", "_tag", "_rebalance", "_staleness",
+    __slots__ = ("options", "clock",
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "_shared",
-                 "_affine", "_all_rollout", "_stealable_dead", "_train", "_pinned",
+                 "_affine", "_all_rollout", "_train", "_pinned",
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_chunk_home", "_counts",
@@ -164,11 +223,6 @@ class SchedulingPolicy:
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
         self.clock = clock
-        self._gap = options.gap
-        self._pools = options.pools
-        self._tag = options.tag
-        self._rebalance = options.rebalance
-        self._staleness = options.max_staleness
         self.tasks: dict[Key, TaskInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.version = -1                          # newest published policy version
@@ -177,13 +231,12 @@ class SchedulingPolicy:
         self._arrivals = itertools.count()
         # Ready GPU rollout tasks: no affinity / affinity to a worker / the affine ones
         # again (for stealing).
-        self._shared: list = []
-        self._affine: dict[str, list] = defaultdict(list)
-        self._all_rollout: list = []                 # the affine ones, for stealing
-        self._stealable_dead = 0
+        self._shared = ReadyHeap()
+        self._affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        self._all_rollout = ReadyHeap()              # the affine ones, for stealing
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
-        self._train: list = []
-        self._pinned: dict[str, list] = defaultdict(list)
+        self._train = ReadyHeap()
+        self._pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
         # Ready tasks needing no GPU slot, with their input locality.
         self._cpu_ready: dict[Key, Mapping[str, int]] = {}
         # Held tasks by iteration.
@@ -221,7 +274,7 @@ class SchedulingPolicy:
             return
         if not self.options.pools:
             pool = COLOCATED
-        elif pool not in (ROLLOUT, TRAINER):
+        elif pool not in POOLS:
             return
         self.workers[address] = WorkerInfo(address, name, pool, gpus,
                                            gpus * self.options.slots_per_worker, speed)
@@ -291,19 +344,15 @@ class SchedulingPolicy:
                 pending[info.iteration] += 1
         return rejected
 
-    def _entry(self, info: TaskInfo, tie: int) -> tuple:
-        """``info``'s entry in a ready heap: its priority (three integers), then ``tie``
-        (unique: the task itself is never compared), then the task. One flat tuple, so a
-        heap comparison reads one object."""
-        stage = _STAGE.get(info.kind, info.timestep or 0)
-        chunk = info.chunk
-        if chunk is None:
-            chunk = 1 << 30
+    def _entry(self, info: TaskInfo, tie: int) -> ReadyEntry:
+        """``info``'s entry in a ready heap, ``tie`` breaking ties of priority."""
+        stage = stage_of(info.kind, info.timestep)
+        chunk = 1 << 30 if info.chunk is None else info.chunk
         # Training, and rollout with GAP: older iterations first, a chunk's steps in
         # timestep order; rollout without GAP: breadth-first over chunks.
-        if self._gap or info.pool != ROLLOUT:
-            return (info.iteration, chunk, stage, tie, info)
-        return (info.iteration, stage, chunk, tie, info)
+        if self.options.gap or info.pool != ROLLOUT:
+            return ReadyEntry((info.iteration, chunk, stage), tie, info)
+        return ReadyEntry((info.iteration, stage, chunk), tie, info)
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
         """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
@@ -328,11 +377,11 @@ class SchedulingPolicy:
         # GAP, until its iteration's rollout work is done (training).
         it = info.iteration
         if info.pool == ROLLOUT:
-            if it - self._staleness > self.version:
+            if it - self.options.max_staleness > self.version:
                 info.state = HELD
                 self._held_stale[it].add(key)
                 return
-        elif not self._gap and it >= 0 and it not in self._barrier_open:
+        elif not self.options.gap and it >= 0 and it not in self._barrier_open:
             if self._rollout_pending.get(it):
                 info.state = HELD
                 self._held_barrier[it].add(key)
@@ -349,27 +398,25 @@ class SchedulingPolicy:
         if not info.gpu:
             self._cpu_ready[info.key] = loc
             return
-        # Heap entries hold the task itself (entry[4]): a popped entry is live while the
-        # task is READY.
         entry = self._entry(info, next(self._seq))
         if info.pool == ROLLOUT:
-            if info.timestep == 0 and info.kind == "denoise":
+            if info.timestep == 0 and info.kind == DENOISE:
                 aff = self._first_step_home(info)
             else:
                 aff = self._affinity_of(loc)
             info.affinity = aff
             if aff:
-                heapq.heappush(self._affine[aff], entry)
+                self._affine[aff].push(entry)
                 # Only steps waiting for a worker can be stolen: every worker sees the
                 # shared ones first anyway.
-                heapq.heappush(self._all_rollout, entry)
+                self._all_rollout.push(entry)
             else:
-                heapq.heappush(self._shared, entry)
+                self._shared.push(entry)
             self._new_rollout = True
         else:
             pin = self._pin_of(info)
             info.pin = pin
-            heapq.heappush(self._pinned[pin] if pin else self._train, entry)
+            (self._pinned[pin] if pin else self._train).push(entry)
             self._new_training = True
 
     def _first_step_home(self, info: TaskInfo) -> str | None:
@@ -405,18 +452,16 @@ class SchedulingPolicy:
         """Trainer membership changed: re-target pinned ready tasks."""
         if self.options.tsp:
             return
-        entries = [e for heap in self._pinned.values() for e in heap] + self._train
-        self._pinned = defaultdict(list)
-        self._train = []
+        entries = [e for heap in self._pinned.values() for e in heap] + list(self._train)
+        self._pinned = defaultdict(ReadyHeap)
+        self._train = ReadyHeap()
         for entry in entries:
-            info = entry[4]
+            info = entry.info
             if info.state is not READY:
                 continue
             pin = self._pin_of(info)
             info.pin = pin
-            heapq.heappush(self._pinned[pin] if pin else self._train, entry)
-        for heap in self._pinned.values():
-            heapq.heapify(heap)
+            (self._pinned[pin] if pin else self._train).push(entry)
         self._new_training = True
 
     def task_done(self, key: Key, worker: str | None = None,
@@ -430,13 +475,12 @@ class SchedulingPolicy:
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
         kind = info.kind
-        if kind == "denoise":
+        if kind == DENOISE:
             if duration is not None and duration > 0 and worker is not None:
                 w = self.workers.get(worker)
                 if w is not None:
-                    n = info.samples
-                    self._observe(w, duration / (n if n > 1 else 1))
-        elif kind == "noise" and worker is not None:
+                    self._observe(w, duration / info.sample_steps)
+        elif kind == NOISE and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
         self._unrelease(info)
         info.state = DONE
@@ -450,7 +494,7 @@ class SchedulingPolicy:
                     self._rollout_pending[info.iteration] = left
                 if not left:
                     self._open_barrier(info.iteration)
-        if kind == PUBLISH_KIND and info.policy_version > self.version:
+        if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
             self._release_stale_holds()
 
@@ -488,7 +532,7 @@ class SchedulingPolicy:
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
-        if info.kind == "noise":
+        if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
         if info.pending:
             info.pending = False
@@ -514,10 +558,9 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self._dirty.add(addr)
             self._free[w.pool].add(addr)
-            if info.kind == "denoise":
-                n = info.samples
-                w.step_samples -= n if n > 1 else 1
-            if self._rebalance:
+            if info.kind == DENOISE:
+                w.step_samples -= info.sample_steps
+            if self.options.rebalance:
                 n = w.step_samples
                 step = self.step_time(w) if n else None
                 w.busy_until = self.clock() + (step * n if step is not None else 0.0)
@@ -541,7 +584,7 @@ class SchedulingPolicy:
                 if info.state is HELD:
                     self._enqueue(info)
 
-    def _sort_key(self, key: Key) -> tuple:
+    def _sort_key(self, key: Key) -> ReadyEntry:
         info = self.tasks[key]
         return self._entry(info, info.order)
 
@@ -565,11 +608,10 @@ class SchedulingPolicy:
 
     def _expected(self, w: WorkerInfo, info: TaskInfo) -> float:
         """Expected seconds of ``info`` on ``w`` (denoise steps; others count 0)."""
-        if info.kind != "denoise":
+        if info.kind != DENOISE:
             return 0.0
         step = self.step_time(w)
-        n = info.samples
-        return step * (n if n > 1 else 1) if step is not None else 0.0
+        return step * info.sample_steps if step is not None else 0.0
 
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
@@ -584,7 +626,7 @@ class SchedulingPolicy:
         if not self.options.rebalance:
             # Pinned: a chunk waits for the rollout worker holding its latents.
             return owner.pool != ROLLOUT
-        if info.kind != "denoise" or self.step_time(w) is None or self.step_time(owner) is None:
+        if info.kind != DENOISE or self.step_time(w) is None or self.step_time(owner) is None:
             return True  # not a timestep, or nothing measured yet: any idle worker helps
         step = self._expected(owner, info)
         # The move must cost less than the step it moves, and the step must end before
@@ -602,57 +644,31 @@ class SchedulingPolicy:
 
     # ---------------------------------------------------------------- decisions
 
-    @staticmethod
-    def _pop_valid(heap: list):
-        while heap:
-            top = heap[0]
-            if top[4].state is READY:
-                return top
-            heapq.heappop(heap)
-        return None
-
     def _runnable_training(self, w: WorkerInfo) -> bool:
-        if self._pop_valid(self._train) is not None:
-            return True
-        return self._pop_valid(self._pinned.get(w.address, [])) is not None
-
-    def _take_training(self, w: WorkerInfo):
         pinned = self._pinned.get(w.address)
-        own = self._pop_valid(pinned) if pinned else None
-        shared = self._pop_valid(self._train)
-        pick = shared if own is None else own if shared is None else \
-            shared if shared < own else own
-        return pick[4] if pick else None
+        return (self._train.peek() is not None
+                or (pinned is not None and pinned.peek() is not None))
+
+    def _take_training(self, w: WorkerInfo) -> TaskInfo | None:
+        pinned = self._pinned.get(w.address)
+        own = pinned.peek() if pinned is not None else None
+        pick = _more_urgent(own, self._train.peek())
+        return pick.info if pick is not None else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
-        # (The tops are read here first: they are usually live, and a call costs more.)
-        own = self._affine.get(w.address)
-        if own:
-            own = own[0] if own[0][4].state is READY else self._pop_valid(own)
-        else:
-            own = None
-        shared = self._shared
-        if shared:
-            shared = shared[0] if shared[0][4].state is READY else self._pop_valid(shared)
-        else:
-            shared = None
-        pick = shared if own is None else own if shared is None else \
-            shared if shared < own else own
+        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
+        from another worker (then True)."""
+        affine = self._affine.get(w.address)
+        own = affine.peek() if affine is not None else None
+        pick = _more_urgent(own, self._shared.peek())
         if pick is not None:
             if pick is own:
-                # Its entry among the stealable ones is dead now: drop the dead entries
-                # in one pass once they are half the heap (cheaper than popping each).
-                self._stealable_dead += 1
-                if self._stealable_dead > 256 and 2 * self._stealable_dead > len(self._all_rollout):
-                    live = [e for e in self._all_rollout if e[4].state is READY]
-                    heapq.heapify(live)
-                    self._all_rollout = live
-                    self._stealable_dead = 0
-            return pick[4], False
-        steal = self._pop_valid(self._all_rollout)
-        if steal is None or not self._may_steal(w, steal[4], now):
+                self._all_rollout.one_dead()   # its entry among the stealable ones
+            return pick.info, False
+        steal = self._all_rollout.peek()
+        if steal is None or not self._may_steal(w, steal.info, now):
             return None, False
-        return steal[4], True
+        return steal.info, True
 
     def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False) -> Decision:
@@ -664,15 +680,11 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self._free[w.pool].discard(w.address)
-            if info.kind == "denoise":
-                n = info.samples
-                w.step_samples += n if n > 1 else 1
-            if self._rebalance:
-                busy = w.busy_until
-                if info.kind == "denoise":
-                    w.busy_until = (now if now > busy else busy) + self._expected(w, info)
-                elif now > busy:
-                    w.busy_until = now      # (other kinds are expected to take no time)
+            if info.kind == DENOISE:
+                w.step_samples += info.sample_steps
+            if self.options.rebalance:
+                # (Only denoise steps are expected to take time.)
+                w.busy_until = max(now, w.busy_until) + self._expected(w, info)
             if tag:
                 w.tag_inflight += 1
         else:
@@ -731,14 +743,14 @@ class SchedulingPolicy:
             # pools; rollout workers rollout work and trainers training work; with TAG,
             # trainers with nothing released rollout work too.
             free = self._free
-            if not self._pools:
+            if not self.options.pools:
                 candidates |= free[COLOCATED]
             else:
                 if rollout:
                     candidates |= free[ROLLOUT]
                 if training:
                     candidates |= free[TRAINER]
-                elif self._tag:
+                elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
         # The least loaded first, by name (ranks are unique: workers are never compared
@@ -748,15 +760,13 @@ class SchedulingPolicy:
             for rank, w in enumerate(ordered):
                 w.rank = rank
             self._ranked = True
-        order = sorted([(len(w.inflight), w.rank, w)
-                        for w in map(workers.get, candidates)
-                        if w is not None and len(w.inflight) < w.slots])
-        active = [entry[2] for entry in order]
-        decide_one = self._decide_one
+        active = sorted((w for w in map(workers.get, candidates)
+                         if w is not None and len(w.inflight) < w.slots),
+                        key=lambda w: (len(w.inflight), w.rank))
         while active:
             still = []
             for w in active:
-                d = decide_one(w, now)
+                d = self._decide_one(w, now)
                 if d is not None:
                     out.append(d)
                     if len(w.inflight) < w.slots:
@@ -765,7 +775,7 @@ class SchedulingPolicy:
         return out
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
-        pools, pool = self._pools, w.pool
+        pools, pool = self.options.pools, w.pool
         if not pools or pool == TRAINER:
             info = self._take_training(w)
             if info is not None:
@@ -776,7 +786,7 @@ class SchedulingPolicy:
                 return self._release(info, w, now, stolen=stolen)
             return None
         # A trainer with no runnable training work: trainer-assisted generation.
-        if self._tag and not w.inflight and not self._runnable_training(w):
+        if self.options.tag and not w.inflight and not self._runnable_training(w):
             info, stolen = self._take_rollout(w, now)
             if info is not None:
                 return self._release(info, w, now, tag=True, stolen=stolen)

@@ -1,15 +1,11 @@
 """Emulated GPUs: the real graph, scheduler and plugin; tasks that only wait.
 
-Every task of the iteration DAG sleeps for its cost from a :class:`Profile` (times the
-profile's ``time_scale``, divided by the worker's declared ``speed``) instead of
-computing. On top of that a worker pays, as a real deployment would:
-
-* on a rollout worker, the first task that reads a new policy version waits for the
-  weights to arrive (``weight_bytes / bandwidth``);
-* in the co-located mode, each switch between rollout and training work costs
-  ``colocated.phase_switch`` (weights and optimizer state offloaded and reloaded), and
-  each micro-step one more forward (the old log-prob recomputed), if the profile says so;
-* the gradient all-reduce among the trainers, once per iteration, at the reduction root.
+Every task of the iteration DAG sleeps for its cost instead of computing (times the
+profile's ``time_scale``): the cost model of :mod:`digenrl.sim.costs`, which the
+simulator uses too -- the profile's seconds divided by the worker's declared ``speed``,
+the all-reduce at the reduction root, nothing for a remote reward, and the extras a
+worker pays as a real deployment would (a rollout worker's first read of a policy
+version, the co-located phase switch).
 
 A worker's tasks are slower by its injected factor (:mod:`digenrl.tasks.slowdown`) and
 by the profile's ``slowdowns`` in force when they start (profile time since the run began).
@@ -22,21 +18,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Hashable
+from typing import Any
 
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Node
-from digenrl.schedulers.options import ROLLOUT, ScheduleOptions
-from digenrl.sim.profile import Profile
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
+from digenrl.sim.profile import Profile, Slowdown, slowdown_at
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
+from digenrl.vocabulary import ROLLOUT, STATS
 
-__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_state"]
-
-Key = Hashable
-ROLLOUT_OPS = frozenset({"noise", "denoise", "decode", "reward"})
-TRAIN_OPS = frozenset({"advantage", "grad", "reduce", "optimize"})
+__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +41,7 @@ class EmulatedTask:
     seconds: float
     version: int
     time_scale: float
-    sync_seconds: float = 0.0      # weights of a new version reaching a rollout worker
-    switch_seconds: float = 0.0    # co-located phase switch
+    extras: Extras = Extras()      # what the worker pays before it (the run's mode's)
 
 
 @dataclass
@@ -57,15 +50,16 @@ class EmulatedOut:
     version: int
 
 
-_STATE: dict[str, dict[str, Any]] = {}
+_HELD: dict[str, WorkerHeld] = {}
+_SLOWDOWNS: list[tuple[Slowdown, ...]] = [()]   # the profile's, for the run
 _LOCK = threading.Lock()
 _EPOCH = [0.0]   # wall-clock start of the run: profile time 0
 
 
-def worker_state(name: str) -> dict[str, Any]:
-    """Per-worker emulation state: versions held, last phase, scheduled slowdowns."""
+def worker_held(name: str) -> WorkerHeld:
+    """What worker ``name`` holds that the extra costs depend on (this run)."""
     with _LOCK:
-        return _STATE.setdefault(name, {"versions": set(), "phase": None, "windows": ()})
+        return _HELD.setdefault(name, WorkerHeld())
 
 
 def _this_worker() -> tuple[str, dict[str, float]]:
@@ -80,28 +74,14 @@ def _this_worker() -> tuple[str, dict[str, float]]:
 
 def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
     name, resources = _this_worker()
-    state = worker_state(name)
+    held = worker_held(name)
     speed = float(resources.get("speed", 1.0))
     wait = task.seconds / speed * injected.slowdown(name)
-    if state["windows"]:
+    if _SLOWDOWNS[0]:
         now = (time.time() - _EPOCH[0]) / task.time_scale
-        for factor, start, stop in state["windows"]:
-            if start <= now < stop:
-                wait *= factor
-    if task.sync_seconds and resources.get(ROLLOUT, 0) > 0 and task.kind in ROLLOUT_OPS:
-        with _LOCK:
-            fresh = task.version not in state["versions"]
-            state["versions"].add(task.version)
-        if fresh:
-            wait += task.sync_seconds
-    if task.switch_seconds:
-        phase = "rollout" if task.kind in ROLLOUT_OPS else "train" if task.kind in TRAIN_OPS else None
-        if phase is not None:
-            with _LOCK:
-                switched = state["phase"] is not None and state["phase"] != phase
-                state["phase"] = phase
-            if switched:
-                wait += task.switch_seconds
+        wait *= slowdown_at(_SLOWDOWNS[0], name, now)
+    with _LOCK:
+        wait += task.extras.pay(held, task.kind, task.version, resources.get(ROLLOUT, 0) > 0)
     time.sleep(wait * task.time_scale)
     return EmulatedOut(task.kind, task.version)
 
@@ -109,7 +89,7 @@ def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
 class EmulatedWorkload:
     """The iteration DAG of a profile, each task sleeping for its cost."""
 
-    collected = ("stats",)
+    collected = (STATS,)
 
     def __init__(self, profile: Profile, options: ScheduleOptions, iterations: int, *,
                  time_scale: float | None = None, stale_groups: int | None = None):
@@ -121,6 +101,8 @@ class EmulatedWorkload:
         self.images_per_iteration = profile.images_per_iteration
         self.colocated = not options.pools
         self._plans = profile.plans(iterations)
+        self.costs = TaskCosts(profile, self.layout, self._plans, colocated=self.colocated)
+        self.extras = Extras.of(profile, colocated=self.colocated)
         self.chunking = None  # the profile's chunk size throughout
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
@@ -129,23 +111,15 @@ class EmulatedWorkload:
             return plan
         return IterationPlan.uniform(iteration, plan.prompts, plan.samples_per_prompt, chunk_size)
 
-    def _task(self, node: Node, root_reduce: Key | None) -> EmulatedTask:
-        p = self.profile
-        kind = node.op
-        seconds = p.task_seconds(kind, node.meta.get("samples") or 0, colocated=self.colocated)
-        if kind == "reward" and p.costs.reward_on == "remote":
-            seconds = 0.0
-        if node.key == root_reduce:
-            seconds = p.allreduce_seconds()
-        return EmulatedTask(
-            kind=kind, seconds=seconds, version=node.meta["policy_version"],
-            time_scale=self.time_scale,
-            sync_seconds=0.0 if self.colocated else p.weight_sync_seconds(),
-            switch_seconds=p.colocated.phase_switch if self.colocated else 0.0)
+    def _task(self, node: Node) -> EmulatedTask:
+        meta = node.meta
+        seconds = self.costs.seconds(node.op, meta.get("samples") or 0, node.key,
+                                     meta["iteration"])
+        return EmulatedTask(kind=node.op, seconds=seconds, version=meta["policy_version"],
+                            time_scale=self.time_scale, extras=self.extras)
 
     def bind(self, nodes, outputs) -> IterationGraph:
-        root = next((n.deps[1] for n in nodes if n.op == "optimize"), None)
-        return bind(nodes, lambda node: (run_emulated, (self._task(node, root),)), outputs)
+        return bind(nodes, lambda node: (run_emulated, (self._task(node),)), outputs)
 
     def check_resume(self, attrs: dict[str, Any]) -> None:
         raise ValueError("resume: emulated runs hold no trainer state to resume from")
@@ -157,10 +131,7 @@ class EmulatedWorkload:
                             "gpu_seconds_per_iteration": self.profile.gpu_seconds_per_iteration()}}
 
     def prepare(self, client, store) -> None:
-        windows: dict[str, list] = {}
-        for s in self.profile.slowdowns:
-            windows.setdefault(s.worker, []).append((s.factor, s.start, s.stop))
-        client.run(_reset, time.time(), windows)
+        client.run(_reset, time.time(), self.profile.slowdowns)
 
     def describe(self) -> list[str]:
         p = self.profile
@@ -175,11 +146,10 @@ class EmulatedWorkload:
         return None
 
 
-def _reset(epoch: float = 0.0, windows: dict[str, list] | None = None) -> None:
-    """A new run: nothing held, no slowdown but the profile's ``windows`` by worker."""
+def _reset(epoch: float = 0.0, slowdowns: tuple[Slowdown, ...] = ()) -> None:
+    """A new run: nothing held, no slowdown but the profile's ``slowdowns``."""
     with _LOCK:
-        _STATE.clear()
+        _HELD.clear()
         _EPOCH[0] = epoch
-        for name, w in (windows or {}).items():
-            _STATE[name] = {"versions": set(), "phase": None, "windows": tuple(w)}
+        _SLOWDOWNS[0] = tuple(slowdowns)
     injected.reset()

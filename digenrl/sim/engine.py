@@ -29,6 +29,7 @@ from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key,
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
+from digenrl.vocabulary import STATS
 
 __all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans",
            "collector_off"]
@@ -79,11 +80,12 @@ class SimResult:
     def records(self) -> list[SimRecord]:
         """Every task as it ran, in the order they finished (made on first use: a
         large run finishes millions of tasks and most callers need only :meth:`busy`)."""
-        new = tuple.__new__
-        return [new(SimRecord, (
-            t.key, t.kind, t.holder, t.on.pool, t.iteration, t.policy_version,
-            -1 if t.timestep is None else t.timestep, -1 if t.chunk is None else t.chunk,
-            t.ready_at, t.released, t.start, t.stop, t.worker_tag, t.gpu))
+        return [SimRecord(
+            key=t.key, kind=t.kind, worker=t.holder, pool=t.on.pool, iteration=t.iteration,
+            policy_version=t.policy_version,
+            timestep=-1 if t.timestep is None else t.timestep,
+            chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
+            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu)
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
@@ -416,7 +418,7 @@ class Simulator:
                         dep.waiting = n
                         if n == 0:
                             ready(dep)
-                if t.kind == "stats":
+                if t.kind == STATS:
                     it = t.iteration
                     completed[it] = now
                     self._forget(it)

@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from digenrl.sim.profile import Profile, load_profile
+from digenrl.vocabulary import GRAD, OPTIMIZE
 
 __all__ = ["FatTree", "CircuitFabric", "Placement", "PatternTime", "NetworkCase",
            "allreduce_time", "weight_sync_time", "network_case", "network_study",
@@ -422,8 +423,8 @@ class NetworkCase:
 
 def _train_compute_s(p: Profile) -> tuple[float, float]:
     chunks = p.images_per_iteration // p.chunk_size
-    grads = chunks * p.trained_steps * p.task_seconds("grad", p.chunk_size)
-    opt = p.task_seconds("optimize", 0) / p.trainer_speed
+    grads = chunks * p.trained_steps * p.task_seconds(GRAD, p.chunk_size)
+    opt = p.task_seconds(OPTIMIZE, 0) / p.trainer_speed
     return grads / (p.trainer_workers * p.trainer_speed), opt
 
 

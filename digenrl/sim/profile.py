@@ -13,15 +13,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.schedulers.options import ROLLOUT, TRAINER
+from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, REWARD, ROLLOUT, TRAINER
 
-__all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR"]
+__all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR",
+           "slowdown_at"]
 
 PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
 
@@ -87,6 +88,15 @@ class Slowdown:
     stop: float
 
 
+def slowdown_at(slowdowns: Iterable[Slowdown], worker: str, now: float) -> float:
+    """How many times slower ``worker`` runs at ``now`` under ``slowdowns``."""
+    f = 1.0
+    for s in slowdowns:
+        if s.worker == worker and s.start <= now < s.stop:
+            f *= s.factor
+    return f
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -135,11 +145,7 @@ class Profile:
 
     def slowdown_factor(self, worker: str, now: float) -> float:
         """How many times slower ``worker`` runs at ``now`` (profile seconds)."""
-        f = 1.0
-        for s in self.slowdowns:
-            if s.worker == worker and s.start <= now < s.stop:
-                f *= s.factor
-        return f
+        return slowdown_at(self.slowdowns, worker, now)
 
     def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
         return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,
@@ -168,16 +174,16 @@ class Profile:
         """Seconds a task of ``kind`` over ``samples`` samples takes on a speed-1 GPU."""
         c = self.costs
         fwd = c.denoise_per_sample * c.cfg_factor * samples
-        if kind == "denoise":
+        if kind == DENOISE:
             return fwd
-        if kind == "grad":
+        if kind == GRAD:
             extra = fwd if colocated and self.colocated.recompute_old_logprob else 0.0
             return fwd * c.train_factor + extra
-        if kind == "decode":
+        if kind == DECODE:
             return c.decode_per_sample * samples
-        if kind == "reward":
+        if kind == REWARD:
             return c.reward_per_sample * samples
-        if kind == "optimize":
+        if kind == OPTIMIZE:
             return c.optimizer_step
         return 0.0
 
@@ -198,12 +204,12 @@ class Profile:
         n = self.images_per_iteration
         chunks = n // self.chunk_size
         t = self.task_seconds
-        total = chunks * self.num_steps * t("denoise", self.chunk_size)
-        total += chunks * self.trained_steps * t("grad", self.chunk_size, colocated=colocated)
-        total += chunks * t("decode", self.chunk_size)
+        total = chunks * self.num_steps * t(DENOISE, self.chunk_size)
+        total += chunks * self.trained_steps * t(GRAD, self.chunk_size, colocated=colocated)
+        total += chunks * t(DECODE, self.chunk_size)
         if self.costs.reward_on == "gpu":
-            total += chunks * t("reward", self.chunk_size)
-        return total + t("optimize", 0)
+            total += chunks * t(REWARD, self.chunk_size)
+        return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:
         """Images/s with every GPU busy: ``capacity`` is the sum of the workers' speeds

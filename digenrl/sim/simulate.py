@@ -2,12 +2,11 @@
 
 The discrete-event engine (:mod:`digenrl.sim.engine`) runs a profile's iteration DAG
 under the same :class:`~digenrl.schedulers.policy.SchedulingPolicy` the Dask plugin
-uses. Costs are the profile's, exactly as the emulator sleeps them; the network is
-modelled as the emulator's tasks pay it -- a rollout worker waits ``weight_bytes /
-bandwidth`` the first time it reads a new version, the trainers all-reduce the
-gradients once per iteration at the reduction root -- plus moving latents between
-workers (``latent_bytes / bandwidth + latency``) and a dispatch latency per task (the
-scheduler round trip: Dask's own overhead).
+uses. Tasks cost what :mod:`digenrl.sim.costs` says, the one cost model the emulator
+sleeps too (weight sync, phase switch, remote reward, the all-reduce at the reduction
+root); on top of it the simulator models what Dask does for the emulator: moving
+latents between workers (``latent_bytes / bandwidth + latency``) and a dispatch latency
+per task (the scheduler round trip).
 """
 
 from __future__ import annotations
@@ -16,23 +15,22 @@ import dataclasses
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Mapping
 
-from digenrl.graph.structure import reduce_root_key
-from digenrl.schedulers.options import ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
+from digenrl.variants import variant_schedule
+from digenrl.vocabulary import COLOCATED, DENOISE, NOISE, ROLLOUT, TRAINER
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
-           "ROLLOUT_KINDS", "DASK_ROUND_TRIP"]
+           "DASK_ROUND_TRIP"]
 
 #: The scheduler<->worker round trip of one task on this kind of machine, seconds
 #: (``python workflows/microbench.py dispatch``: 5.7 ms per hop of a dependent chain).
 DASK_ROUND_TRIP = 0.0057
-
-ROLLOUT_KINDS = frozenset({"noise", "denoise", "decode", "reward"})
-TRAIN_KINDS = frozenset({"advantage", "grad", "reduce", "optimize"})
 
 
 @dataclass
@@ -84,51 +82,22 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
     if slowdown is None and profile.slowdowns:
         slowdown = profile.slowdown_factor
-    colocated = not options.pools
     layout = profile.layout(options.max_staleness, stale_groups)
     plans = profile.plans(iterations)
-    root_reduce: dict[int, Hashable] = {}
-    phase: dict[str, str | None] = {}
-    sync_total = [0.0]
     workers = _workers(profile, speeds)
-    sync = profile.weight_sync_seconds()
-    # The policy versions each rollout worker holds (disaggregated: it fetches each new
-    # one from the trainers once).
-    versions: dict[str, set[int]] = {} if colocated or not sync else \
-        {w.name: set() for w in workers if w.pool == ROLLOUT}
-    switch = profile.colocated.phase_switch if colocated else 0.0
-    remote_reward = profile.costs.reward_on == "remote"
-
+    colocated = not options.pools
+    costs = TaskCosts(profile, layout, plans, colocated=colocated)
+    extras = Extras.of(profile, colocated=colocated)
+    held = {w.name: WorkerHeld() for w in workers}
+    rollout_worker = {w.name: w.pool == ROLLOUT for w in workers}
     clock = SimClock()
 
-    base: dict[tuple[str, int], float] = {}
-
     def cost(info: TaskInfo, worker: SimWorker) -> float:
-        kind = info.kind
-        seconds = base.get((kind, info.samples))
-        if seconds is None:
-            seconds = profile.task_seconds(kind, info.samples, colocated=colocated)
-            if kind == "reward" and remote_reward:
-                seconds = 0.0
-            base[(kind, info.samples)] = seconds
-        if kind == "reduce":
-            seconds = profile.allreduce_seconds() if root_reduce.get(info.iteration) == info.key else 0.0
-        extra = 0.0
-        name = worker.name
-        if versions and kind in ROLLOUT_KINDS:
-            held = versions.get(name)
-            if held is not None and info.policy_version not in held:
-                held.add(info.policy_version)
-                extra += sync
-                sync_total[0] += sync
-        if switch:
-            p = "rollout" if kind in ROLLOUT_KINDS else "train" if kind in TRAIN_KINDS else None
-            if p is not None:
-                if phase.get(name) not in (None, p):
-                    extra += switch
-                phase[name] = p
+        kind, name = info.kind, worker.name
+        seconds = costs.seconds(kind, info.samples, info.key, info.iteration)
         if slowdown is not None:
             seconds *= slowdown(name, clock.now)
+        extra = extras.pay(held[name], kind, info.policy_version, rollout_worker[name])
         # The engine divides by the worker's speed; extras are network time, not compute.
         return seconds + extra * worker.speed if extra else seconds
 
@@ -136,23 +105,20 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     net = profile.network
 
     def transfer(kind: str, samples: int) -> float:
-        if kind in ("noise", "denoise") and latent:
+        if kind in (NOISE, DENOISE) and latent:
             return net.latency + latent * samples / net.bandwidth
         return 0.0
 
     sim = Simulator(options, workers, cost,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
-                    output_bytes=lambda kind, samples: samples if samples > 1 else 1,
+                    output_bytes=lambda kind, samples: max(samples, 1),
                     clock=clock)
-    # The reduction root of each iteration carries the all-reduce.
-    for plan in plans:
-        root_reduce[plan.iteration] = reduce_root_key(
-            plan.iteration, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
     t = time.perf_counter()
     result = sim.run(layout, plans)
     wall = time.perf_counter() - t
-    return _report(profile, options, result, iterations, skip, drain, wall, sync_total[0])
+    synced = sum(h.synced for h in held.values())
+    return _report(profile, options, result, iterations, skip, drain, wall, synced)
 
 
 def _report(profile: Profile, options: ScheduleOptions, result: SimResult, iterations: int,
@@ -171,7 +137,7 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
     groups = {ROLLOUT: [w for w in result.workers if w.pool == ROLLOUT],
               TRAINER: [w for w in result.workers if w.pool == TRAINER]}
     if not options.pools:
-        groups = {"colocated": list(result.workers)}
+        groups = {COLOCATED: list(result.workers)}
     for pool, ws in groups.items():
         if ws:
             util[pool] = sum(busy.get(w.name, 0.0) for w in ws) / (len(ws) * (t1 - t0))
@@ -186,13 +152,12 @@ def simulate_variants(profile: Profile, variants, iterations: int, *,
                       dispatch_latency: float = 0.005, queued_latency: float = 0.0,
                       latencies: Mapping[str, tuple[float, float]] | None = None,
                       skip: int = 1, drain: int = 1) -> list[tuple[str, SimulationReport]]:
-    """Every named variant (``digenrl.bench.VARIANTS``) of ``profile``. ``latencies``:
-    per variant, the (dispatch, queued) latencies to use instead of the common ones."""
-    from digenrl.bench import VARIANTS, _schedule_config
-
+    """Every named variant (:data:`digenrl.variants.VARIANTS`) of ``profile``.
+    ``latencies``: per variant, the (dispatch, queued) latencies to use instead of the
+    common ones."""
     out = []
     for name in variants:
-        s = _schedule_config(VARIANTS[name])
+        s = variant_schedule(name)
         dispatch, queued = (latencies or {}).get(name, (dispatch_latency, queued_latency))
         out.append((name, simulate(profile, s.options(), iterations,
                                    stale_groups=s.stale_groups, dispatch_latency=dispatch,
@@ -214,7 +179,7 @@ def format_reports(reports, emulated: Mapping[str, float] | None = None,
     lines = [head, "-" * len(head)]
     for name, r in reports:
         u = "/".join(f"{r.utilisation[p]:.2f}" if p in r.utilisation else "-"
-                     for p in (ROLLOUT, TRAINER, "colocated"))
+                     for p in (ROLLOUT, TRAINER, COLOCATED))
         line = (f"{name:<14}{r.gpus:>6}{r.images_per_s:>10.4f}{r.ideal_fraction:>7.3f}{u:>18}"
                 f"{r.tasks:>10}{r.wall_s:>8.1f}")
         if emulated and name in emulated:

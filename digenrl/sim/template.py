@@ -122,14 +122,15 @@ class IterationTemplate:
         ``factory``."""
         d = iteration - self.base
         entries = []
-        append = entries.append
-        info = factory
         for (head, k, km, tail, kind, pool, it, itm, pv, pvm, gpu, timestep, chunk, group,
              bv, bvm, samples, inputs) in self._rows:
             key = head + (k + d * km,) + tail
-            append((key, info(key, kind, pool, it + d * itm, pv + d * pvm, gpu, timestep,
-                              chunk, group, None if bv is None else bv + d * bvm, samples),
-                    inputs))
+            info = factory(key=key, kind=kind, pool=pool, iteration=it + d * itm,
+                           policy_version=pv + d * pvm, gpu=gpu, timestep=timestep,
+                           chunk=chunk, group=group,
+                           behaviour_version=None if bv is None else bv + d * bvm,
+                           samples=samples)
+            entries.append((key, info, inputs))
         return entries, [_shift(p, d) for p in self._externals]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from digenrl.graph.keys import ANNOTATION, task_meta
+from digenrl.graph.keys import task_meta
+from digenrl.vocabulary import ANNOTATION
 
 
 def annotated(tasks: dict, name: str = "g") -> HighLevelGraph:

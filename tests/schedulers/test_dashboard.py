@@ -101,7 +101,7 @@ def test_task_stream_shows_each_kind_in_its_own_colour(dashboard_run):
 
 
 def test_every_task_kind_has_a_colour_of_its_own():
-    from digenrl.graph.keys import KINDS as ALL_KINDS
+    from digenrl.vocabulary import KINDS as ALL_KINDS
 
     assert set(ALL_KINDS) <= set(KIND_COLOURS)
     assert len({KIND_COLOURS[k] for k in ALL_KINDS}) == len(ALL_KINDS)

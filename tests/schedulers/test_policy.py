@@ -7,21 +7,30 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl.graph.structure import GraphLayout
+from digenrl.graph.structure import GraphLayout, init_nodes, iteration_nodes
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
+from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
+from digenrl.vocabulary import (ADVANTAGE, DENOISE, GPU_KINDS, GRAD, KIND_POOL, KINDS, NOISE,
+                                PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER)
 
-ROLLOUT_KINDS = {"noise", "denoise", "decode", "reward"}
-TRAIN_GPU = {"grad", "optimize"}
+#: The training kinds that hold a GPU slot.
+TRAIN_GPU = frozenset(k for k in GPU_KINDS if KIND_POOL[k] == TRAINER)
+
+
+def graph_keys(layout, plans):
+    """The key of every task of the run's graph, as the graph builders make it."""
+    nodes = init_nodes() + [n for plan in plans for n in iteration_nodes(layout, plan)]
+    return [n.key for n in nodes]
 
 
 def opts(mode="digenrl", **kw):
     return ScheduleOptions(mode=mode, **{**MODES[mode], **kw})
 
 
-def info(key, kind, pool, iteration=0, version=0, gpu=True, **kw):
-    return TaskInfo(key=key, kind=kind, pool=pool, iteration=iteration,
+def info(key, kind, iteration=0, version=0, gpu=True, **kw):
+    return TaskInfo(key=key, kind=kind, pool=KIND_POOL[kind], iteration=iteration,
                     policy_version=version, gpu=gpu, **kw)
 
 
@@ -29,9 +38,9 @@ def policy_with(options, rollout=1, trainer=1):
     """One GPU per worker; ``options.slots_per_worker`` tasks released to each at once."""
     p = SchedulingPolicy(options, clock=lambda: 0.0)
     for j in range(rollout):
-        p.add_worker(f"r{j}", f"rollout-{j}", "rollout", 1)
+        p.add_worker(f"r{j}", f"rollout-{j}", ROLLOUT, 1)
     for j in range(trainer):
-        p.add_worker(f"t{j}", f"trainer-{j}", "trainer", 1)
+        p.add_worker(f"t{j}", f"trainer-{j}", TRAINER, 1)
     p.version = 0
     return p
 
@@ -41,7 +50,7 @@ def policy_with(options, rollout=1, trainer=1):
 
 def test_pools_route_tasks_to_their_workers():
     p = policy_with(opts("digenrl", tag=False))
-    p.add_tasks([info("d", "denoise", "rollout"), info("g", "grad", "trainer", chunk=0,
+    p.add_tasks([info("d", DENOISE), info("g", GRAD, chunk=0,
                                                        behaviour_version=0)])
     p.task_ready("d")
     p.task_ready("g")
@@ -51,7 +60,7 @@ def test_pools_route_tasks_to_their_workers():
 
 def test_a_decision_carries_the_task_and_counters_count_releases():
     p = policy_with(opts("digenrl", tag=False))
-    tasks = [info("d", "denoise", "rollout"), info("g", "grad", "trainer", chunk=0,
+    tasks = [info("d", DENOISE), info("g", GRAD, chunk=0,
                                                    behaviour_version=0)]
     p.add_tasks(tasks)
     p.task_ready("d")
@@ -67,9 +76,9 @@ def test_events_by_key_and_by_the_held_task_are_the_same_events():
     """The plugin reports events by key, the simulator with the task it holds
     (``ready``/``done``): one policy fed each way decides the same."""
     def tasks():
-        return [info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(6)] + [
-            info(("g", 0), "grad", "trainer", chunk=0, behaviour_version=0),
-            info(("late", 0), "grad", "trainer", version=5, chunk=0, behaviour_version=0)]
+        return [info(("d", j), DENOISE, chunk=j, timestep=0) for j in range(6)] + [
+            info(("g", 0), GRAD, chunk=0, behaviour_version=0),
+            info(("late", 0), GRAD, version=5, chunk=0, behaviour_version=0)]
 
     def drive(by_key):
         p = policy_with(opts("digenrl"), rollout=2, trainer=1)
@@ -93,14 +102,14 @@ def test_events_by_key_and_by_the_held_task_are_the_same_events():
 
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
-    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j, timestep=0) for j in range(5)])
+    p.add_tasks([info(("d", j), DENOISE, chunk=j, timestep=0) for j in range(5)])
     for j in range(5):
         p.task_ready(("d", j))
     first = p.decide()
     on_trainer = [d for d in first if d.worker == "t0"]
     assert len(on_trainer) == 1 and on_trainer[0].tag  # one at a time on a trainer
     assert sum(d.worker == "r0" for d in first) == 2   # the rollout worker's two slots
-    p.add_tasks([info("g", "grad", "trainer", chunk=0, behaviour_version=0)])
+    p.add_tasks([info("g", GRAD, chunk=0, behaviour_version=0)])
     p.task_ready("g")
     p.task_done(on_trainer[0].key, "t0")
     second = p.decide()
@@ -109,7 +118,7 @@ def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
 
 def test_without_tag_trainers_never_generate():
     p = policy_with(opts("digenrl", tag=False))
-    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j) for j in range(3)])
+    p.add_tasks([info(("d", j), DENOISE, chunk=j) for j in range(3)])
     for j in range(3):
         p.task_ready(("d", j))
     assert {d.worker for d in p.decide()} == {"r0"}
@@ -118,20 +127,20 @@ def test_without_tag_trainers_never_generate():
 def test_rollouts_wait_for_the_staleness_bound_even_in_a_bad_graph():
     p = policy_with(opts("digenrl", max_staleness=1))
     # Iteration 3 reading version 0: older than the bound allows (3 - 1 = 2).
-    p.add_tasks([info("bad", "denoise", "rollout", iteration=3, version=0)])
+    p.add_tasks([info("bad", DENOISE, iteration=3, version=0)])
     p.task_ready("bad")
     assert p.decide() == [] and p.held()["staleness"] == 1
-    p.add_tasks([info(("publish", v), "publish", "trainer", iteration=v - 1, version=v,
+    p.add_tasks([info((PUBLISH, v), PUBLISH, iteration=v - 1, version=v,
                       gpu=False) for v in (1, 2)])
-    p.task_done(("publish", 1))
+    p.task_done((PUBLISH, 1))
     assert p.decide() == []
-    p.task_done(("publish", 2))
+    p.task_done((PUBLISH, 2))
     assert [d.key for d in p.decide()] == ["bad"]
 
 
 def test_training_beyond_the_bound_is_rejected():
     o = opts("digenrl", max_staleness=1)
-    bad = info("g", "grad", "trainer", iteration=3, version=3, behaviour_version=1)
+    bad = info("g", GRAD, iteration=3, version=3, behaviour_version=1)
     assert "staleness 2 exceeds max_staleness=1" in validate_task(bad, o)
     p = policy_with(o)
     assert p.add_tasks([bad]) == {"g": validate_task(bad, o)}
@@ -141,8 +150,8 @@ def test_training_beyond_the_bound_is_rejected():
 
 def test_without_gap_training_waits_for_the_whole_iteration():
     p = policy_with(opts("disaggregated", slots_per_worker=1))
-    p.add_tasks([info("d0", "denoise", "rollout", chunk=0), info("d1", "denoise", "rollout", chunk=1),
-                 info("a0", "advantage", "trainer", gpu=False, behaviour_version=0)])
+    p.add_tasks([info("d0", DENOISE, chunk=0), info("d1", DENOISE, chunk=1),
+                 info("a0", ADVANTAGE, gpu=False, behaviour_version=0)])
     p.task_ready("d0")
     p.task_ready("d1")
     p.task_ready("a0")
@@ -155,7 +164,7 @@ def test_without_gap_training_waits_for_the_whole_iteration():
 
 def test_a_lost_task_waits_until_it_is_ready_again():
     p = policy_with(opts("digenrl"))
-    p.add_tasks([info("n", "noise", "rollout", gpu=False), info("d", "denoise", "rollout")])
+    p.add_tasks([info("n", NOISE, gpu=False), info("d", DENOISE)])
     p.task_ready("n", {"r0": 10})
     p.task_ready("d", {"r0": 10})
     # Both lose an input before the next decision (the worker holding it died).
@@ -169,7 +178,7 @@ def test_a_lost_task_waits_until_it_is_ready_again():
 
 def test_without_tsp_a_chunk_trains_on_its_own_trainer():
     p = policy_with(opts("disaggregated", slots_per_worker=4), trainer=2)
-    grads = [info(("g", c, t), "grad", "trainer", chunk=c, timestep=t, behaviour_version=0)
+    grads = [info(("g", c, t), GRAD, chunk=c, timestep=t, behaviour_version=0)
              for c in range(2) for t in range(2)]
     p.add_tasks(grads)
     p._barrier_open.add(0)
@@ -181,7 +190,7 @@ def test_without_tsp_a_chunk_trains_on_its_own_trainer():
 
 def test_chains_stay_on_the_worker_that_holds_their_latent():
     p = policy_with(opts("digenrl", tag=False, slots_per_worker=1), rollout=2)
-    p.add_tasks([info(("d", c, 1), "denoise", "rollout", chunk=c, timestep=1) for c in range(2)])
+    p.add_tasks([info(("d", c, 1), DENOISE, chunk=c, timestep=1) for c in range(2)])
     p.task_ready(("d", 0, 1), {"r1": 100, "r0": 10})
     p.task_ready(("d", 1, 1), {"r0": 100})
     assert {d.key: d.worker for d in p.decide()} == {("d", 0, 1): "r1", ("d", 1, 1): "r0"}
@@ -189,8 +198,8 @@ def test_chains_stay_on_the_worker_that_holds_their_latent():
 
 def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
     p = policy_with(opts("digenrl", tag=False), rollout=2)
-    p.add_tasks([info(("d", j), "denoise", "rollout", chunk=j) for j in range(6)]
-                + [info("n", "noise", "rollout", gpu=False)])
+    p.add_tasks([info(("d", j), DENOISE, chunk=j) for j in range(6)]
+                + [info("n", NOISE, gpu=False)])
     for j in range(6):
         p.task_ready(("d", j))
     p.task_ready("n", {"r1": 5})
@@ -205,7 +214,7 @@ def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
 
 def test_a_lost_worker_gives_its_tasks_back():
     p = policy_with(opts("digenrl", tag=False, slots_per_worker=1), rollout=2)
-    p.add_tasks([info("d", "denoise", "rollout")])
+    p.add_tasks([info("d", DENOISE)])
     p.task_ready("d")
     [d] = p.decide()
     assert p.remove_worker(d.worker) == ["d"]
@@ -224,24 +233,24 @@ def check_trace(result, options, layout, workers):
     for r in result.records:
         by_iter[r.iteration].append(r)
     pool_of = {w.name: w.pool for w in workers}
-    trainers = sorted(w.name for w in workers if w.pool == "trainer")
+    trainers = sorted(w.name for w in workers if w.pool == TRAINER)
     for r in result.records:
         assert r.released >= r.ready
         if options.pools:
             if r.kind in ROLLOUT_KINDS:
-                assert pool_of[r.worker] == "rollout" or (options.tag and r.tag), r
+                assert pool_of[r.worker] == ROLLOUT or (options.tag and r.tag), r
             else:
-                assert pool_of[r.worker] == "trainer", r
+                assert pool_of[r.worker] == TRAINER, r
         if r.kind in ROLLOUT_KINDS and r.iteration - options.max_staleness >= 0:
-            published = recs[("publish", r.iteration - options.max_staleness)].stop
+            published = recs[(PUBLISH, r.iteration - options.max_staleness)].stop
             assert r.released >= published, r
-        if r.kind == "grad":
+        if r.kind == GRAD:
             assert r.policy_version == r.iteration
     # Bounded staleness of every trained sample.
     for it, rs in by_iter.items():
-        behaviour = {r.chunk: r.policy_version for r in rs if r.kind == "denoise"}
+        behaviour = {r.chunk: r.policy_version for r in rs if r.kind == DENOISE}
         for r in rs:
-            if r.kind == "grad":
+            if r.kind == GRAD:
                 assert 0 <= r.policy_version - behaviour[r.chunk] <= options.max_staleness
     # Without GAP, training waits for every rollout task of its iteration.
     barrier = {it: max((r.stop for r in rs if r.kind in ROLLOUT_KINDS), default=0.0)
@@ -292,13 +301,11 @@ def scenarios(draw):
                          stale_groups=draw(st.one_of(st.none(), st.integers(0, 2))))
     plans = uniform_plans(draw(st.integers(1, 3)), draw(st.integers(1, 3)), spp,
                           draw(st.sampled_from([1, 2, spp])))
-    workers = [SimWorker(f"rollout-{j}", "rollout", draw(st.integers(1, 2)))
+    workers = [SimWorker(f"rollout-{j}", ROLLOUT, draw(st.integers(1, 2)))
                for j in range(draw(st.integers(1, 3)))]
-    workers += [SimWorker(f"trainer-{j}", "trainer", draw(st.integers(1, 2)))
+    workers += [SimWorker(f"trainer-{j}", TRAINER, draw(st.integers(1, 2)))
                 for j in range(draw(st.integers(1, 3)))]
-    durations = {k: draw(st.floats(0.01, 1.0)) for k in
-                 ("noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
-                  "optimize", "publish", "stats", "init")}
+    durations = {k: draw(st.floats(0.01, 1.0)) for k in KINDS}
     jitter = draw(st.lists(st.floats(0.5, 2.0), min_size=7, max_size=7))
     return options, layout, plans, workers, durations, jitter
 
@@ -309,12 +316,16 @@ def test_every_schedule_completes_and_keeps_the_rules(scenario):
     options, layout, plans, workers, durations, jitter = scenario
 
     def cost(info, worker):
-        j = jitter[hash((info.key, worker.name)) % len(jitter)]
+        # (A stable hash: the same example draws the same durations in any interpreter.)
+        j = jitter[stable_seed(info.key, worker.name) % len(jitter)]
         return durations[info.kind] * (j if info.gpu else 0.1)
 
     sim = Simulator(options, workers, cost, dispatch_latency=0.001)
     result = sim.run(layout, plans)
-    expected = 2 + sum(1 for _ in plans) * 0  # init + publish(0)
-    assert len(result.records) == sim.added >= expected, "a task never ran (liveness)"
+    # Every task of the graph was added and ran, once each (liveness).
+    keys = graph_keys(layout, plans)
+    assert sim.added == len(keys)
+    assert sorted(repr(r.key) for r in result.records) == sorted(map(repr, keys)), \
+        "a task never ran, or ran twice (liveness)"
     assert sorted(result.completed) == list(range(len(plans)))
     check_trace(result, options, layout, workers)

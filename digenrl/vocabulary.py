@@ -1,0 +1,72 @@
+"""The words every part of a run shares: task kinds, worker pools, and what each kind is.
+
+The graph builders write them into each task's ``digenrl`` annotation; the scheduling
+policy, the Dask plugin, the simulator, the emulator and the analysis of a run's task
+records read them from here. Plain data, importing nothing of the project, so the graph
+and the scheduler both depend on it and not on each other.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
+           "INIT", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD", "REDUCE",
+           "OPTIMIZE", "PUBLISH", "STATS", "CHECKPOINT", "RESTORE",
+           "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
+           "stage_of"]
+
+# ----------------------------------------------------------------------- pools
+
+ROLLOUT = "rollout"
+TRAINER = "trainer"
+#: The one pool every GPU worker serves when a mode uses no pools.
+COLOCATED = "colocated"
+#: The pools a worker can be tagged with (a resource of that name).
+POOLS = (ROLLOUT, TRAINER)
+
+#: The annotation carrying a task's kind, pool, iteration, versions... on every task.
+ANNOTATION = "digenrl"
+
+# ----------------------------------------------------------------------- kinds
+# A task key is a tuple whose first element is its kind.
+
+INIT = "init"                # the trainer state of version 0
+NOISE = "noise"              # a chunk's starting latents
+DENOISE = "denoise"          # one sampler step of a chunk
+DECODE = "decode"            # a chunk's latents to images, with their log-probs
+REWARD = "reward"            # a chunk's images scored
+ADVANTAGE = "advantage"      # a prompt group's rewards normalised
+GRAD = "grad"                # the gradient of one chunk at one trained timestep
+REDUCE = "reduce"            # a node of the fixed gradient-sum tree
+OPTIMIZE = "optimize"        # the optimizer step of an iteration
+#: Its completion makes a new policy version available (the weights are its output).
+PUBLISH = "publish"
+STATS = "stats"              # an iteration's statistics: the iteration is complete
+CHECKPOINT = "checkpoint"    # a version's trainer state written to the store
+RESTORE = "restore"          # a version's trainer state read back from the store
+
+#: The pool each kind belongs to in the modes that use pools.
+KIND_POOL = {
+    INIT: TRAINER, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT, REWARD: ROLLOUT,
+    ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
+    PUBLISH: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
+}
+KINDS = tuple(KIND_POOL)
+
+#: Kinds that hold a GPU slot (a ``reward`` does too when its reward needs the GPU).
+GPU_KINDS = frozenset({DENOISE, DECODE, GRAD, OPTIMIZE})
+
+#: A chunk's generation: the kinds of the rollout pool.
+ROLLOUT_KINDS = frozenset(k for k, pool in KIND_POOL.items() if pool == ROLLOUT)
+#: The training phase: the trainer-pool kinds that work on samples and the trainer
+#: state (the others are bookkeeping: versions, statistics, checkpoints).
+TRAINING_KINDS = frozenset({ADVANTAGE, GRAD, REDUCE, OPTIMIZE})
+
+# A chunk's order of work: ``noise``, then its steps in timestep order, then ``decode``
+# and ``reward``. A ``denoise`` or ``grad`` sits at its timestep, every other kind at 0.
+_AFTER_THE_STEPS = 1_000_000
+_STAGE = {NOISE: -1, DECODE: _AFTER_THE_STEPS, REWARD: _AFTER_THE_STEPS + 1}
+
+
+def stage_of(kind: str, timestep: int | None) -> int:
+    """Where a task of ``kind`` at ``timestep`` sits in its chunk's order of work."""
+    return _STAGE.get(kind, timestep or 0)
