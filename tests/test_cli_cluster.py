@@ -66,6 +66,7 @@ def cli_cluster(tmp_path):
                     p.wait()
 
 
+@pytest.mark.slow
 def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):
     # The default workflow (README.md), shortened to two iterations.
     out = tmp_path / "run.zarr"

@@ -68,6 +68,7 @@ def read_while(run, path) -> set[int]:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process groups from /proc")
 def test_a_killed_driver_resumes_to_the_same_bits(cluster_1x1, reference_run, tmp_path):
     config = tmp_path / "small.yaml"

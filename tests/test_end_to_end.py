@@ -1,6 +1,7 @@
-"""Whole runs on real local Dask clusters (issue: end-to-end Flow-GRPO on Dask)."""
+"""Whole runs of Flow-GRPO on real local Dask clusters."""
 
 import numpy as np
+import pytest
 import torch
 
 from digenrl.config import load_config
@@ -74,6 +75,7 @@ def test_results_do_not_depend_on_worker_count_or_mode(cluster_1x1, cluster_2x2,
                               cluster_2x2, tmp_path / "d"))
 
 
+@pytest.mark.slow
 def test_the_default_config_learns_the_reward(cluster_1x1, tmp_path):
     """A short version of the default run: the reward clearly rises."""
     cfg = load_config("workflows/configs/tiny.yaml", {"iterations": 12})

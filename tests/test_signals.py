@@ -49,6 +49,7 @@ def wait_for_commits(proc, out, n: int, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_run_with_the_resume_command(cluster_1x1, reference_run, tmp_path,
                                                         signum):
@@ -75,6 +76,7 @@ def test_a_signal_stops_the_run_with_the_resume_command(cluster_1x1, reference_r
     assert_same_results(open_run(out), stored_weights(out), reference_run)
 
 
+@pytest.mark.slow
 def test_a_second_interrupt_exits_at_once(cluster_1x1, tmp_path):
     proc, out, _ = start_run(tmp_path, cluster_1x1, iterations=20)
     try:

@@ -129,6 +129,7 @@ def check_run(path, reference, dead: str):
     return t
 
 
+@pytest.mark.slow
 def test_a_killed_rollout_worker_loses_nothing(cluster_1x1, reference_run, another_client,
                                                tmp_path):
     path = tmp_path / "r.zarr"
@@ -138,6 +139,7 @@ def test_a_killed_rollout_worker_loses_nothing(cluster_1x1, reference_run, anoth
     check_run(path, reference_run, dead)
 
 
+@pytest.mark.slow
 def test_a_killed_trainer_loses_nothing_and_its_successor_gets_the_weights(
         cluster_1x1, reference_run, another_client, tmp_path):
     path = tmp_path / "r.zarr"
