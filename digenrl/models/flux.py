@@ -50,9 +50,9 @@ class _FluxEncoder:
         folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
         self.family, self.device = family, device
         self.clip_tokenizer = load_part(folder, "tokenizer")
-        self.clip = load_part(folder, "text_encoder", torch_dtype=dtype).to(device).eval()
+        self.clip = load_part(folder, "text_encoder", dtype=dtype).to(device).eval()
         self.t5_tokenizer = load_part(folder, "tokenizer_2")
-        self.t5 = load_part(folder, "text_encoder_2", torch_dtype=dtype).to(device).eval()
+        self.t5 = load_part(folder, "text_encoder_2", dtype=dtype).to(device).eval()
         self.cache = PromptCache(self._encode)
 
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -118,11 +118,11 @@ class FluxFamily(ModelFamily):
 
     def build_transformer(self, seed: int) -> FluxTransformer2DModel:
         return FluxTransformer2DModel.from_pretrained(
-            self.folder, subfolder="transformer", torch_dtype=torch.float32).eval()
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
 
     def build_vae(self, seed: int) -> AutoencoderKL:
         vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                            torch_dtype=torch.float32)
+                                            dtype=torch.float32)
         return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _FluxEncoder:

@@ -44,10 +44,11 @@ def check_tokens(tokenizer, part: str, named: Sequence[tuple[str, str]],
     unk = tokenizer.unk_token_id
     for field, prompt in named:
         ids = tokenizer(prompt).input_ids
-        if unk is not None and unk in ids:
+        # Without special tokens: CLIP's unknown token is also its end-of-text token.
+        if unk is not None and unk in tokenizer(prompt, add_special_tokens=False).input_ids:
             raise ConfigError(
                 f"{field}: expected text the folder's {part} ({type(tokenizer).__name__}) "
-                f"can encode, got {prompt!r} ({ids.count(unk)} unknown tokens)")
+                f"can encode, got {prompt!r} (it has unknown tokens)")
         if max_length is not None and len(ids) > max_length:
             raise ConfigError(
                 f"{field}: expected at most {max_length} tokens of {part} "

@@ -26,10 +26,10 @@ class _SD3Encoder:
     def __init__(self, family: "SD3Family", device):
         folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
         self.family, self.device = family, device
-        self.clips = [(load_part(folder, tok), load_part(folder, enc, torch_dtype=dtype)
+        self.clips = [(load_part(folder, tok), load_part(folder, enc, dtype=dtype)
                        .to(device).eval()) for tok, enc in CLIP_PARTS]
         self.t5_tokenizer = load_part(folder, T5_PARTS[0])
-        self.t5 = load_part(folder, T5_PARTS[1], torch_dtype=dtype).to(device).eval()
+        self.t5 = load_part(folder, T5_PARTS[1], dtype=dtype).to(device).eval()
         self.cache = PromptCache(self._encode)
 
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -101,11 +101,11 @@ class SD3Family(ModelFamily):
 
     def build_transformer(self, seed: int) -> SD3Transformer2DModel:
         return SD3Transformer2DModel.from_pretrained(
-            self.folder, subfolder="transformer", torch_dtype=torch.float32).eval()
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
 
     def build_vae(self, seed: int) -> AutoencoderKL:
         vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                            torch_dtype=torch.float32)
+                                            dtype=torch.float32)
         return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _SD3Encoder:

@@ -159,7 +159,7 @@ class TinyFamily(ModelFamily):
     def build_transformer(self, seed: int) -> SD3Transformer2DModel:
         if self.folder is not None:
             model = SD3Transformer2DModel.from_pretrained(
-                self.folder, subfolder="transformer", torch_dtype=torch.float32)
+                self.folder, subfolder="transformer", dtype=torch.float32)
         else:
             seeded(seed, "transformer")
             model = SD3Transformer2DModel(**self.transformer_config())
@@ -169,7 +169,7 @@ class TinyFamily(ModelFamily):
         cfg = self.cfg
         if self.folder is not None:
             vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                                torch_dtype=torch.float32)
+                                                dtype=torch.float32)
         else:
             seeded(seed, "vae")
             n = len(cfg.vae_channels)

@@ -38,7 +38,7 @@ class _WanEncoder:
         folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
         self.family, self.device = family, device
         self.tokenizer = load_part(folder, "tokenizer")
-        self.encoder = load_part(folder, "text_encoder", torch_dtype=dtype).to(device).eval()
+        self.encoder = load_part(folder, "text_encoder", dtype=dtype).to(device).eval()
         self.cache = PromptCache(self._encode)
 
     def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -105,11 +105,11 @@ class WanFamily(ModelFamily):
 
     def build_transformer(self, seed: int) -> WanTransformer3DModel:
         return WanTransformer3DModel.from_pretrained(
-            self.folder, subfolder="transformer", torch_dtype=torch.float32).eval()
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
 
     def build_vae(self, seed: int) -> AutoencoderKLWan:
         vae = AutoencoderKLWan.from_pretrained(self.folder, subfolder="vae",
-                                               torch_dtype=torch.float32)
+                                               dtype=torch.float32)
         return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _WanEncoder:
