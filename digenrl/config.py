@@ -523,9 +523,11 @@ class StoreConfig:
     """Store every generated image in samples.image."""
     save_latents: bool = False
     """Store every sample's latents at every step in steps.latent."""
+    save_videos: bool = False
+    """Video models: store every whole video in samples.video (samples.image holds each video's middle frame either way)."""
 
     def validate(self, p: str = "store") -> None:
-        for name in ("save_images", "save_latents"):
+        for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
 
@@ -569,6 +571,11 @@ class RunConfig:
                  f"data.samples_per_prompt = {total})", chunk)
         if self.model.path is not None:
             self._check_prompts()
+            from digenrl.models.registry import family
+
+            _require(not (self.store.save_latents and family(self.model).video),
+                     "store.save_latents", "false for a video model (steps.latent holds "
+                     "image latents)", self.store.save_latents)
 
     def _check_prompts(self) -> None:
         """Every prompt (and the negative one) is text the model's tokenizers encode."""

@@ -127,15 +127,22 @@ class FlowGRPOWorkload:
             advantage[list(a.sample_ids)] = a.advantages
         log_prob = np.zeros((n, cfg.sampler.num_steps), np.float32)
         behaviour = np.zeros(n, np.int32)
-        images = latents = None
+        images = videos = latents = None
         for d in decoded:
             ids = list(d.sample_ids)
             log_prob[ids] = d.log_probs
             behaviour[ids] = d.behaviour_version
+            frames = d.images
+            if frames.ndim == 5:  # videos: the middle frame stands for each
+                if cfg.store.save_videos:
+                    if videos is None:
+                        videos = np.zeros((n,) + frames.shape[1:], np.uint8)
+                    videos[ids] = frames
+                frames = frames[:, frames.shape[1] // 2]
             if cfg.store.save_images:
                 if images is None:
-                    images = np.zeros((n,) + d.images.shape[1:], np.uint8)
-                images[ids] = d.images
+                    images = np.zeros((n,) + frames.shape[1:], np.uint8)
+                images[ids] = frames
             if d.latents is not None:
                 if latents is None:
                     latents = np.zeros((n,) + d.latents.shape[1:], np.float32)
@@ -154,6 +161,8 @@ class FlowGRPOWorkload:
             samples[f"reward_{name}"] = vals
         if images is not None:
             samples["image"] = images
+        if videos is not None:
+            samples["video"] = videos
         steps = {"log_prob": log_prob}
         if latents is not None:
             steps["latent"] = latents
