@@ -163,3 +163,46 @@ def test_sigmas_follow_the_pipelines_schedule(tiny_pipelines):
     ref.set_timesteps(4)
     np.testing.assert_allclose(sd3, ref.sigmas.numpy())
     assert flux != sd3 and flux[0] == 1.0 and flux[-1] == 0.0
+
+
+@pytest.mark.parametrize("case", ["class", "part", "prompt"])
+def test_the_command_line_refuses_a_bad_folder_before_any_work(case, tiny_pipelines, tmp_path,
+                                                                 capsys):
+    """`digenrl run CONFIG --set model.path=DIR`: one line naming the field, exit 2, and
+    no cluster contacted (the scheduler named is unreachable) nor store written."""
+    import shutil
+
+    from digenrl.cli import main
+
+    folder = tmp_path / "folder"
+    shutil.copytree(tiny_pipelines["wan"], folder)
+    argv = []
+    if case == "class":
+        index = folder / "model_index.json"
+        index.write_text(index.read_text().replace("WanPipeline", "HunyuanVideoPipeline"))
+        field = "model.path: expected a pipeline folder of class"
+    elif case == "part":
+        shutil.rmtree(folder / "tokenizer")
+        field = "model.path: expected a WanPipeline folder with tokenizer/"
+    else:
+        argv = ["--set", "data.prompts=[a cat, ça coûte]"]
+        field = "data.prompts[1]: expected text the folder's tokenizer"
+    out = tmp_path / "run.zarr"
+    code = main(["run", "workflows/configs/wan.yaml", "--out", str(out),
+                 "--scheduler", "tcp://127.0.0.1:1", "--set", f"model.path={folder}",
+                 "--set", "model.max_sequence_length=16", "--set", "cluster.gpus=false",
+                 *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and field in err and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_family_config_loads_on_its_folder(name, tiny_pipelines):
+    """workflows/configs/NAME.yaml validates against a folder of its family."""
+    from digenrl.config import load_config
+
+    cfg = load_config(f"workflows/configs/{name}.yaml",
+                      {"model.path": str(tiny_pipelines[name]),
+                       "model.max_sequence_length": 64})
+    assert family(cfg.model).pipeline_class == PIPELINES[name]

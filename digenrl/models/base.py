@@ -168,7 +168,8 @@ class ModelFamily:
         raise NotImplementedError
 
     def build_encoder(self, device: torch.device) -> "PromptEncoderLike":
-        """An object whose ``encode(prompts) -> Conditioning`` runs on ``device``."""
+        """An object whose ``encode(prompts, negative) -> Conditioning`` runs the text
+        encoders on ``device`` (``negative``: also encode ``model.negative_prompt``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ computation
@@ -185,5 +186,5 @@ class ModelFamily:
 class PromptEncoderLike:
     """The interface :meth:`ModelFamily.build_encoder` returns (documentation only)."""
 
-    def encode(self, prompts: Sequence[str]) -> Conditioning:  # pragma: no cover
+    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:  # pragma: no cover
         raise NotImplementedError
