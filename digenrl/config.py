@@ -170,6 +170,7 @@ class ModelConfig:
             from digenrl.models.registry import family
 
             family(self).check_folder()
+            family(self).check_size()
             return
         _positive_int(self.latent_channels, f"{p}.latent_channels")
         _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1

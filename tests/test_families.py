@@ -151,6 +151,12 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_refused(tiny_pipelines):
                         **{"model.negative_prompt": "日本", "sampler.guidance_scale": 2.0})
 
 
+def test_an_image_size_off_the_latent_grid_is_refused(tiny_pipelines):
+    with pytest.raises(ConfigError, match=r"^model.width: expected a multiple of 16 for this "
+                                          r"WanPipeline folder \(VAE factor x patch\), got 40$"):
+        pipeline_config(tiny_pipelines["wan"], "wan", **{"model.width": 40})
+
+
 def test_sigmas_follow_the_pipelines_schedule(tiny_pipelines):
     """FLUX shifts by mu from the packed image length (dynamic shifting); SD3 and Wan by
     sampler.shift."""

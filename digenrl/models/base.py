@@ -114,6 +114,19 @@ class ModelFamily:
                     f"model.path: expected a {self.pipeline_class} folder with {part}/, got "
                     f"{str(self.cfg.path)!r} without it")
 
+    def check_size(self) -> None:
+        """``model.height`` / ``model.width`` are multiples of :meth:`size_multiple`."""
+        m = self.size_multiple()
+        for name in ("height", "width"):
+            v = getattr(self.cfg, name)
+            if v is not None and v % m:
+                raise ConfigError(f"model.{name}: expected a multiple of {m} for this "
+                                  f"{self.pipeline_class} folder (VAE factor x patch), got {v}")
+
+    def size_multiple(self) -> int:
+        """Pixels per latent patch: heights and widths must be multiples of it."""
+        return 1
+
     def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
         """Each ``(field, prompt)`` can be tokenized as the family encodes it; a prompt
         that cannot fails naming its field (config validation calls this)."""

@@ -87,6 +87,9 @@ class FluxFamily(ModelFamily):
         default = self.default_sample_size * self.vae_scale_factor
         return (self.cfg.height or default, self.cfg.width or default)
 
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor * 2  # latents packed 2 x 2
+
     def latent_shape(self) -> tuple[int, int, int]:
         f = self.vae_scale_factor
         h, w = (2 * (int(s) // (f * 2)) for s in self.image_size())

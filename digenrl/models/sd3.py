@@ -69,6 +69,9 @@ class SD3Family(ModelFamily):
         default = self.transformer_config()["sample_size"] * self.vae_scale_factor
         return (self.cfg.height or default, self.cfg.width or default)
 
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor * self.transformer_config()["patch_size"]
+
     def latent_shape(self) -> tuple[int, int, int]:
         h, w = self.image_size()
         f = self.vae_scale_factor

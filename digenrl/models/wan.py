@@ -81,6 +81,10 @@ class WanFamily(ModelFamily):
         return (self.cfg.num_frames or self.default_frames, self.cfg.height or self.default_height,
                 self.cfg.width or self.default_width)
 
+    def size_multiple(self) -> int:
+        vc = self.vae_config()
+        return vc.get("scale_factor_spatial", 8) * self.transformer_config()["patch_size"][-1]
+
     def latent_shape(self) -> tuple[int, int, int, int]:
         vc = self.vae_config()
         frames, h, w = self.video_size()
