@@ -151,6 +151,8 @@ class ModelConfig:
     """Seed of the initial weights; null uses the run seed."""
 
     def validate(self, p: str = "model") -> None:
+        _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
+                 "a string", self.negative_prompt)
         if self.path is not None:
             _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                      "a path to a local diffusers pipeline folder", self.path)
@@ -163,8 +165,6 @@ class ModelConfig:
             if self.num_frames is not None:
                 _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
-            _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
-                     "a string", self.negative_prompt)
             _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype",
                     ("float32", "bfloat16", "float16"))
             from digenrl.models.registry import family

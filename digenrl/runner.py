@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from digenrl.cluster import ClusterHandle, start_cluster
-from digenrl.config import ConfigError, RunConfig, config_to_dict
+from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
 from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
                             library_versions)
 from digenrl.graph.build import GraphContext
@@ -77,6 +77,10 @@ class FlowGRPOWorkload:
         """A resumed run must do the same work: only iterations, cluster and store
         settings may differ from the stored config."""
         stored = dict(attrs.get("config") or {})
+        try:  # fields added since the run was stored compare as their defaults
+            stored = config_to_dict(config_from_dict(stored))
+        except ConfigError:
+            pass
         now = config_to_dict(self.config)
         differ = sorted(k for k in set(stored) | set(now)
                         if k not in ("iterations", "cluster", "store")

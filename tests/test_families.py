@@ -212,3 +212,23 @@ def test_each_family_config_loads_on_its_folder(name, tiny_pipelines):
                       {"model.path": str(tiny_pipelines[name]),
                        "model.max_sequence_length": 64})
     assert family(cfg.model).pipeline_class == PIPELINES[name]
+
+
+def test_a_run_stored_before_the_model_fields_existed_still_resumes():
+    """A stored config without the newer model and store fields compares as their
+    defaults; a real difference is still refused."""
+    from digenrl.config import config_to_dict
+    from digenrl.runner import FlowGRPOWorkload
+
+    from conftest import small_config
+
+    workload = FlowGRPOWorkload(small_config())
+    stored = config_to_dict(small_config())
+    for name in ("height", "width", "num_frames", "negative_prompt", "max_sequence_length",
+                 "text_encoder_dtype"):
+        del stored["model"][name]
+    del stored["store"]["save_videos"]
+    workload.check_resume({"config": stored})
+    stored["model"]["negative_prompt"] = "blurry"
+    with pytest.raises(ConfigError, match=r"differs from the stored run's in \['model'\]"):
+        workload.check_resume({"config": stored})
