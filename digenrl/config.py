@@ -100,17 +100,31 @@ def _choice(v: Any, path: str, options: typing.Iterable[str]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The policy (a diffusers flow-matching transformer) and the VAE.
+    """The policy (a diffusers flow-matching transformer), the VAE and the text encoders.
 
-    With ``path`` unset, both are built from the sizes below with seeded random weights
-    (nothing is downloaded). With ``path`` set, ``transformer/``, ``vae/`` and
-    ``scheduler/`` are loaded from that local diffusers pipeline folder with
-    ``from_pretrained``; the sizes below are then ignored. The folder must be readable
-    from every worker.
+    With ``path`` unset, the built-in tiny model is built from the sizes below with
+    seeded random weights (nothing is downloaded) and prompts go through a hash encoder.
+    With ``path`` set, the local diffusers pipeline folder is loaded by the family its
+    ``model_index.json`` names (``StableDiffusion3Pipeline``, ``FluxPipeline``,
+    ``WanPipeline``): its transformer (trained), VAE, scheduler config, tokenizers and
+    text encoders; the tiny-model sizes below are then ignored. The folder must be
+    readable from every worker.
     """
 
     path: str | None = None
-    """A local diffusers pipeline folder (transformer/, vae/, scheduler/) loaded with from_pretrained; null builds the model below with seeded random weights."""
+    """A local diffusers pipeline folder (SD3/SD3.5, FLUX.1 or Wan2.1, by its model_index.json) loaded with from_pretrained; null builds the tiny model below with seeded random weights. A folder without model_index.json loads transformer/ and vae/ of an SD3-shaped model and encodes prompts with the hash encoder."""
+    height: int | None = None
+    """With path: image (or video) height in pixels; null is the pipeline's default (SD3: transformer sample_size x VAE factor; FLUX: 1024; Wan: 480)."""
+    width: int | None = None
+    """With path: image (or video) width in pixels; null is the pipeline's default (SD3: as height; FLUX: 1024; Wan: 832)."""
+    num_frames: int | None = None
+    """With a video pipeline (Wan): frames per video, 4k + 1; null is 81."""
+    negative_prompt: str = ""
+    """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3 and Wan)."""
+    max_sequence_length: int | None = None
+    """With path: tokens of the T5/UMT5 prompt encoding; null is the pipeline's default (SD3 256, FLUX 512, Wan 512)."""
+    text_encoder_dtype: str = "float32"
+    """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16); the trained transformer stays float32."""
     image_size: int = 64
     """Image height and width in pixels."""
     latent_channels: int = 4
@@ -137,14 +151,26 @@ class ModelConfig:
     """Seed of the initial weights; null uses the run seed."""
 
     def validate(self, p: str = "model") -> None:
+        _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
+                 "a string", self.negative_prompt)
         if self.path is not None:
             _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                      "a path to a local diffusers pipeline folder", self.path)
             folder = Path(self.path).expanduser()
             _require(folder.is_dir(), f"{p}.path", "an existing folder", self.path)
-            for sub in ("transformer", "vae"):
-                _require((folder / sub / "config.json").is_file(), f"{p}.path",
-                         f"a diffusers pipeline folder with {sub}/config.json", self.path)
+            for name in ("height", "width", "num_frames", "max_sequence_length"):
+                v = getattr(self, name)
+                if v is not None:
+                    _positive_int(v, f"{p}.{name}")
+            if self.num_frames is not None:
+                _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
+                         "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
+            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype",
+                    ("float32", "bfloat16", "float16"))
+            from digenrl.models.registry import family
+
+            family(self).check_folder()
+            family(self).check_size()
             return
         _positive_int(self.latent_channels, f"{p}.latent_channels")
         _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
@@ -498,9 +524,11 @@ class StoreConfig:
     """Store every generated image in samples.image."""
     save_latents: bool = False
     """Store every sample's latents at every step in steps.latent."""
+    save_videos: bool = False
+    """Video models: store every whole video in samples.video (samples.image holds each video's middle frame either way)."""
 
     def validate(self, p: str = "store") -> None:
-        for name in ("save_images", "save_latents"):
+        for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
 
@@ -542,6 +570,28 @@ class RunConfig:
         _require(total % chunk == 0, "rollout.chunk_size",
                  f"a divisor of the samples per iteration (data.prompts_per_iteration x "
                  f"data.samples_per_prompt = {total})", chunk)
+        if self.model.path is not None:
+            self._check_prompts()
+            from digenrl.models.registry import family
+
+            _require(not (self.store.save_latents and family(self.model).video),
+                     "store.save_latents", "false for a video model (steps.latent holds "
+                     "image latents)", self.store.save_latents)
+
+    def _check_prompts(self) -> None:
+        """Every prompt (and the negative one) is text the model's tokenizers encode."""
+        from digenrl.models.registry import family
+        from digenrl.prompts import PROMPT_SETS
+
+        d = self.data
+        if d.prompts:
+            named = [(f"data.prompts[{i}]", p) for i, p in enumerate(d.prompts)]
+        else:
+            named = [(f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p)
+                     for i, p in enumerate(PROMPT_SETS[d.prompt_set])]
+        if self.sampler.guidance_scale > 1.0:
+            named.append(("model.negative_prompt", self.model.negative_prompt))
+        family(self.model).check_prompts(named)
 
     # Derived totals, logged at start.
     @property

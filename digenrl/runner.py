@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable
 import numpy as np
 
 from digenrl.cluster import ClusterHandle, start_cluster
-from digenrl.config import ConfigError, RunConfig, config_to_dict
+from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
 from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
                             library_versions)
 from digenrl.graph.build import GraphContext
@@ -77,6 +77,10 @@ class FlowGRPOWorkload:
         """A resumed run must do the same work: only iterations, cluster and store
         settings may differ from the stored config."""
         stored = dict(attrs.get("config") or {})
+        try:  # fields added since the run was stored compare as their defaults
+            stored = config_to_dict(config_from_dict(stored))
+        except ConfigError:
+            pass
         now = config_to_dict(self.config)
         differ = sorted(k for k in set(stored) | set(now)
                         if k not in ("iterations", "cluster", "store")
@@ -127,15 +131,22 @@ class FlowGRPOWorkload:
             advantage[list(a.sample_ids)] = a.advantages
         log_prob = np.zeros((n, cfg.sampler.num_steps), np.float32)
         behaviour = np.zeros(n, np.int32)
-        images = latents = None
+        images = videos = latents = None
         for d in decoded:
             ids = list(d.sample_ids)
             log_prob[ids] = d.log_probs
             behaviour[ids] = d.behaviour_version
+            frames = d.images
+            if frames.ndim == 5:  # videos: the middle frame stands for each
+                if cfg.store.save_videos:
+                    if videos is None:
+                        videos = np.zeros((n,) + frames.shape[1:], np.uint8)
+                    videos[ids] = frames
+                frames = frames[:, frames.shape[1] // 2]
             if cfg.store.save_images:
                 if images is None:
-                    images = np.zeros((n,) + d.images.shape[1:], np.uint8)
-                images[ids] = d.images
+                    images = np.zeros((n,) + frames.shape[1:], np.uint8)
+                images[ids] = frames
             if d.latents is not None:
                 if latents is None:
                     latents = np.zeros((n,) + d.latents.shape[1:], np.float32)
@@ -154,6 +165,8 @@ class FlowGRPOWorkload:
             samples[f"reward_{name}"] = vals
         if images is not None:
             samples["image"] = images
+        if videos is not None:
+            samples["video"] = videos
         steps = {"log_prob": log_prob}
         if latents is not None:
             steps["latent"] = latents

@@ -39,6 +39,7 @@ _DIMS = {
 # Extra trailing dimensions of some variables.
 _EXTRA_DIMS = {
     ("samples", "image"): ("y", "x", "rgb"),
+    ("samples", "video"): ("frame", "y", "x", "rgb"),
     ("steps", "latent"): ("channel", "latent_y", "latent_x"),
 }
 _TASK_CHUNK = 4096

@@ -244,3 +244,21 @@ def assert_complete(ds, *, valid: bool = True) -> int:
         optimized = set(t.iteration.values[t.kind.values == "optimize"].tolist())
         assert optimized >= set(range(k)), (optimized, k)
     return k
+
+
+@pytest.fixture(scope="session")
+def tiny_pipelines(tmp_path_factory):
+    """A tiny saved pipeline folder of each supported family (built once per session):
+    family name (sd3, flux, wan) -> folder. See tests/pipelines.py."""
+    from pipelines import SAVERS
+
+    root = tmp_path_factory.mktemp("pipelines")
+    return {name: save(root / name) for name, save in SAVERS.items()}
+
+
+def pipeline_config(folder, family: str, **overrides):
+    """small_config on a tiny saved pipeline of ``family`` (its model settings set)."""
+    from pipelines import MODEL_SETTINGS
+
+    settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[family].items()}
+    return small_config(**{"model.path": str(folder), **settings, **overrides})

@@ -199,7 +199,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         prompts = plan.chunk_prompts(c)
         common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
         prev: Key = ("noise", i, c)
-        append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids), []))
+        append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids, prompts), []))
         chain = [prev]
         weights = publish_key(rv)
         # The steps' annotations differ only in their timestep.

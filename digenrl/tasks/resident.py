@@ -1,8 +1,10 @@
 """Model state resident on a worker, keyed by policy version.
 
 A worker keeps the transformer with each recently used version's weights loaded, plus
-the VAE and the prompt encoder, so tasks pass only weight versions, latents and
-gradients. :class:`ResidentPlugin` is the Dask worker plugin that owns this state; a
+the VAE and, on the rollout workers that encode prompts, the text encoders, so tasks
+pass only weight versions, latents, conditioning and gradients. Text encoders are built
+on the first encoding (a ``noise`` task, rollout pool only): trainer workers never load
+them. :class:`ResidentPlugin` is the Dask worker plugin that owns this state; a
 task reaches it through :func:`resident`. Outside a worker (unit tests, the client) the
 same state lives in a process-wide table.
 """
@@ -19,7 +21,7 @@ import torch
 from distributed import WorkerPlugin
 
 from digenrl.config import ModelConfig
-from digenrl.models import PromptEncoder, build_transformer, build_vae
+from digenrl.models import Conditioning, build_transformer, build_vae, family
 from digenrl.tasks.types import PolicyWeights
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "PLUGIN_NAME"]
@@ -30,7 +32,7 @@ PLUGIN_NAME = "digenrl-resident"
 
 
 class ResidentModels:
-    """Transformers per policy version (least recently used evicted), VAE, encoder."""
+    """Transformers per policy version (least recently used evicted), VAE, text encoders."""
 
     def __init__(self, cfg: ModelConfig, seed: int, max_versions: int = 4):
         self.cfg, self.seed, self.max_versions = cfg, seed, max_versions
@@ -51,11 +53,17 @@ class ResidentModels:
             return self._vae
 
     @property
-    def encoder(self) -> PromptEncoder:
+    def encoder(self):
+        """The family's prompt encoder (its text encoders, in ``text_encoder_dtype``, with
+        an embedding cache per prompt), built on first use."""
         with self._lock:
             if self._encoder is None:
-                self._encoder = PromptEncoder.for_model(self.cfg)
+                self._encoder = family(self.cfg).build_encoder(self.device)
             return self._encoder
+
+    @property
+    def has_encoder(self) -> bool:
+        return self._encoder is not None
 
     def policy(self, weights: PolicyWeights) -> torch.nn.Module:
         """The transformer holding ``weights`` (loaded once per version per worker)."""
@@ -73,14 +81,10 @@ class ResidentModels:
             self.loads += 1
             return module
 
-    def conditioning(self, prompts, guidance_scale: float):
-        """Prompt embeddings (and the unconditional ones with guidance) on the device."""
-        embeds, pooled = self.encoder.encode(prompts)
-        uncond = None
-        if guidance_scale > 1.0:
-            ue, up = self.encoder.encode([""])
-            uncond = (ue.to(self.device), up.to(self.device))
-        return embeds.to(self.device), pooled.to(self.device), uncond
+    def conditioning(self, prompts, guidance_scale: float) -> Conditioning:
+        """The prompts' conditioning on the CPU (and the negative prompt's with guidance)."""
+        with self._lock:
+            return self.encoder.encode(tuple(prompts), guidance_scale > 1.0)
 
     def resident_versions(self) -> list[int]:
         with self._lock:

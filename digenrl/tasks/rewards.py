@@ -4,6 +4,11 @@ A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their pro
 one float per image. The built-in ones need no model weights. ``device="gpu"`` marks a
 reward that runs a torch module and so needs a GPU slot on the worker that runs it; a
 reward may equally call a remote server from its function.
+
+A reward declares what it scores: ``scores="image"`` (the default) or ``"video"``
+(batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
+every frame and, by default, takes the mean over frames (``on_video="mean"``); it may
+say otherwise: ``"first"``, ``"middle"`` or ``"last"`` scores that frame alone.
 """
 
 from __future__ import annotations
@@ -27,6 +32,29 @@ class RewardSpec:
     fn: RewardFn
     device: str = "cpu"
     description: str = ""
+    scores: str = "image"    # what fn takes: "image" or "video" batches
+    on_video: str = "mean"   # an image reward on videos: mean over frames, or one frame
+
+    def __call__(self, samples: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        """The reward of each sample: images, or videos (``samples.ndim == 5``)."""
+        video = samples.ndim == 5
+        if self.scores == "video":
+            if not video:
+                raise RewardError(f"reward {self.name!r} scores videos, got images "
+                                  f"of shape {samples.shape}")
+            return self.fn(samples, prompts)
+        if not video:
+            return self.fn(samples, prompts)
+        n, f = samples.shape[:2]
+        if self.on_video != "mean":
+            frame = {"first": 0, "middle": f // 2, "last": f - 1}[self.on_video]
+            return self.fn(np.ascontiguousarray(samples[:, frame]), prompts)
+        frames = samples.reshape((n * f,) + samples.shape[2:])
+        values = np.asarray(self.fn(frames, [p for p in prompts for _ in range(f)]),
+                            dtype=np.float64)
+        if values.shape != (n * f,):
+            return values  # the caller reports the wrong shape
+        return values.reshape(n, f).mean(axis=1)
 
 
 REWARDS: dict[str, RewardSpec] = {}
@@ -36,16 +64,24 @@ class RewardError(ValueError):
     """A reward failed or returned unusable values for some samples."""
 
 
-def register_reward(name: str, *, device: str = "cpu", description: str = ""):
-    """Decorator registering ``fn(images, prompts) -> rewards`` under ``name``."""
+def register_reward(name: str, *, device: str = "cpu", description: str = "",
+                    scores: str = "image", on_video: str = "mean"):
+    """Decorator registering ``fn(images, prompts) -> rewards`` under ``name``
+    (``fn(videos, prompts)`` with ``scores="video"``)."""
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if scores not in ("image", "video"):
+        raise ValueError(f"scores: expected 'image' or 'video', got {scores!r}")
+    if on_video not in ("mean", "first", "middle", "last"):
+        raise ValueError(f"on_video: expected 'mean', 'first', 'middle' or 'last', "
+                         f"got {on_video!r}")
 
     def wrap(fn: RewardFn) -> RewardFn:
         if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered; "
                              f"registered rewards: {sorted(REWARDS)}")
-        REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip())
+        REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip(),
+                                   scores, on_video)
         return fn
 
     return wrap
@@ -142,7 +178,7 @@ def evaluate_rewards(
     for spec, weight in pairs:
         name = spec.name
         try:
-            values = spec.fn(images, list(prompts))
+            values = spec(images, list(prompts))
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "

@@ -1,4 +1,5 @@
-"""Rollout tasks: starting noise, one denoising step of a chunk, decoding.
+"""Rollout tasks: starting noise and the prompts' conditioning, one denoising step of a
+chunk, decoding.
 
 Random draws are per sample: sample ``s`` of iteration ``i`` draws its starting noise
 from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``.
@@ -43,15 +44,27 @@ def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...]) -> Latents:
-    """x_0 for each sample: pure noise (shared within a group if asked)."""
+def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
+          prompts: tuple[str, ...]) -> Latents:
+    """x_0 for each sample: pure noise (shared within a group if asked), and the
+    conditioning of each sample's prompt from this worker's text encoders."""
     shape = latent_shape(spec.model)
     rows = []
     for s in sample_ids:
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = "group-noise" if spec.same_noise_in_group else "noise"
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
-    return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows))
+    cond = resident(spec.model, spec.model_seed).conditioning(prompts,
+                                                              spec.sampler.guidance_scale)
+    return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
+
+
+def chunk_conditioning(prompts: tuple[str, ...], data: Latents | StepOut):
+    """The conditioning a chunk's data carries, checked against the task's prompts."""
+    cond = data.cond
+    assert cond is not None and cond.prompts == tuple(prompts), \
+        "a chunk's conditioning must come from its noise task, for its prompts"
+    return cond
 
 
 def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
@@ -62,27 +75,28 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
     dev = models.device
     x = (previous.x if isinstance(previous, Latents) else previous.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
+    cond = chunk_conditioning(prompts, previous)
     with torch.no_grad():
         model = models.policy(weights)
-        embeds, pooled, uncond = models.conditioning(prompts, spec.sampler.guidance_scale)
-        v = predict_velocity(model, x, sigma, embeds, pooled, spec.sampler.guidance_scale,
-                             uncond)
+        v = predict_velocity(spec.model, model, x, sigma, cond.to(dev),
+                             spec.sampler.guidance_scale)
         # Drawn on the CPU from per-sample seeds: the same numbers on any device.
         eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, "sde", iteration, s, t)
                            for s in previous.sample_ids]).to(dev)
         step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
     out = StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
-                  log_prob=step.log_prob.cpu(), version=weights.version)
+                  log_prob=step.log_prob.cpu(), version=weights.version, cond=cond)
     stretch(started)  # an injected slowdown (drills, tests); none by default
     return out
 
 
 def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
-    """Decode a chunk's final latents to images; collect its per-step log-probs."""
+    """Decode a chunk's final latents to images (videos for a video family); collect its
+    per-step log-probs."""
     models = resident(spec.model, spec.model_seed)
     steps = sorted(steps, key=lambda s: s.timestep)
     assert [s.timestep for s in steps] == list(range(len(steps))), "missing steps"
-    images = decode_latents(models.vae, steps[-1].latent.to(models.device))
+    images = decode_latents(spec.model, models.vae, steps[-1].latent.to(models.device))
     log_probs = torch.stack([s.log_prob for s in steps], dim=1).numpy().astype(np.float32)
     latents = None
     if spec.save_latents:

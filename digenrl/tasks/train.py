@@ -28,6 +28,7 @@ import torch
 from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
 from digenrl.models import build_transformer, predict_velocity
 from digenrl.tasks.resident import resident
+from digenrl.tasks.rollout import chunk_conditioning
 from digenrl.tasks.sde import sde_step
 from digenrl.tasks.types import (AdvantageOut, GradOut, IterationStats, Latents, MicroStats,
                                  PolicyWeights, StepOut, TrainerState)
@@ -110,12 +111,13 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     model = models.policy(weights)
     x = (before.x if isinstance(before, Latents) else before.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
-    embeds, pooled, uncond = models.conditioning(prompts, cfg.guidance_scale)
+    # The conditioning arrives with the chunk's latents: trainers load no text encoder.
+    cond = chunk_conditioning(prompts, after).to(dev)
     adv, valid = _chunk_advantages(after.sample_ids, advantages)
     adv, valid = adv.to(dev), valid.to(dev)
     next_latent = after.latent.to(dev)
 
-    v = predict_velocity(model, x, sigma, embeds, pooled, cfg.guidance_scale, uncond)
+    v = predict_velocity(spec.model, model, x, sigma, cond, cfg.guidance_scale)
     step = sde_step(x, v, sigma, sigma_next, cfg.noise_level, next_latent=next_latent)
     logp, logp_b = step.log_prob, after.log_prob.to(dev)
     per_sample, ratio, weight, truncated = policy_loss(
@@ -124,8 +126,8 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     if tc.kl_beta > 0:
         assert reference is not None
         with torch.no_grad():
-            v_ref = predict_velocity(models.policy(reference), x, sigma, embeds, pooled,
-                                     cfg.guidance_scale, uncond)
+            v_ref = predict_velocity(spec.model, models.policy(reference), x, sigma, cond,
+                                     cfg.guidance_scale)
             mean_ref = sde_step(x, v_ref, sigma, sigma_next, cfg.noise_level,
                                 next_latent=next_latent).mean
         kl = ((step.mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) \

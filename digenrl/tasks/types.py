@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from digenrl.models.base import Conditioning
+
 __all__ = ["PolicyWeights", "TrainerState", "Latents", "StepOut", "DecodeOut", "RewardOut",
-           "AdvantageOut", "MicroStats", "GradOut", "IterationStats"]
+           "AdvantageOut", "MicroStats", "GradOut", "IterationStats", "Conditioning"]
 
 
 @dataclass
@@ -41,10 +43,12 @@ class TrainerState:
 
 @dataclass
 class Latents:
-    """The starting noise x_0 of a chunk's samples."""
+    """The starting noise x_0 of a chunk's samples, and their prompts' conditioning
+    (encoded on the rollout worker that drew the noise; it travels with the chunk)."""
 
     sample_ids: tuple[int, ...]
     x: torch.Tensor
+    cond: Conditioning | None = None
 
 
 @dataclass
@@ -56,12 +60,13 @@ class StepOut:
     latent: torch.Tensor
     log_prob: torch.Tensor
     version: int
+    cond: Conditioning | None = None  # the chunk's conditioning, passed along the chain
 
 
 @dataclass
 class DecodeOut:
     sample_ids: tuple[int, ...]
-    images: np.ndarray            # (n, H, W, 3) uint8
+    images: np.ndarray            # (n, H, W, 3) uint8; videos (n, F, H, W, 3)
     log_probs: np.ndarray         # (n, num_steps) float32, at rollout
     behaviour_version: int
     latents: np.ndarray | None = None  # (n, num_steps + 1, C, h, w) when asked for

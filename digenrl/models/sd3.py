@@ -1,0 +1,122 @@
+"""Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``): an MMDiT transformer
+conditioned on CLIP-L and CLIP-G (penultimate hidden states and pooled projections)
+and T5 (last hidden states), with classifier-free guidance against the negative prompt.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Sequence
+
+import torch
+from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+from digenrl.config import SamplerConfig
+from digenrl.models.base import Conditioning, ModelFamily, PromptCache
+from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
+from digenrl.models.tiny import scaled_vae_decode, sd3_velocity
+
+__all__ = ["SD3Family"]
+
+CLIP_PARTS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
+T5_PARTS = ("tokenizer_3", "text_encoder_3")
+
+
+class _SD3Encoder:
+    def __init__(self, family: "SD3Family", device):
+        folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
+        self.family, self.device = family, device
+        self.clips = [(load_part(folder, tok), load_part(folder, enc, dtype=dtype)
+                       .to(device).eval()) for tok, enc in CLIP_PARTS]
+        self.t5_tokenizer = load_part(folder, T5_PARTS[0])
+        self.t5 = load_part(folder, T5_PARTS[1], dtype=dtype).to(device).eval()
+        self.cache = PromptCache(self._encode)
+
+    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        seqs, pooled = [], []
+        for tokenizer, encoder in self.clips:
+            ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                            truncation=True, return_tensors="pt").input_ids
+            out = encoder(ids.to(self.device), output_hidden_states=True)
+            pooled.append(out[0])
+            seqs.append(out.hidden_states[-2])
+        ids = self.t5_tokenizer(prompts, padding="max_length",
+                                max_length=self.family.max_sequence_length, truncation=True,
+                                add_special_tokens=True, return_tensors="pt").input_ids
+        t5 = self.t5(ids.to(self.device))[0]
+        clip = torch.cat(seqs, dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return {"embeds": torch.cat([clip.to(t5.dtype), t5], dim=-2),
+                "pooled": torch.cat(pooled, dim=-1)}
+
+    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
+        neg = self.cache([self.family.cfg.negative_prompt]) if negative else None
+        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
+
+
+class SD3Family(ModelFamily):
+    pipeline_class = "StableDiffusion3Pipeline"
+    parts = ("transformer", "vae", "scheduler") + tuple(p for pair in CLIP_PARTS for p in pair) \
+        + T5_PARTS
+    default_max_sequence_length = 256
+
+    @cached_property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae_config()["block_out_channels"]) - 1)
+
+    def image_size(self) -> tuple[int, int]:
+        """(height, width) in pixels: the configured ones, else the pipeline's default."""
+        default = self.transformer_config()["sample_size"] * self.vae_scale_factor
+        return (self.cfg.height or default, self.cfg.width or default)
+
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor * self.transformer_config()["patch_size"]
+
+    def latent_shape(self) -> tuple[int, int, int]:
+        h, w = self.image_size()
+        f = self.vae_scale_factor
+        return (self.transformer_config()["in_channels"], h // f, w // f)
+
+    def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
+        sched = self.flow_scheduler(sampler)
+        kwargs = {}
+        if sched.config.get("use_dynamic_shifting"):
+            from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import \
+                calculate_shift
+
+            _, h, w = self.latent_shape()
+            p = self.transformer_config()["patch_size"]
+            c = sched.config
+            kwargs["mu"] = calculate_shift((h // p) * (w // p), c.get("base_image_seq_len", 256),
+                                           c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        sched.set_timesteps(sampler.num_steps, **kwargs)
+        return tuple(float(s) for s in sched.sigmas)
+
+    def tokenizers(self):
+        return [(name, load_tokenizer(self.folder, name))
+                for name in (CLIP_PARTS[0][0], CLIP_PARTS[1][0], T5_PARTS[0])]
+
+    def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
+        for name, tok in self.tokenizers():
+            check_tokens(tok, name, named,
+                         self.max_sequence_length if name == T5_PARTS[0] else None)
+
+    def build_transformer(self, seed: int) -> SD3Transformer2DModel:
+        return SD3Transformer2DModel.from_pretrained(
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
+
+    def build_vae(self, seed: int) -> AutoencoderKL:
+        vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
+                                            dtype=torch.float32)
+        return vae.requires_grad_(False).eval()
+
+    def build_encoder(self, device) -> _SD3Encoder:
+        return _SD3Encoder(self, device)
+
+    def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
+        return sd3_velocity(transformer, x, self.timestep(sigma), cond.to_dtype(x.dtype),
+                            guidance_scale)
+
+    def decode(self, vae, latents):
+        return scaled_vae_decode(vae, latents)

@@ -1,0 +1,205 @@
+"""The built-in model: a small SD3-shaped transformer and VAE with seeded random weights
+(nothing is downloaded), conditioned by a hash prompt encoder.
+
+Built from :class:`~digenrl.config.ModelConfig` sizes. A folder without
+``model_index.json`` (only ``transformer/``, ``vae/`` and ``scheduler/`` of an
+SD3-shaped model) loads its transformer and VAE here too; such a folder has no text
+encoders, so prompts go through the hash encoder as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+from digenrl.config import SamplerConfig
+from digenrl.models.base import Conditioning, ModelFamily
+from digenrl.seeding import stable_seed
+
+__all__ = ["TinyFamily", "PromptEncoder", "seeded"]
+
+logger = logging.getLogger(__name__)
+
+
+def seeded(seed: int, part: str) -> None:
+    torch.manual_seed(stable_seed(seed, "init", part))
+
+
+class PromptEncoder:
+    """Deterministic text conditioning that needs no downloads.
+
+    Each word maps to a fixed random vector seeded by the word itself; a prompt is the
+    sequence of its word vectors, zero-padded to ``tokens``, plus the mean of a second
+    set of word vectors as the pooled embedding. The empty prompt is all zeros (the
+    unconditional input for classifier-free guidance). The transformer's own trainable
+    projections learn what to make of them.
+    """
+
+    def __init__(self, tokens: int, embed_dim: int, pooled_dim: int):
+        self.tokens, self.embed_dim, self.pooled_dim = tokens, embed_dim, pooled_dim
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _word(self, word: str, what: str, dim: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(stable_seed("prompt-encoder", what, word))
+        return torch.randn(dim, generator=g, dtype=torch.float32)
+
+    def _one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if prompt not in self._cache:
+            words = prompt.lower().split()[: self.tokens]
+            seq = torch.zeros(self.tokens, self.embed_dim)
+            pooled = torch.zeros(self.pooled_dim)
+            for i, w in enumerate(words):
+                seq[i] = self._word(w, "token", self.embed_dim)
+                pooled += self._word(w, "pooled", self.pooled_dim)
+            if words:
+                pooled /= len(words)
+            self._cache[prompt] = (seq, pooled)
+        return self._cache[prompt]
+
+    def encode(self, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self._one(p) for p in prompts]
+        return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
+
+
+class _HashConditioner:
+    def __init__(self, encoder: PromptEncoder, negative_prompt: str):
+        self.encoder, self.negative_prompt = encoder, negative_prompt
+
+    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
+        embeds, pooled = self.encoder.encode(prompts)
+        neg = None
+        if negative:
+            ue, up = self.encoder.encode([self.negative_prompt])
+            neg = {"embeds": ue, "pooled": up}
+        return Conditioning(tuple(prompts), {"embeds": embeds, "pooled": pooled}, neg)
+
+
+@lru_cache(maxsize=32)
+def _sigmas(num_steps: int, shift: float, num_train_timesteps: int) -> tuple[float, ...]:
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
+    sched.set_timesteps(num_steps)
+    return tuple(float(s) for s in sched.sigmas)
+
+
+def sd3_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
+                 guidance_scale: float) -> torch.Tensor:
+    """An SD3 transformer's velocity, with classifier-free guidance when
+    ``guidance_scale > 1`` (negative and positive rows in one batch, as the pipeline)."""
+    embeds, pooled = cond.tensors["embeds"], cond.tensors["pooled"]
+    n = x.shape[0]
+    t = torch.full((n,), timestep, dtype=torch.float32, device=x.device)
+    if guidance_scale > 1.0:
+        assert cond.negative is not None, "guidance needs the negative prompt's encoding"
+        ue, up = cond.negative["embeds"], cond.negative["pooled"]
+        out = transformer(
+            hidden_states=torch.cat([x, x]),
+            encoder_hidden_states=torch.cat([ue.expand_as(embeds), embeds]),
+            pooled_projections=torch.cat([up.expand_as(pooled), pooled]),
+            timestep=torch.cat([t, t]),
+            return_dict=False,
+        )[0]
+        v_uncond, v_cond = out.chunk(2)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+    return transformer(hidden_states=x, encoder_hidden_states=embeds,
+                       pooled_projections=pooled, timestep=t, return_dict=False)[0]
+
+
+def scaled_vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """latents / scaling_factor + shift_factor through the VAE decoder."""
+    scale = getattr(vae.config, "scaling_factor", 1.0) or 1.0
+    shift = getattr(vae.config, "shift_factor", 0.0) or 0.0
+    return vae.decode(latents / scale + shift, return_dict=False)[0]
+
+
+class TinyFamily(ModelFamily):
+    """The built-in SD3-shaped model (``model.path`` null, or a folder of parts only)."""
+
+    parts = ("transformer", "vae")
+
+    def check_folder(self) -> None:
+        from digenrl.config import ConfigError
+
+        for sub in self.parts:
+            if not (self.folder / sub / "config.json").is_file():
+                raise ConfigError(f"model.path: expected a diffusers pipeline folder with "
+                                  f"{sub}/config.json, got {self.cfg.path!r}")
+
+    def transformer_config(self) -> dict:
+        cfg = self.cfg
+        if self.folder is not None:
+            return super().transformer_config()
+        heads, dim = cfg.attention_heads, cfg.attention_head_dim
+        return dict(
+            sample_size=cfg.latent_size, patch_size=cfg.patch_size,
+            in_channels=cfg.latent_channels, out_channels=cfg.latent_channels,
+            num_layers=cfg.transformer_layers, attention_head_dim=dim,
+            num_attention_heads=heads, joint_attention_dim=cfg.prompt_embed_dim,
+            caption_projection_dim=heads * dim, pooled_projection_dim=cfg.pooled_embed_dim,
+            pos_embed_max_size=cfg.latent_size,
+        )
+
+    def latent_shape(self) -> tuple[int, int, int]:
+        tc = self.transformer_config()
+        size = tc["sample_size"]
+        return (tc["in_channels"], size, size)
+
+    def num_train_timesteps(self) -> int:
+        return 1000 if self.folder is None else super().num_train_timesteps()
+
+    def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
+        return _sigmas(sampler.num_steps, float(sampler.shift), self.num_train_timesteps())
+
+    def timestep(self, sigma: float) -> float:
+        return sigma * 1000.0
+
+    def build_transformer(self, seed: int) -> SD3Transformer2DModel:
+        if self.folder is not None:
+            model = SD3Transformer2DModel.from_pretrained(
+                self.folder, subfolder="transformer", dtype=torch.float32)
+        else:
+            seeded(seed, "transformer")
+            model = SD3Transformer2DModel(**self.transformer_config())
+        return model.eval()
+
+    def build_vae(self, seed: int) -> AutoencoderKL:
+        cfg = self.cfg
+        if self.folder is not None:
+            vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
+                                                dtype=torch.float32)
+        else:
+            seeded(seed, "vae")
+            n = len(cfg.vae_channels)
+            vae = AutoencoderKL(
+                in_channels=3, out_channels=3,
+                down_block_types=("DownEncoderBlock2D",) * n,
+                up_block_types=("UpDecoderBlock2D",) * n,
+                block_out_channels=tuple(cfg.vae_channels),
+                layers_per_block=cfg.vae_layers_per_block,
+                latent_channels=cfg.latent_channels,
+                norm_num_groups=min(32, min(cfg.vae_channels)),
+                sample_size=cfg.image_size,
+            )
+        vae.requires_grad_(False)
+        return vae.eval()
+
+    def prompt_encoder(self) -> PromptEncoder:
+        tc = self.transformer_config()
+        return PromptEncoder(self.cfg.prompt_tokens, tc["joint_attention_dim"],
+                             tc["pooled_projection_dim"])
+
+    def build_encoder(self, device) -> _HashConditioner:
+        if self.folder is not None:
+            logger.warning("model.path %s has no model_index.json: prompts are encoded by "
+                           "the built-in hash encoder, not by text encoders", self.cfg.path)
+        return _HashConditioner(self.prompt_encoder(), self.cfg.negative_prompt)
+
+    def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
+        return sd3_velocity(transformer, x, self.timestep(sigma), cond, guidance_scale)
+
+    def decode(self, vae, latents):
+        return scaled_vae_decode(vae, latents)
+

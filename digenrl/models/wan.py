@@ -1,0 +1,142 @@
+"""Wan2.1 text-to-video (``WanPipeline``): a 3D transformer on ``(channels, frames,
+height, width)`` latents conditioned on UMT5 hidden states (zeroed past each prompt's
+tokens), with classifier-free guidance against the negative prompt. The VAE decodes
+latents de-normalised by its ``latents_mean`` / ``latents_std`` into frames.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Sequence
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+from digenrl.config import SamplerConfig
+from digenrl.models.base import Conditioning, ModelFamily, PromptCache
+from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
+
+__all__ = ["WanFamily", "clean_prompt"]
+
+
+def clean_prompt(text: str) -> str:
+    """WanPipeline's prompt cleaning: HTML entities unescaped, whitespace collapsed
+    (and ``ftfy``'s text repair when it is installed, as there)."""
+    try:
+        import ftfy
+
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+class _WanEncoder:
+    def __init__(self, family: "WanFamily", device):
+        folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
+        self.family, self.device = family, device
+        self.tokenizer = load_part(folder, "tokenizer")
+        self.encoder = load_part(folder, "text_encoder", dtype=dtype).to(device).eval()
+        self.cache = PromptCache(self._encode)
+
+    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        length = self.family.max_sequence_length
+        inputs = self.tokenizer([clean_prompt(p) for p in prompts], padding="max_length",
+                                max_length=length, truncation=True, add_special_tokens=True,
+                                return_attention_mask=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(self.device)
+        hidden = self.encoder(inputs.input_ids.to(self.device), mask).last_hidden_state
+        # Rows past each prompt's own tokens are zeros, as in the pipeline.
+        return {"embeds": hidden * mask.gt(0).unsqueeze(-1).to(hidden.dtype)}
+
+    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
+        neg = self.cache([self.family.cfg.negative_prompt]) if negative else None
+        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
+
+
+class WanFamily(ModelFamily):
+    pipeline_class = "WanPipeline"
+    parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
+    video = True
+    default_max_sequence_length = 512
+    #: WanPipeline's defaults.
+    default_height, default_width, default_frames = 480, 832, 81
+
+    def check_folder(self) -> None:
+        super().check_folder()
+        from digenrl.config import ConfigError
+        from digenrl.models.base import read_json
+
+        index = read_json(self.folder / "model_index.json")
+        if index.get("transformer_2") not in (None, [None, None]) \
+                or index.get("expand_timesteps"):
+            raise ConfigError(f"model.path: expected a Wan2.1 folder (one transformer), got "
+                              f"{str(self.cfg.path)!r} with transformer_2 or expand_timesteps "
+                              f"(Wan2.2)")
+
+    def video_size(self) -> tuple[int, int, int]:
+        """(frames, height, width) in pixels."""
+        return (self.cfg.num_frames or self.default_frames, self.cfg.height or self.default_height,
+                self.cfg.width or self.default_width)
+
+    def size_multiple(self) -> int:
+        vc = self.vae_config()
+        return vc.get("scale_factor_spatial", 8) * self.transformer_config()["patch_size"][-1]
+
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        vc = self.vae_config()
+        frames, h, w = self.video_size()
+        tf, sf = vc.get("scale_factor_temporal", 4), vc.get("scale_factor_spatial", 8)
+        return (self.transformer_config()["in_channels"], (frames - 1) // tf + 1, h // sf, w // sf)
+
+    def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
+        """The flow-matching Euler schedule with ``sampler.shift`` over the folder's
+        training timesteps (a folder whose scheduler is UniPC keeps its timesteps only:
+        the SDE sampler steps by Euler)."""
+        sched = self.flow_scheduler(sampler)
+        sched.set_timesteps(sampler.num_steps)
+        return tuple(float(s) for s in sched.sigmas)
+
+    def tokenizers(self):
+        return [("tokenizer", load_tokenizer(self.folder, "tokenizer"))]
+
+    def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
+        for name, tok in self.tokenizers():
+            check_tokens(tok, name, [(f, clean_prompt(p)) for f, p in named],
+                         self.max_sequence_length)
+
+    def build_transformer(self, seed: int) -> WanTransformer3DModel:
+        return WanTransformer3DModel.from_pretrained(
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
+
+    def build_vae(self, seed: int) -> AutoencoderKLWan:
+        vae = AutoencoderKLWan.from_pretrained(self.folder, subfolder="vae",
+                                               dtype=torch.float32)
+        return vae.requires_grad_(False).eval()
+
+    def build_encoder(self, device) -> _WanEncoder:
+        return _WanEncoder(self, device)
+
+    def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
+        cond = cond.to_dtype(x.dtype)
+        t = torch.full((x.shape[0],), self.timestep(sigma), dtype=torch.float32,
+                       device=x.device)
+        embeds = cond.tensors["embeds"]
+        v = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds,
+                        return_dict=False)[0]
+        if guidance_scale > 1.0:
+            assert cond.negative is not None, "guidance needs the negative prompt's encoding"
+            neg = cond.negative["embeds"].expand_as(embeds)
+            v_uncond = transformer(hidden_states=x, timestep=t, encoder_hidden_states=neg,
+                                   return_dict=False)[0]
+            v = v_uncond + guidance_scale * (v - v_uncond)
+        return v
+
+    def decode(self, vae, latents):
+        c = vae.config
+        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents)
+        std = torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents)
+        # The pipeline divides by 1 / std.
+        return vae.decode(latents / (1.0 / std) + mean, return_dict=False)[0]
