@@ -1,24 +1,31 @@
 """Rewards, in a registry keyed by name.
 
 A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their prompts to
-one float per image. The built-in ones need no model weights. ``device="gpu"`` marks a
-reward that runs a torch module and so needs a GPU slot on the worker that runs it; a
-reward may equally call a remote server from its function.
+one float per image: ``fn(images, prompts)``. A function with a third parameter named
+``metadata`` also receives each sample's prompt metadata (a dict per sample: the other
+keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in ones need no
+model weights. ``device="gpu"`` marks a reward that runs a torch module and so needs a GPU
+slot on the worker that runs it. A reward named under ``reward.remote`` is scored by a
+reward server (:mod:`digenrl.tasks.remote`); :func:`resolve_rewards` makes its spec, and
+from there on it is a reward like the others (a ``cpu`` one: it holds no GPU slot while
+it waits).
 """
 
 from __future__ import annotations
 
+import inspect
 import io
+import json
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
-           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu"]
+           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu", "decode_metadata"]
 
-RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
+RewardFn = Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,8 @@ class RewardSpec:
     fn: RewardFn
     device: str = "cpu"
     description: str = ""
+    #: ``fn`` takes ``metadata`` (one dict per sample) after the prompts.
+    takes_metadata: bool = False
 
 
 REWARDS: dict[str, RewardSpec] = {}
@@ -45,10 +54,18 @@ def register_reward(name: str, *, device: str = "cpu", description: str = ""):
         if name in REWARDS:
             raise ValueError(f"reward {name!r} is already registered; "
                              f"registered rewards: {sorted(REWARDS)}")
-        REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip())
+        REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip(),
+                                   takes_metadata=_takes_metadata(fn))
         return fn
 
     return wrap
+
+
+def _takes_metadata(fn: RewardFn) -> bool:
+    try:
+        return "metadata" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        return False
 
 
 def get_reward(name: str) -> RewardSpec:
@@ -58,19 +75,33 @@ def get_reward(name: str) -> RewardSpec:
         raise ValueError(f"reward: expected one of {sorted(REWARDS)}, got {name!r}") from None
 
 
-def resolve_rewards(components: Mapping[str, float]) -> tuple[tuple[RewardSpec, float], ...]:
-    """Each named reward's registered spec with its weight, in order.
+def resolve_rewards(components: Mapping[str, float],
+                    remote: Mapping[str, Any] | None = None,
+                    ) -> tuple[tuple[RewardSpec, float], ...]:
+    """Each named reward's spec with its weight, in order: a registered reward's, or for a
+    name in ``remote`` (``reward.remote``: name -> RemoteRewardConfig) a reward scored by
+    that server.
 
     The reward task carries these rather than the names: its function travels with the
     task (a module-level function by reference, so the worker imports the module that
     defines it; anything else by value), and a worker -- including one that joins or is
     restarted mid-run -- needs no registration of its own.
     """
-    return tuple((get_reward(name), float(weight)) for name, weight in components.items())
+    remote = remote or {}
+
+    def spec(name: str) -> RewardSpec:
+        if name in remote:
+            from digenrl.tasks.remote import remote_reward
+
+            return remote_reward(name, remote[name])
+        return get_reward(name)
+
+    return tuple((spec(name), float(weight)) for name, weight in components.items())
 
 
-def rewards_need_gpu(components: Mapping[str, float]) -> bool:
-    return any(get_reward(n).device == "gpu" for n in components)
+def rewards_need_gpu(rewards: Sequence[tuple[RewardSpec, float]]) -> bool:
+    """Whether the reward task of these :func:`resolve_rewards` pairs needs a GPU slot."""
+    return any(spec.device == "gpu" for spec, _ in rewards)
 
 
 def _jpeg_kilobytes(images: np.ndarray) -> np.ndarray:
@@ -120,11 +151,13 @@ def evaluate_rewards(
     components: Mapping[str, float] | Sequence[tuple[RewardSpec, float]],
     on_error: str = "raise",
     iteration: int | None = None,
+    metadata: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
     """The weighted sum of ``components`` for each image.
 
     ``components`` maps registered reward names to weights, or is the
-    ``(spec, weight)`` pairs of :func:`resolve_rewards`. Returns ``(total,
+    ``(spec, weight)`` pairs of :func:`resolve_rewards`. ``metadata`` (one dict per
+    image, none by default) reaches the rewards that take it. Returns ``(total,
     per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
     returns NaN/inf for some samples is a :class:`RewardError` naming the reward and
     those samples (and ``iteration`` when given) when ``on_error == "raise"``; with
@@ -139,10 +172,14 @@ def evaluate_rewards(
     valid = np.ones(n, dtype=bool)
     per: dict[str, np.ndarray] = {}
     problems: list[str] = []
+    metadata = [{} for _ in range(n)] if metadata is None else list(metadata)
     for spec, weight in pairs:
         name = spec.name
         try:
-            values = spec.fn(images, list(prompts))
+            if spec.takes_metadata:
+                values = spec.fn(images, list(prompts), metadata)
+            else:
+                values = spec.fn(images, list(prompts))
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
@@ -174,3 +211,11 @@ def evaluate_rewards(
         total = total + weight * np.where(bad, 0.0, arr)
     total = np.where(valid, total, np.nan)
     return total, per, valid, problems
+
+
+def decode_metadata(texts: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """Each of ``n`` samples' metadata from its JSON text (as the graph carries it; an
+    empty text, or no texts at all, is no metadata)."""
+    if not texts:
+        return [{} for _ in range(n)]
+    return [json.loads(t) if t else {} for t in texts]
