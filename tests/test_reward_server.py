@@ -371,3 +371,20 @@ def test_a_remote_reward_takes_no_gpu_slot():
     (spec, weight), = ctx.rewards
     assert (spec.name, spec.device, spec.takes_metadata, weight) == ("served", "cpu", True, 1.0)
     assert TOKEN not in repr(spec)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nosuch"], "reward: expected one of ["),
+    (["brightness", "--import", "no_such_module"],
+     "--import: expected an importable module, got 'no_such_module'"),
+    (["brightness", "--port", "70000"], "--port: expected 0 to 65535, got 70000"),
+    (["brightness", "--max-bytes", "0"],
+     "--max-bytes: expected a positive number of bytes, got 0"),
+])
+def test_reward_server_arguments_are_checked(capsys, argv, message):
+    from digenrl.cli import main
+
+    assert main(["reward-server", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"digenrl reward-server: error: {message}"), err
+    assert err.count("\n") == 1
