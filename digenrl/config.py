@@ -294,9 +294,9 @@ class RolloutConfig:
 # -------------------------------------------------------------------------- reward
 
 
-#: Wire formats of a remote reward: JSON (images as base64 PNG), or pickle for servers
-#: written for flow_grpo's convention (unpickling runs code: trust the server).
-REMOTE_PROTOCOLS = ("json", "pickle")
+#: Wire formats of a remote reward: JSON (images as base64 PNG), MessagePack (PNG bytes),
+#: or pickle for servers written for flow_grpo's convention (unpickling runs code).
+REMOTE_PROTOCOLS = ("json", "msgpack", "pickle")
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ class RemoteRewardConfig:
     url: str = ""
     """The server's URL, http:// or https://."""
     protocol: str = "json"
-    """json: images as base64 PNG in JSON (safe to parse); pickle: a pickled request and answer, for an existing flow_grpo-style server (unpickling runs code: use it only with a server you trust)."""
+    """json: images as base64 PNG in JSON; msgpack: PNG bytes in MessagePack (smaller; both safe to parse); pickle: a pickled request and answer, for an existing flow_grpo-style server (unpickling runs code: use it only with a server you trust)."""
     timeout: float = 60.0
     """Seconds one request may take before it is retried."""
     retries: int = 3

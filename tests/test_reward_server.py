@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -114,7 +115,7 @@ def test_metadata_reaches_a_served_reward_and_pickle_is_opt_in(tmp_path):
     try:
         metadata = [{"score": float(i), "tag": [i]} for i in range(5)]
         expected = metadata_score(IMAGES, PROMPTS, metadata)
-        for protocol in ("json", "pickle"):
+        for protocol in ("json", "msgpack", "pickle"):
             got = RemoteReward("m", s.url, protocol=protocol)(IMAGES, PROMPTS, metadata)
             assert np.array_equal(got, expected), protocol
         # Even allowed, a pickle may only hold plain data: naming a function is refused.
@@ -189,6 +190,11 @@ BAD = {
     "prompts missing": lambda s: _post(s.url, json.dumps(
         {"images": json.loads(_good_json())["images"]}).encode(), _auth(TOKEN)),
     "not JSON": lambda s: _post(s.url, b"images=1", {**_auth(TOKEN), "Content-Type": "text/plain"}),
+    "malformed MessagePack": lambda s: _post(s.url, b"\x83\xa6images", {
+        **_auth(TOKEN), "Content-Type": "application/msgpack"}),
+    "wrong MessagePack": lambda s: _post(s.url, msgpack.packb(
+        {"images": [encode_image(IMAGES[0])], "prompts": ["p", "q"]}),
+        {**_auth(TOKEN), "Content-Type": "application/msgpack"}),
     "pickle": lambda s: _post(s.url, pickle.dumps({"images": []}),
                               {**_auth(TOKEN), "Content-Type": "application/octet-stream"}),
     "no token": lambda s: _post(s.url, _good_json()),
@@ -208,10 +214,13 @@ EXPECTED = {
     "malformed JSON": (400, "expected a JSON object, got malformed JSON"),
     "wrong JSON": (400, "images: expected a non-empty list of encoded images, got 'x.png'"),
     "prompts missing": (400, "prompts: expected a list of 1 strings (one per image), got None"),
-    "not JSON": (415, "expected a JSON object (Content-Type application/json), got 8 bytes "
-                      "of text/plain"),
-    "pickle": (415, "expected JSON, got a pickle (unpickling runs code; start the server "
-                    "with --allow-pickle"),
+    "not JSON": (415, "expected a JSON object (Content-Type application/json) or MessagePack "
+                      "(application/msgpack), got 8 bytes of text/plain"),
+    "malformed MessagePack": (400, "expected a MessagePack map, got malformed MessagePack"),
+    "wrong MessagePack": (400, "prompts: expected a list of 1 strings (one per image), got "
+                               "['p', 'q']"),
+    "pickle": (415, "expected JSON or MessagePack, got a pickle (unpickling runs code; "
+                    "start the server with --allow-pickle"),
     "no token": (401, "missing bearer token"),
     "wrong token": (401, "wrong bearer token"),
     "not base64": (400, "images[0]: expected base64 text of a PNG or JPEG, got text that is "
@@ -332,8 +341,9 @@ def test_a_server_killed_mid_run_stops_it_naming_reward_and_url(cluster_1x1, tmp
     ({"served": {"url": "localhost:8000"}},
      "reward.remote.served.url: expected an http:// or https:// URL of a reward server, "
      "got 'localhost:8000'"),
-    ({"served": {"url": "http://h/", "protocol": "msgpack"}},
-     "reward.remote.served.protocol: expected one of ['json', 'pickle'], got 'msgpack'"),
+    ({"served": {"url": "http://h/", "protocol": "xml"}},
+     "reward.remote.served.protocol: expected one of ['json', 'msgpack', 'pickle'], got "
+     "'xml'"),
     ({"served": {"url": "http://h/", "retries": -1}},
      "reward.remote.served.retries: expected an integer >= 0, got -1"),
     ({"served": {"url": "http://h/", "batch": 4}},

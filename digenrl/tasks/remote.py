@@ -5,13 +5,16 @@ a ``POST`` carries ``{"images": [...], "prompts": [...], "metadata": [...]}`` (o
 per image) and is answered ``{"scores": [...]}`` (one float per image) or, on failure,
 ``{"error": "one line"}`` with a 4xx or 5xx status.
 
-Two wire formats, both sides of which live here (``digenrl reward-server`` and the client
+Three wire formats, both sides of which live here (``digenrl reward-server`` and the client
 use the same functions):
 
 * ``json`` (the default): a JSON object whose images are base64 **PNG**. PNG is lossless,
   so the server scores exactly the pixels the run generated and a served reward equals
   the same reward computed in the run; JPEG would change them (and with them any pixel
   statistic). JSON parsing runs no code, whatever arrives.
+* ``msgpack``: the same dict in MessagePack (``Content-Type: application/msgpack``), the
+  PNGs as raw bytes: about a quarter smaller than base64 and no text to decode, and as
+  safe to parse as JSON.
 * ``pickle``: the pickled dict, for an existing flow_grpo-style server. Unpickling runs
   code chosen by whoever wrote the bytes, so it is an explicit opt-in on each side
   (``protocol: pickle`` on the client, ``--allow-pickle`` on the server), and even then
@@ -40,6 +43,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import msgpack
 import numpy as np
 from PIL import Image
 
@@ -48,11 +52,12 @@ from digenrl.tasks.rewards import RewardSpec
 
 __all__ = ["ProtocolError", "RemoteRewardError", "RemoteReward", "remote_reward",
            "encode_image", "decode_image", "encode_request", "decode_request",
-           "encode_response", "decode_response", "JSON_TYPE", "PICKLE_TYPE"]
+           "encode_response", "decode_response", "JSON_TYPE", "MSGPACK_TYPES", "PICKLE_TYPE"]
 
 logger = logging.getLogger("digenrl")
 
 JSON_TYPE = "application/json"
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 PICKLE_TYPE = "application/octet-stream"
 #: The longest wait between two attempts, in seconds.
 MAX_BACKOFF = 30.0
@@ -114,9 +119,11 @@ def encode_request(protocol: str, images: np.ndarray, prompts: Sequence[str],
                    metadata: Sequence[Mapping[str, Any]]) -> tuple[bytes, str]:
     """The body and content type of a request scoring ``images``."""
     pngs = [encode_image(img) for img in images]
-    if protocol == "pickle":
-        return pickle.dumps({"images": pngs, "prompts": list(prompts),
-                             "metadata": [dict(m) for m in metadata]}), PICKLE_TYPE
+    if protocol in ("pickle", "msgpack"):
+        data = {"images": pngs, "prompts": list(prompts), "metadata": [dict(m) for m in metadata]}
+        if protocol == "pickle":
+            return pickle.dumps(data), PICKLE_TYPE
+        return msgpack.packb(data), MSGPACK_TYPES[0]
     return json.dumps({"images": [base64.b64encode(p).decode("ascii") for p in pngs],
                        "prompts": list(prompts),
                        "metadata": [dict(m) for m in metadata]}).encode(), JSON_TYPE
@@ -127,11 +134,19 @@ def decode_request(body: bytes, content_type: str | None, *, allow_pickle: bool
     """``(protocol, images, prompts, metadata)`` of a request body, or a
     :class:`ProtocolError` naming what is wrong."""
     ctype = (content_type or "").split(";")[0].strip().lower()
-    if _is_pickle(body):  # never JSON, whatever the declared type
+    if ctype in MSGPACK_TYPES:
+        protocol = "msgpack"
+        try:
+            data = _unpack(body)
+        except Exception as e:  # msgpack raises several kinds for bad input
+            raise ProtocolError(f"expected a MessagePack map, got malformed MessagePack "
+                                f"({type(e).__name__}: {e})") from None
+    elif _is_pickle(body):  # never JSON, whatever the declared type
         protocol = "pickle"
         if not allow_pickle:
-            raise ProtocolError("expected JSON, got a pickle (unpickling runs code; start "
-                                "the server with --allow-pickle to accept pickles)", 415)
+            raise ProtocolError("expected JSON or MessagePack, got a pickle (unpickling runs "
+                                "code; start the server with --allow-pickle to accept "
+                                "pickles)", 415)
         try:
             data = _unpickle(body)
         except Exception as e:  # a truncated or hostile pickle raises anything
@@ -144,7 +159,8 @@ def decode_request(body: bytes, content_type: str | None, *, allow_pickle: bool
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"expected a JSON object, got malformed JSON ({e})") from None
     else:
-        raise ProtocolError(f"expected a JSON object (Content-Type {JSON_TYPE}), got "
+        raise ProtocolError(f"expected a JSON object (Content-Type {JSON_TYPE}) or "
+                            f"MessagePack ({MSGPACK_TYPES[0]}), got "
                             f"{len(body)} bytes of {ctype or 'no declared type'} starting "
                             f"{body[:16]!r}", 415)
     if not isinstance(data, dict):
@@ -169,7 +185,7 @@ def decode_request(body: bytes, content_type: str | None, *, allow_pickle: bool
                             f"{_brief(metadata)}")
     pixels = []
     for i, item in enumerate(images):
-        if protocol == "json":
+        if protocol == "json":  # the binary formats carry the bytes themselves
             if not isinstance(item, str):
                 raise ProtocolError(f"images[{i}]: expected base64 text of a PNG or JPEG, "
                                     f"got {type(item).__name__}")
@@ -193,6 +209,10 @@ def decode_request(body: bytes, content_type: str | None, *, allow_pickle: bool
     return protocol, np.stack(pixels), prompts, metadata
 
 
+def _unpack(body: bytes) -> Any:
+    return msgpack.unpackb(body, raw=False)
+
+
 def _brief(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -206,13 +226,15 @@ def encode_response(protocol: str, answer: Mapping[str, Any]) -> tuple[bytes, st
     ``{"error": "..."}``) in the request's wire format."""
     if protocol == "pickle":
         return pickle.dumps(dict(answer)), PICKLE_TYPE
+    if protocol == "msgpack":
+        return msgpack.packb(dict(answer)), MSGPACK_TYPES[0]
     return json.dumps(dict(answer)).encode(), JSON_TYPE
 
 
 def decode_response(protocol: str, body: bytes) -> dict[str, Any]:
     """An answer's dict; a :class:`ProtocolError` for one that is not in the format."""
     try:
-        data = _unpickle(body) if protocol == "pickle" else json.loads(body)
+        data = {"pickle": _unpickle, "msgpack": _unpack}.get(protocol, json.loads)(body)
     except Exception as e:
         raise ProtocolError(f"expected a {protocol} answer, got {len(body)} bytes that do "
                             f"not parse ({type(e).__name__}: {e})") from None
@@ -275,7 +297,7 @@ class RemoteReward:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 answer = response.read()
         except urllib.error.HTTPError as e:
-            reason = _error_text(self.protocol, e.read())
+            reason = _error_text(e.headers.get("Content-Type"), e.read())
             if e.code >= 500 or e.code == 429:
                 raise _Retry(f"HTTP {e.code}: {reason}") from None
             raise RemoteRewardError(f"reward server {self.url} refused the request: "
@@ -289,8 +311,9 @@ class RemoteReward:
         scores = data.get("scores")
         if not isinstance(scores, list) or len(scores) != n or not all(
                 isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
+            got = scores if "scores" in data else data
             raise RemoteRewardError(f"reward server {self.url}: expected scores, a list of "
-                                    f"{n} numbers, got {_brief(scores if 'scores' in data else data)}")
+                                    f"{n} numbers, got {_brief(got)}")
         return [float(s) for s in scores]
 
 
@@ -298,7 +321,11 @@ class _Retry(Exception):
     """A failed attempt worth repeating."""
 
 
-def _error_text(protocol: str, body: bytes) -> str:
+def _error_text(content_type: str | None, body: bytes) -> str:
+    """The reason an error answer gives, in the format its Content-Type names."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    protocol = ("msgpack" if ctype in MSGPACK_TYPES else "pickle" if ctype == PICKLE_TYPE
+                else "json")
     try:
         data = decode_response(protocol, body)
         return str(data.get("error", data))
