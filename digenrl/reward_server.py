@@ -7,10 +7,10 @@ which is also how to see that it is up.
 
 Safe by default: it binds 127.0.0.1 unless told otherwise, reads JSON and MessagePack
 (which run no code when parsed) and a pickle only when started with ``--allow-pickle``,
-checks a bearer token when one is set, and reads at most ``max_bytes`` of a request. Every request it cannot serve -- oversized, truncated,
-malformed, unauthorised, pickled without ``--allow-pickle``, images that do not decode
--- gets a 4xx and a one-line reason, and the server goes on serving; a reward that
-raises is a 500 naming it. Requests are scored one at a time (a reward's model need not
+checks a bearer token when one is set, and reads at most ``max_bytes`` of a request.
+Every request it cannot serve -- oversized, truncated, malformed, unauthorised, pickled
+without ``--allow-pickle``, images that do not decode -- gets a 4xx and a one-line
+reason, and the server goes on serving; a reward that raises is a 500 naming it. Requests are scored one at a time (a reward's model need not
 be thread-safe); reading and decoding them run in parallel.
 """
 

@@ -126,18 +126,16 @@ def test_metadata_reaches_a_served_reward_and_pickle_is_opt_in(tmp_path):
 
 
 def test_a_run_scored_by_the_server_equals_the_in_process_run(cluster_1x1, server,
-                                                              reference_run, tmp_path):
+                                                              reference_run, tmp_path,
+                                                              monkeypatch):
     """The reference run's reward is jpeg_compressibility computed in the reward tasks;
     here the same reward comes from the server, one image per request."""
     cfg = small_config(**{"iterations": REFERENCE_ITERATIONS,
                           "reward.components": {"served": 1.0},
                           "reward.remote": {"served": {"url": server.url, "batch_size": 1,
                                                        "token_env": "SERVED_TOKEN"}}})
-    os.environ["SERVED_TOKEN"] = TOKEN
-    try:
-        result = Runner(cfg, str(tmp_path / "served.zarr"), cluster=cluster_1x1).run()
-    finally:
-        del os.environ["SERVED_TOKEN"]
+    monkeypatch.setenv("SERVED_TOKEN", TOKEN)
+    result = Runner(cfg, str(tmp_path / "served.zarr"), cluster=cluster_1x1).run()
     ds = open_run(tmp_path / "served.zarr")
     assert_same_results(ds, result.final_weights.tensors, reference_run)
     assert np.array_equal(ds["samples"].reward_served.values,
