@@ -357,11 +357,15 @@ class RewardConfig:
         _require(isinstance(self.remote, Mapping), f"{p}.remote",
                  "a mapping of reward name to server settings", self.remote)
         for name, remote in self.remote.items():
-            _require(name not in REWARDS, f"{p}.remote.{name}",
-                     "a name that is not a registered reward's", name)
-            _require(isinstance(remote, RemoteRewardConfig), f"{p}.remote.{name}",
+            sub = _sub_path(f"{p}.remote", name)
+            # The name becomes the store's reward_NAME column.
+            _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
+                     sub, "a name of letters, digits, '_', '-' and '.'", name)
+            _require(name not in REWARDS, sub, "a name that is not a registered reward's",
+                     name)
+            _require(isinstance(remote, RemoteRewardConfig), sub,
                      "a mapping of server settings (url, protocol, ...)", remote)
-            remote.validate(f"{p}.remote.{name}")
+            remote.validate(sub)
         _require(isinstance(self.components, Mapping) and len(self.components) > 0,
                  f"{p}.components", "a non-empty mapping of reward name to weight",
                  self.components)

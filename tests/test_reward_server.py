@@ -350,6 +350,8 @@ def test_a_server_killed_mid_run_stops_it_naming_reward_and_url(cluster_1x1, tmp
      "reward.remote.served.token_env: expected the name of an environment variable"),
     ({"brightness": {"url": "http://h/"}},
      "reward.remote.brightness: expected a name that is not a registered reward's"),
+    ({"a/b": {"url": "http://h/"}},
+     "reward.remote.a/b: expected a name of letters, digits, '_', '-' and '.', got 'a/b'"),
 ])
 def test_remote_settings_are_checked_naming_the_field(remote, message):
     with pytest.raises(ConfigError) as e:
