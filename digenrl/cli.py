@@ -124,6 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="folder for the PNGs (default: STORE-report)")
     rep.add_argument("--quiet", action="store_true")
     rep.add_argument("--debug", action="store_true")
+    srv = sub.add_parser("reward-server", help="serve a registered reward over HTTP (JSON; "
+                                               "see docs/howto.md)")
+    srv.add_argument("reward", help="a registered reward's name")
+    srv.add_argument("--import", dest="modules", action="append", default=[],
+                     metavar="MODULE", help="import a module that registers rewards first "
+                                            "(repeatable)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=0,
+                     help="port to listen on (default 0: a free one, printed at start)")
+    srv.add_argument("--token", help="bearer token every request must carry (default: the "
+                                     "DIGENRL_REWARD_TOKEN environment variable; none when "
+                                     "unset)")
+    srv.add_argument("--max-bytes", type=int, help="largest request body read, in bytes "
+                                                   "(default 64 MiB)")
+    srv.add_argument("--allow-pickle", action="store_true",
+                     help="also accept pickled requests (unpickling can run code: only on a "
+                          "network you trust)")
+    srv.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    srv.add_argument("--debug", action="store_true", help="show full tracebacks")
     sim = sub.add_parser("simulate", help="the scheduling policy on a simulated cluster")
     sim.add_argument("profile", help="a shipped cost profile or a YAML file")
     sim.add_argument("--gpus", type=int, help="scale the profile to this many GPUs")
@@ -458,6 +478,39 @@ def _check_reused(store: Path, profile, iterations: int) -> None:
                           f"(--iterations), got {ran}")
 
 
+def _cmd_reward_server(args: argparse.Namespace) -> int:
+    import importlib
+
+    from digenrl.reward_server import DEFAULT_MAX_BYTES, TOKEN_ENV, serve
+    from digenrl.tasks.rewards import get_reward
+
+    for module in args.modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ConfigError(f"--import: expected an importable module, got {module!r} "
+                              f"({e})") from None
+    try:
+        spec = get_reward(args.reward)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: expected 0 to 65535, got {args.port}")
+    max_bytes = DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes
+    if max_bytes < 1:
+        raise ConfigError(f"--max-bytes: expected a positive number of bytes, got {max_bytes}")
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    if token is not None and not token.strip():
+        raise ConfigError("--token: expected a non-empty token, got ''")
+    try:
+        serve(spec, args.host, args.port, token=token, max_bytes=max_bytes,
+              allow_pickle=args.allow_pickle, announce=lambda line: print(line, flush=True))
+    except OSError as e:
+        raise ConfigError(f"--host/--port: expected an address this machine can listen on, "
+                          f"got {args.host}:{args.port} ({e.strerror or e})") from None
+    return 0
+
+
 def _one_line(text: str) -> str:
     """An error message on one line, whatever it quotes (a YAML parser's report, a
     reward's exception)."""
@@ -471,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _stop_on_signals(args):
             return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-                    "simulate": _cmd_simulate}[args.command](args)
+                    "simulate": _cmd_simulate,
+                    "reward-server": _cmd_reward_server}[args.command](args)
     except Stopped as e:
         print(_interrupted(args, e.signum), file=sys.stderr)
         return 128 + e.signum

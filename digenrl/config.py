@@ -28,6 +28,7 @@ __all__ = [
     "DataConfig",
     "RolloutConfig",
     "RewardConfig",
+    "RemoteRewardConfig",
     "TrainConfig",
     "ScheduleConfig",
     "ScheduleOptions",
@@ -261,6 +262,10 @@ class DataConfig:
     """A built-in prompt list (simple_animals, animal_photos), used when prompts is empty."""
     prompts: tuple[str, ...] = ()
     """Your own prompts; each iteration draws prompts_per_iteration of them (seeded)."""
+    prompt_file: str | None = None
+    """A prompt file, used instead of prompts and prompt_set: .txt (one prompt per line) or .jsonl (one {"prompt": ..., other keys} object per line; the other keys reach rewards as metadata). Each epoch visits every line once in a seeded order."""
+    eval_prompt_file: str | None = None
+    """Held-out prompts, in the same formats as prompt_file (checked at start)."""
     same_noise_in_group: bool = False
     """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
@@ -270,10 +275,19 @@ class DataConfig:
         _require(isinstance(self.prompts, tuple)
                  and all(isinstance(s, str) and s.strip() for s in self.prompts),
                  f"{p}.prompts", "a list of non-empty strings", self.prompts)
-        if not self.prompts:
-            from digenrl.prompts import PROMPT_SETS
+        from digenrl.prompts import PROMPT_SETS, load_prompt_file
 
+        if not self.prompts:
             _choice(self.prompt_set, f"{p}.prompt_set", PROMPT_SETS)
+        for name in ("prompt_file", "eval_prompt_file"):
+            path = getattr(self, name)
+            if path is not None:
+                _require(isinstance(path, str) and path != "", f"{p}.{name}",
+                         "a path to a .txt or .jsonl prompt file, or null", path)
+                load_prompt_file(path, f"{p}.{name}")
+        if self.prompt_file is not None:
+            _require(not self.prompts, f"{p}.prompts",
+                     f"an empty list when {p}.prompt_file is set", self.prompts)
         _require(isinstance(self.same_noise_in_group, bool), f"{p}.same_noise_in_group",
                  "true or false", self.same_noise_in_group)
 
@@ -306,6 +320,47 @@ class RolloutConfig:
 # -------------------------------------------------------------------------- reward
 
 
+#: Wire formats of a remote reward: JSON (images as base64 PNG), MessagePack (PNG bytes),
+#: or pickle for servers written for flow_grpo's convention (unpickling runs code).
+REMOTE_PROTOCOLS = ("json", "msgpack", "pickle")
+
+
+@dataclass(frozen=True)
+class RemoteRewardConfig:
+    """A reward scored by a reward server over HTTP (``digenrl reward-server`` or any
+    server of the same convention): each request POSTs ``{"images", "prompts",
+    "metadata"}`` and is answered ``{"scores": [...]}``. Named under ``reward.remote``
+    and weighted in ``reward.components`` like a registered reward."""
+
+    url: str = ""
+    """The server's URL, http:// or https://."""
+    protocol: str = "json"
+    """json: images as base64 PNG in JSON; msgpack: PNG bytes in MessagePack (smaller; both safe to parse); pickle: a pickled request and answer, for an existing flow_grpo-style server (unpickling runs code: use it only with a server you trust)."""
+    timeout: float = 60.0
+    """Seconds one request may take before it is retried."""
+    retries: int = 3
+    """Further attempts after a request fails (no connection, timeout, or a 5xx or 429 answer); a 4xx answer is not retried."""
+    backoff: float = 1.0
+    """Seconds before the first retry, doubling with each further one (at most 30)."""
+    batch_size: int = 32
+    """The most images one request carries; a reward task sends its chunk in requests of this size."""
+    token_env: str | None = None
+    """An environment variable of the run's process holding a bearer token sent with every request; null sends none."""
+
+    def validate(self, p: str) -> None:
+        _require(isinstance(self.url, str) and bool(re.match(r"^https?://[^\s/]+", self.url)),
+                 f"{p}.url", "an http:// or https:// URL of a reward server", self.url)
+        _choice(self.protocol, f"{p}.protocol", REMOTE_PROTOCOLS)
+        _finite(self.timeout, f"{p}.timeout", 0.0, lo_open=True)
+        _positive_int(self.retries, f"{p}.retries", 0)
+        _finite(self.backoff, f"{p}.backoff", 0.0)
+        _positive_int(self.batch_size, f"{p}.batch_size")
+        if self.token_env is not None:
+            _require(isinstance(self.token_env, str) and bool(
+                re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.token_env)), f"{p}.token_env",
+                "the name of an environment variable, or null", self.token_env)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """A weighted sum of registered rewards, e.g. ``{jpeg_compressibility: 1.0}``.
@@ -316,23 +371,38 @@ class RewardConfig:
 
     components: Mapping[str, float] = field(
         default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards)."""
+    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards). A name is a registered reward or one of reward.remote."""
     on_error: str = "raise"
     """raise: a failing reward stops the run naming the reward and samples; drop: those samples are left out and counted."""
+    remote: Mapping[str, RemoteRewardConfig] = field(default_factory=dict)
+    """Name -> a reward scored by a reward server (the fields below); the name is then usable in components."""
 
     def validate(self, p: str = "reward") -> None:
         from digenrl.tasks.rewards import REWARDS
 
+        _require(isinstance(self.remote, Mapping), f"{p}.remote",
+                 "a mapping of reward name to server settings", self.remote)
+        for name, remote in self.remote.items():
+            sub = _sub_path(f"{p}.remote", name)
+            # The name becomes the store's reward_NAME column.
+            _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
+                     sub, "a name of letters, digits, '_', '-' and '.'", name)
+            _require(name not in REWARDS, sub, "a name that is not a registered reward's",
+                     name)
+            _require(isinstance(remote, RemoteRewardConfig), sub,
+                     "a mapping of server settings (url, protocol, ...)", remote)
+            remote.validate(sub)
         _require(isinstance(self.components, Mapping) and len(self.components) > 0,
                  f"{p}.components", "a non-empty mapping of reward name to weight",
                  self.components)
         for name, weight in self.components.items():
-            _choice(name, f"{p}.components", REWARDS)
+            _choice(name, f"{p}.components", set(REWARDS) | set(self.remote))
             _finite(weight, f"{p}.components.{name}")
         _choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.components.items())), self.on_error))
+        return hash((tuple(sorted(self.components.items())), self.on_error,
+                     tuple(sorted(self.remote.items()))))
 
 
 # --------------------------------------------------------------------------- train
@@ -657,6 +727,8 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         raise ConfigError(errors[0])
     if hint is Any:
         return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
     if origin is tuple:
         _require(isinstance(value, (list, tuple)), path, "a list", value)
         item = args[0] if args else Any
@@ -801,8 +873,15 @@ def reference_markdown() -> str:
              "print(reference_markdown())\" > docs/configuration.md`). A YAML config sets "
              "any of these; `digenrl run --set SECTION.FIELD=VALUE` overrides one.", ""]
     top = [f for f in dataclasses.fields(RunConfig) if f.name not in _SECTIONS]
-    sections = [("(top level)", RunConfig, top)] + [
-        (name, _SECTIONS[name], dataclasses.fields(_SECTIONS[name])) for name in _SECTIONS]
+    sections = [("(top level)", RunConfig, top)]
+    for name, cls in _SECTIONS.items():
+        sections.append((name, cls, dataclasses.fields(cls)))
+        # A mapping of name -> settings (reward.remote): its settings get a table too.
+        for f in dataclasses.fields(cls):
+            args = typing.get_args(typing.get_type_hints(cls)[f.name])
+            if len(args) == 2 and dataclasses.is_dataclass(args[1]):
+                sections.append((f"{name}.{f.name}.NAME", args[1],
+                                 dataclasses.fields(args[1])))
     for title, cls, fields in sections:
         lines += [f"## `{title}`" if title != "(top level)" else "## top level", ""]
         doc = " ".join((cls.__doc__ or "").split()) if cls is not RunConfig else ""
@@ -815,7 +894,7 @@ def reference_markdown() -> str:
                        else f.default_factory())  # type: ignore[misc]
             shown = json_default(default)
             kind = (str(hints[f.name]).replace("typing.", "").replace("<class '", "")
-                    .replace("'>", "").replace("|", "\\|"))
+                    .replace("'>", "").replace("digenrl.config.", "").replace("|", "\\|"))
             lines.append(f"| `{f.name}` | `{kind}` | `{shown}` | "
                          f"{docs.get(cls.__name__, {}).get(f.name, '')} |")
         lines.append("")

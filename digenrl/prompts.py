@@ -1,12 +1,29 @@
-"""Prompt sets and the seeded choice of each iteration's prompts."""
+"""Prompt sets, prompt files and the seeded choice of each iteration's prompts.
+
+The built-in sets and ``data.prompts`` are drawn with replacement, seeded by the
+iteration. A prompt file (``data.prompt_file``) is visited in epochs instead: epoch ``e``
+is a permutation of the file's lines seeded by ``(seed, "prompt_order", e)``, and the
+iterations take consecutive prompts of that sequence of epochs. Both are functions of
+the seed and the iteration alone, so a resumed run continues the same order with no
+state stored.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
 import numpy as np
 
+from digenrl.config import ConfigError, DataConfig
 from digenrl.seeding import stable_seed
 
-__all__ = ["PROMPT_SETS", "prompt_pool", "draw_prompts"]
+__all__ = ["PROMPT_SETS", "PROMPT_FILE_SUFFIXES", "PromptFile", "PromptSource",
+           "load_prompt_file", "prompt_source", "prompt_pool", "draw_prompts",
+           "epoch_order", "epoch_indices"]
 
 # The animal list DDPO trains its compressibility rewards on (ImageNet animal classes).
 _SIMPLE_ANIMALS = (
@@ -22,6 +39,9 @@ PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "animal_photos": tuple(f"a photo of a {a}" for a in _SIMPLE_ANIMALS),
 }
 
+#: The prompt file formats: one prompt per line, or one JSON object per line.
+PROMPT_FILE_SUFFIXES = (".txt", ".jsonl")
+
 
 def prompt_pool(prompt_set: str, prompts: tuple[str, ...] = ()) -> tuple[str, ...]:
     if prompts:
@@ -33,3 +53,146 @@ def draw_prompts(pool: tuple[str, ...], count: int, seed: int, iteration: int) -
     """The prompts of one iteration: drawn with replacement, seeded by the iteration."""
     rng = np.random.default_rng(stable_seed(seed, "prompts", iteration))
     return [pool[i] for i in rng.integers(0, len(pool), size=count)]
+
+
+# ------------------------------------------------------------------- prompt files
+
+
+@dataclass(frozen=True)
+class PromptFile:
+    """The lines of a prompt file: each line's prompt and, for ``.jsonl``, the line's
+    other keys (the metadata rewards receive; empty for ``.txt``)."""
+
+    path: str
+    prompts: tuple[str, ...]
+    metadata: tuple[Mapping[str, Any], ...]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def load_prompt_file(path: str, field: str = "data.prompt_file") -> PromptFile:
+    """Read and check a prompt file; a bad one is a :class:`ConfigError` naming
+    ``field``, the file and the line. Read once per version of the file (its path,
+    size and modification time), however often it is asked for."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError(f"{field}: expected an existing prompt file, got {path!r} "
+                          f"({e.strerror})") from None
+    return _load(os.path.abspath(path), field, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in PROMPT_FILE_SUFFIXES:
+        raise ConfigError(f"{field}: expected a .txt (one prompt per line) or .jsonl "
+                          f"({{\"prompt\": ...}} per line) file, got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{field}: expected a readable prompt file, got {path!r} "
+                          f"({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{field}: line {line} of {path}: expected UTF-8 text, got "
+                          f"byte {raw[e.start:e.start + 1]!r}") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    if not lines:
+        raise ConfigError(f"{field}: expected at least one prompt, got an empty file {path!r}")
+
+    def bad(n: int, expected: str, got: Any) -> ConfigError:
+        return ConfigError(f"{field}: line {n} of {path}: expected {expected}, got {got}")
+
+    lines = [line.rstrip("\r") for line in lines]
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            raise bad(n, "a prompt", "an empty line")
+    empty: Mapping[str, Any] = {}
+    if suffix == ".txt":
+        return PromptFile(path, tuple(lines), (empty,) * len(lines))
+    records = _json_lines(lines, bad)
+    prompts: list[str] = []
+    metadata: list[Mapping[str, Any]] = []
+    for n, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise bad(n, "a JSON object", type(record).__name__)
+        prompt = record.pop("prompt", None)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise bad(n, 'a "prompt" key holding a non-empty string',
+                      "no \"prompt\" key" if prompt is None else repr(prompt))
+        prompts.append(prompt)
+        metadata.append(record or empty)
+    return PromptFile(path, tuple(prompts), tuple(metadata))
+
+
+def _json_lines(lines: list[str], bad) -> list[Any]:
+    """Each line's JSON value: parsed as one array (twice as fast as line by line), or,
+    when that fails, line by line to find the first bad line."""
+    try:
+        values = json.loads("[" + ",".join(lines) + "]")
+        if len(values) == len(lines):  # a line such as `1, 2` would hold two values
+            return values
+    except ValueError:
+        pass
+    values = []
+    for n, line in enumerate(lines, 1):
+        try:
+            values.append(json.loads(line))
+        except ValueError as e:
+            raise bad(n, "a JSON object", f"bad JSON ({e})") from None
+    raise AssertionError("unreachable: the lines parse one by one but not as an array")
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch ``epoch`` visits the ``n`` lines of a prompt file."""
+    order = np.random.default_rng(stable_seed(seed, "prompt_order", epoch)).permutation(n)
+    order.setflags(write=False)
+    return order
+
+
+def epoch_indices(n: int, count: int, seed: int, iteration: int) -> list[int]:
+    """The lines iteration ``iteration`` takes: positions ``iteration * count`` to
+    ``(iteration + 1) * count - 1`` of the epochs laid end to end."""
+    out = []
+    for position in range(iteration * count, (iteration + 1) * count):
+        epoch, k = divmod(position, n)
+        out.append(int(epoch_order(n, seed, epoch)[k]))
+    return out
+
+
+# ------------------------------------------------------------------ prompt sources
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """Where a run's prompts come from: a prompt file (``file``) or a pool drawn with
+    replacement."""
+
+    pool: tuple[str, ...] = ()
+    file: PromptFile | None = None
+
+    def draw(self, count: int, seed: int, iteration: int) -> tuple[list[str], list[str]]:
+        """The prompts of iteration ``iteration`` and each one's metadata as JSON text
+        (empty when it has none)."""
+        if self.file is None:
+            prompts = draw_prompts(self.pool, count, seed, iteration)
+            return prompts, [""] * len(prompts)
+        lines = epoch_indices(len(self.file), count, seed, iteration)
+        return ([self.file.prompts[j] for j in lines],
+                [json.dumps(self.file.metadata[j]) if self.file.metadata[j] else ""
+                 for j in lines])
+
+
+def prompt_source(data: DataConfig) -> PromptSource:
+    """The prompts ``data`` configures (``data.prompt_file`` first)."""
+    if data.prompt_file is not None:
+        return PromptSource(file=load_prompt_file(data.prompt_file, "data.prompt_file"))
+    return PromptSource(pool=prompt_pool(data.prompt_set, data.prompts))

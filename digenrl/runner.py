@@ -22,7 +22,7 @@ from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
-from digenrl.prompts import draw_prompts, prompt_pool
+from digenrl.prompts import prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
@@ -47,7 +47,7 @@ class FlowGRPOWorkload:
         self.layout = self.ctx.layout
         self.iterations = config.iterations
         self.images_per_iteration = config.data.samples_per_iteration
-        self.pool = prompt_pool(config.data.prompt_set, config.data.prompts)
+        self.prompts = prompt_source(config.data)
         self.checkpoint_spec: CheckpointSpec | None = None
         r = config.rollout
         self.chunking = (ChunkingSpec(config.data.samples_per_prompt, r.chunk_size,
@@ -55,9 +55,10 @@ class FlowGRPOWorkload:
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
         d = self.config.data
-        prompts = draw_prompts(self.pool, d.prompts_per_iteration, self.config.seed, iteration)
+        prompts, metadata = self.prompts.draw(d.prompts_per_iteration, self.config.seed,
+                                              iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
-                                     chunk_size or self.config.rollout.chunk_size)
+                                     chunk_size or self.config.rollout.chunk_size, metadata)
 
     def bind(self, nodes, outputs) -> IterationGraph:
         return bind(nodes, self._binding, outputs)

@@ -38,6 +38,7 @@ class GraphContext:
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)
+        rewards = resolve_rewards(config.reward.components, config.reward.remote)
         rspec = rollout.RolloutSpec(
             model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
             sigmas=sigmas, samples_per_prompt=config.data.samples_per_prompt,
@@ -52,11 +53,11 @@ class GraphContext:
             advantage_std=config.train.advantage_std,
             advantage_clip=config.train.advantage_clip,
             reduce_fanin=config.train.reduce_fanin, kl=config.train.kl_beta > 0,
-            reward_gpu=rewards_need_gpu(config.reward.components),
+            reward_gpu=rewards_need_gpu(rewards),
             version_lag=config.schedule.options().max_staleness,
             stale_groups=config.schedule.stale_groups)
         return cls(config=config, layout=layout, rollout=rspec, train=tspec,
-                   rewards=resolve_rewards(config.reward.components))
+                   rewards=rewards)
 
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""

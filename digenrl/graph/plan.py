@@ -12,23 +12,29 @@ __all__ = ["IterationPlan"]
 class IterationPlan:
     """Samples ``0 .. n-1`` of one iteration, group-major: sample ``s`` belongs to prompt
     group ``s // samples_per_prompt``. ``chunks`` are consecutive ``[start, stop)``
-    sample ranges, one per denoise chain."""
+    sample ranges, one per denoise chain. ``metadata`` is each prompt's metadata for the
+    rewards, as JSON text (empty for none), or empty when no prompt has any."""
 
     iteration: int
     prompts: tuple[str, ...]
     samples_per_prompt: int
     chunks: tuple[tuple[int, int], ...]
+    metadata: tuple[str, ...] = ()
 
     @classmethod
     def uniform(cls, iteration: int, prompts, samples_per_prompt: int,
-                chunk_size: int) -> "IterationPlan":
+                chunk_size: int, metadata=()) -> "IterationPlan":
         n = len(prompts) * samples_per_prompt
         if n % chunk_size:
             raise ValueError(f"chunk_size: expected a divisor of {n}, got {chunk_size}")
         chunks = tuple((s, s + chunk_size) for s in range(0, n, chunk_size))
-        return cls(iteration, tuple(prompts), samples_per_prompt, chunks)
+        metadata = tuple(metadata) if any(metadata) else ()
+        return cls(iteration, tuple(prompts), samples_per_prompt, chunks, metadata)
 
     def __post_init__(self) -> None:
+        if self.metadata and len(self.metadata) != len(self.prompts):
+            raise ValueError(f"metadata: expected one entry per prompt ({len(self.prompts)}),"
+                             f" got {len(self.metadata)}")
         covered = [s for a, b in self.chunks for s in range(a, b)]
         if covered != list(range(self.num_samples)):
             raise ValueError(f"chunks: expected consecutive ranges covering 0..{self.num_samples - 1},"
@@ -53,6 +59,13 @@ class IterationPlan:
         a, b = self.chunks[chunk]
         prompts, per = self.prompts, self.samples_per_prompt
         return tuple([prompts[s // per] for s in range(a, b)])
+
+    def chunk_metadata(self, chunk: int) -> tuple[str, ...]:
+        """Each sample's prompt metadata (JSON text), or () when no prompt has any."""
+        if not self.metadata:
+            return ()
+        a, b = self.chunks[chunk]
+        return tuple([self.metadata[s // self.samples_per_prompt] for s in range(a, b)])
 
     def group_sample_ids(self, group: int) -> tuple[int, ...]:
         a = group * self.samples_per_prompt

@@ -216,7 +216,8 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                     tuple(Dep(k) for k in chain), chain))
         append(Node(("reward", i, c), "reward",
                     task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
-                    (prompts, Dep(("decode", i, c))), [("decode", i, c)]))
+                    (prompts, Dep(("decode", i, c)), plan.chunk_metadata(c)),
+                    [("decode", i, c)]))
     return out
 
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from digenrl.tasks.rewards import RewardSpec, evaluate_rewards
+from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
 __all__ = ["score", "group_advantages", "advantage"]
@@ -15,13 +15,16 @@ STD_EPS = 1e-4
 
 
 def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
-          prompts: Sequence[str], decoded: DecodeOut) -> RewardOut:
+          prompts: Sequence[str], decoded: DecodeOut,
+          metadata: Sequence[str] = ()) -> RewardOut:
     """The reward task: the weighted reward of each decoded image of a chunk.
 
     ``rewards`` are :func:`~digenrl.tasks.rewards.resolve_rewards` pairs: the task
-    carries the reward functions themselves."""
+    carries the reward functions themselves. ``metadata`` is each sample's prompt
+    metadata as JSON text (none when empty)."""
     total, per, valid, problems = evaluate_rewards(
-        decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration)
+        decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration,
+        decode_metadata(metadata, len(decoded.images)))
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
 

@@ -1,9 +1,14 @@
 """Rewards, in a registry keyed by name.
 
 A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their prompts to
-one float per image. The built-in ones need no model weights. ``device="gpu"`` marks a
-reward that runs a torch module and so needs a GPU slot on the worker that runs it; a
-reward may equally call a remote server from its function.
+one float per image: ``fn(images, prompts)``. A function with a third parameter named
+``metadata`` also receives each sample's prompt metadata (a dict per sample: the other
+keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in ones need no
+model weights. ``device="gpu"`` marks a reward that runs a torch module and so needs a GPU
+slot on the worker that runs it. A reward named under ``reward.remote`` is scored by a
+reward server (:mod:`digenrl.tasks.remote`); :func:`resolve_rewards` makes its spec, and
+from there on it is a reward like the others (a ``cpu`` one: it holds no GPU slot while
+it waits).
 
 A reward declares what it scores: ``scores="image"`` (the default) or ``"video"``
 (batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
@@ -13,17 +18,19 @@ say otherwise: ``"first"``, ``"middle"`` or ``"last"`` scores that frame alone.
 
 from __future__ import annotations
 
+import inspect
 import io
+import json
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
-           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu"]
+           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu", "decode_metadata"]
 
-RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
+RewardFn = Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -34,23 +41,34 @@ class RewardSpec:
     description: str = ""
     scores: str = "image"    # what fn takes: "image" or "video" batches
     on_video: str = "mean"   # an image reward on videos: mean over frames, or one frame
+    #: ``fn`` takes ``metadata`` (one dict per sample) after the prompts.
+    takes_metadata: bool = False
 
-    def __call__(self, samples: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    def _score(self, samples: np.ndarray, prompts: list, metadata: list):
+        if self.takes_metadata:
+            return self.fn(samples, prompts, metadata)
+        return self.fn(samples, prompts)
+
+    def __call__(self, samples: np.ndarray, prompts: Sequence[str],
+                 metadata: Sequence[dict] = ()) -> np.ndarray:
         """The reward of each sample: images, or videos (``samples.ndim == 5``)."""
+        prompts = list(prompts)
+        metadata = list(metadata) or [{} for _ in prompts]
         video = samples.ndim == 5
         if self.scores == "video":
             if not video:
                 raise RewardError(f"reward {self.name!r} scores videos, got images "
                                   f"of shape {samples.shape}")
-            return self.fn(samples, prompts)
+            return self._score(samples, prompts, metadata)
         if not video:
-            return self.fn(samples, prompts)
+            return self._score(samples, prompts, metadata)
         n, f = samples.shape[:2]
         if self.on_video != "mean":
             frame = {"first": 0, "middle": f // 2, "last": f - 1}[self.on_video]
-            return self.fn(np.ascontiguousarray(samples[:, frame]), prompts)
+            return self._score(np.ascontiguousarray(samples[:, frame]), prompts, metadata)
         frames = samples.reshape((n * f,) + samples.shape[2:])
-        values = np.asarray(self.fn(frames, [p for p in prompts for _ in range(f)]),
+        values = np.asarray(self._score(frames, [p for p in prompts for _ in range(f)],
+                                        [m for m in metadata for _ in range(f)]),
                             dtype=np.float64)
         if values.shape != (n * f,):
             return values  # the caller reports the wrong shape
@@ -81,10 +99,17 @@ def register_reward(name: str, *, device: str = "cpu", description: str = "",
             raise ValueError(f"reward {name!r} is already registered; "
                              f"registered rewards: {sorted(REWARDS)}")
         REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip(),
-                                   scores, on_video)
+                                   scores, on_video, takes_metadata=_takes_metadata(fn))
         return fn
 
     return wrap
+
+
+def _takes_metadata(fn: RewardFn) -> bool:
+    try:
+        return "metadata" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        return False
 
 
 def get_reward(name: str) -> RewardSpec:
@@ -94,19 +119,33 @@ def get_reward(name: str) -> RewardSpec:
         raise ValueError(f"reward: expected one of {sorted(REWARDS)}, got {name!r}") from None
 
 
-def resolve_rewards(components: Mapping[str, float]) -> tuple[tuple[RewardSpec, float], ...]:
-    """Each named reward's registered spec with its weight, in order.
+def resolve_rewards(components: Mapping[str, float],
+                    remote: Mapping[str, Any] | None = None,
+                    ) -> tuple[tuple[RewardSpec, float], ...]:
+    """Each named reward's spec with its weight, in order: a registered reward's, or for a
+    name in ``remote`` (``reward.remote``: name -> RemoteRewardConfig) a reward scored by
+    that server.
 
     The reward task carries these rather than the names: its function travels with the
     task (a module-level function by reference, so the worker imports the module that
     defines it; anything else by value), and a worker -- including one that joins or is
     restarted mid-run -- needs no registration of its own.
     """
-    return tuple((get_reward(name), float(weight)) for name, weight in components.items())
+    remote = remote or {}
+
+    def spec(name: str) -> RewardSpec:
+        if name in remote:
+            from digenrl.tasks.remote import remote_reward
+
+            return remote_reward(name, remote[name])
+        return get_reward(name)
+
+    return tuple((spec(name), float(weight)) for name, weight in components.items())
 
 
-def rewards_need_gpu(components: Mapping[str, float]) -> bool:
-    return any(get_reward(n).device == "gpu" for n in components)
+def rewards_need_gpu(rewards: Sequence[tuple[RewardSpec, float]]) -> bool:
+    """Whether the reward task of these :func:`resolve_rewards` pairs needs a GPU slot."""
+    return any(spec.device == "gpu" for spec, _ in rewards)
 
 
 def _jpeg_kilobytes(images: np.ndarray) -> np.ndarray:
@@ -156,11 +195,13 @@ def evaluate_rewards(
     components: Mapping[str, float] | Sequence[tuple[RewardSpec, float]],
     on_error: str = "raise",
     iteration: int | None = None,
+    metadata: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
     """The weighted sum of ``components`` for each image.
 
     ``components`` maps registered reward names to weights, or is the
-    ``(spec, weight)`` pairs of :func:`resolve_rewards`. Returns ``(total,
+    ``(spec, weight)`` pairs of :func:`resolve_rewards`. ``metadata`` (one dict per
+    image, none by default) reaches the rewards that take it. Returns ``(total,
     per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
     returns NaN/inf for some samples is a :class:`RewardError` naming the reward and
     those samples (and ``iteration`` when given) when ``on_error == "raise"``; with
@@ -175,10 +216,11 @@ def evaluate_rewards(
     valid = np.ones(n, dtype=bool)
     per: dict[str, np.ndarray] = {}
     problems: list[str] = []
+    metadata = [{} for _ in range(n)] if metadata is None else list(metadata)
     for spec, weight in pairs:
         name = spec.name
         try:
-            values = spec(images, list(prompts))
+            values = spec(images, list(prompts), metadata)
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
@@ -210,3 +252,11 @@ def evaluate_rewards(
         total = total + weight * np.where(bad, 0.0, arr)
     total = np.where(valid, total, np.nan)
     return total, per, valid, problems
+
+
+def decode_metadata(texts: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """Each of ``n`` samples' metadata from its JSON text (as the graph carries it; an
+    empty text, or no texts at all, is no metadata)."""
+    if not texts:
+        return [{} for _ in range(n)]
+    return [json.loads(t) if t else {} for t in texts]
