@@ -305,6 +305,40 @@ def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
     return f"{e} ({hint})"
 
 
+def _lost_scheduler(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) says the Dask scheduler went
+    away: the connection closed under a request, or the client cancelled the run's
+    futures because it lost the scheduler."""
+    from distributed.client import FutureCancelledError
+    from distributed.comm.core import CommClosedError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, CommClosedError) or (
+                isinstance(e, FutureCancelledError) and e.reason == "scheduler-connection-lost"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _scheduler_loss(args: argparse.Namespace, e: BaseException) -> str:
+    """The one line a run that lost its scheduler ends with."""
+    out, n = _stored(args)
+    where = f" at {args.scheduler}" if getattr(args, "scheduler", None) else ""
+    line = (f"digenrl run: error: lost the Dask scheduler{where} "
+            f"({type(e).__name__}: {_one_line(str(e))[:200]})")
+    if out is None or n is None:
+        return line + "; nothing was stored"
+    hint = _resume_command(args, out)
+    if where:
+        hint = hint.replace(f"--scheduler {args.scheduler}", "--scheduler NEW_ADDRESS")
+        hint = f"start a scheduler and continue with: {hint}"
+    else:
+        hint = f"continue with: {hint}"
+    return f"{line}; {out} holds {n} complete iteration{'s' if n != 1 else ''}; {hint}"
+
+
 class Stopped(KeyboardInterrupt):
     """The first SIGINT or SIGTERM a command receives: raised in the main thread so the
     command unwinds (a run's driver cancels its work and leaves the store as its last
@@ -539,6 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"digenrl {args.command}: error: {_one_line(_reward_failure(e, args))}",
               file=sys.stderr)
+        return 1
+    except Exception as e:
+        if args.command != "run" or getattr(args, "debug", False) or not _lost_scheduler(e):
+            raise
+        print(_scheduler_loss(args, e), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the main thread, or on a platform without signals
         print(_interrupted(args, signal.SIGINT), file=sys.stderr)
