@@ -24,6 +24,7 @@ from distributed import Future, wait
 
 from digenrl import __version__
 from digenrl.analysis import busy_seconds, pools_served
+from digenrl.checkpoints import complete_checkpoints, drop_checkpoints
 from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
@@ -34,8 +35,7 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
                                          measure_chunks)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER, ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
-from digenrl.store import (RunStore, StoreError, committed_iterations, complete_checkpoints,
-                           drop_checkpoints, read_attrs)
+from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
 
 __all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "check_store",
            "library_versions", "task_columns"]

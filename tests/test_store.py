@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from digenrl.store import (RunStore, StoreError, complete_checkpoints, drop_checkpoints,
-                           open_run, read_checkpoint, write_checkpoint)
+from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
+                                 write_checkpoint)
+from digenrl.store import RunStore, StoreError, open_run
 
 
 def rows(i, n=3):
