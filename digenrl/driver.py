@@ -31,6 +31,7 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint_key,
                                      init_nodes, publish_key, reduce_root_key, restore_key,
                                      restore_nodes, rollout_nodes, tail_nodes, train_nodes)
+from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
 from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER, ScheduleOptions
@@ -38,7 +39,7 @@ from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
 
 __all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "check_store",
-           "library_versions", "task_columns"]
+           "library_versions"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -438,27 +439,6 @@ class Driver:
         result.final = w.finish(client, store, published[w.iterations])
         store.update_attrs(finished=w.iterations)
         return result
-
-
-_TASK_COLUMNS = {
-    "key": str, "kind": str, "gpu": bool, "worker": str, "worker_name": str, "pool": str,
-    "start": np.float64, "stop": np.float64, "iteration": np.int32,
-    "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
-    "ready": np.float64, "eligible": np.float64, "released": np.float64,
-    "finished": np.float64, "tag": bool,
-    "stolen": bool, "nbytes": np.int64, "transfer": np.float64,
-    "transfer_start": np.float64, "transfer_stop": np.float64,
-}
-
-
-def task_columns(records: list[dict]) -> dict[str, np.ndarray]:
-    out = {}
-    for name, dtype in _TASK_COLUMNS.items():
-        vals = [r.get(name) for r in records]
-        if dtype is np.float64:
-            vals = [np.nan if v is None else v for v in vals]
-        out[name] = np.asarray(vals, dtype=dtype) if records else np.zeros(0, dtype)
-    return out
 
 
 def _window_metrics(records: list[dict], pools: dict[str, list[str]], t0: float,

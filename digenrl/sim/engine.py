@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections import defaultdict, deque
+from collections import defaultdict, deque, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key, publish_key
+from digenrl.records import SIMULATED_COLUMNS
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
@@ -44,23 +45,8 @@ class SimWorker:
     speed: float = 1.0          # relative speed: durations are divided by it
 
 
-class SimRecord(NamedTuple):
-    """One task as it ran."""
-
-    key: Key
-    kind: str
-    worker: str
-    pool: str
-    iteration: int
-    policy_version: int
-    timestep: int
-    chunk: int
-    ready: float
-    released: float
-    start: float
-    stop: float
-    tag: bool
-    gpu: bool
+#: One task as it ran: the task-record columns the simulator models.
+SimRecord = namedtuple("SimRecord", SIMULATED_COLUMNS)
 
 
 @dataclass
@@ -79,11 +65,12 @@ class SimResult:
     def records(self) -> list[SimRecord]:
         """Every task as it ran, in the order they finished (made on first use: a
         large run finishes millions of tasks and most callers need only :meth:`busy`)."""
-        new = tuple.__new__
-        return [new(SimRecord, (
-            t.key, t.kind, t.holder, t.on.pool, t.iteration, t.policy_version,
-            -1 if t.timestep is None else t.timestep, -1 if t.chunk is None else t.chunk,
-            t.ready_at, t.released, t.start, t.stop, t.worker_tag, t.gpu))
+        return [SimRecord(
+            key=t.key, kind=t.kind, worker=t.holder, pool=t.on.pool, iteration=t.iteration,
+            policy_version=t.policy_version,
+            timestep=-1 if t.timestep is None else t.timestep,
+            chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
+            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu)
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
