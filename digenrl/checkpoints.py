@@ -8,7 +8,7 @@ tensors of ``params``, ``exp_avg`` and ``exp_avg_sq``, chunked in runs of at mos
 keeps writes and the store's metadata commit cheap however many tensors the model has.
 A trainer task writes it (:mod:`digenrl.tasks.checkpoint`); the next optimizer step and
 a resumed run read it back. The driver drops versions no pipeline stage can read any
-more.
+more (:meth:`digenrl.graph.structure.GraphLayout.retains`).
 """
 
 from __future__ import annotations
