@@ -192,7 +192,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 ws = self.scheduler.workers.get(worker)
                 duration = self.telemetry.finished(
                     key, meta, self.policy, str(ws.name) if ws is not None else worker, kwargs)
-                self.policy.task_done(key, kwargs.get("worker"), duration)
+                self.policy.task_done(key, worker, duration)
             elif finish == "erred":
                 self.policy.task_failed(key)
             else:
