@@ -16,8 +16,8 @@ import numpy as np
 
 from digenrl.vocabulary import COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT, TRAINER
 
-__all__ = ["WindowStats", "window_stats", "busy_seconds", "utilisation_timeline",
-           "dispatch_overhead", "pools_served", "store_pools"]
+__all__ = ["WindowStats", "window_stats", "window_metrics", "optimize_stop", "busy_seconds",
+           "utilisation_timeline", "dispatch_overhead", "pools_served", "store_pools"]
 
 
 def pools_served(tagged: Mapping[str, Iterable[str]], pooled: bool) -> dict[str, list[str]]:
@@ -45,6 +45,43 @@ def busy_seconds(tasks, t0: float, t1: float) -> dict[str, float]:
         out[str(name)] = float(_overlap(rows["start"].to_numpy(), rows["stop"].to_numpy(),
                                         t0, t1).sum())
     return out
+
+
+def window_metrics(records: list[dict], pools: Mapping[str, Iterable[str]], t0: float,
+                   t1: float) -> dict[str, float]:
+    """Per-pool GPU utilisation, TAG GPU-seconds and the mean wait of GPU tasks from
+    ready to released, over an iteration's window ``[t0, t1]`` (the driver stores them
+    with each iteration's metrics). ``records``: task records (:mod:`digenrl.records`)
+    of the tasks that may overlap the window; ``pools``: worker names by pool."""
+    import pandas as pd
+
+    out = {f"utilisation_{p}": float("nan") for p in (ROLLOUT, TRAINER, COLOCATED)}
+    out.update({"tag_seconds": 0.0, "gpu_wait_mean": float("nan")})
+    if not records or t1 <= t0:
+        return out
+    df = pd.DataFrame(records).dropna(subset=["start", "stop"])
+    busy = busy_seconds(df, t0, t1)
+    for pool, names in pools.items():
+        names = list(names)
+        if names:
+            out[f"utilisation_{pool}"] = sum(busy.get(w, 0.0) for w in names) / (
+                len(names) * (t1 - t0))
+    tag = df[df["tag"]]
+    out["tag_seconds"] = float(_overlap(tag["start"].to_numpy(), tag["stop"].to_numpy(),
+                                        t0, t1).sum())
+    gpu = df[df["gpu"] & (df["finished"] > t0) & (df["finished"] <= t1)]
+    if len(gpu):
+        out["gpu_wait_mean"] = float((gpu["released"] - gpu["ready"]).mean())
+    return out
+
+
+def optimize_stop(records: Iterable[Mapping[str, Any]], iteration: int) -> float | None:
+    """When iteration ``iteration``'s optimizer step stopped, if ``records`` hold it:
+    the end of that iteration's window."""
+    for r in records:
+        if r["kind"] == OPTIMIZE and r["iteration"] == iteration and r["stop"]:
+            return float(r["stop"])
+    return None
 
 
 @dataclass

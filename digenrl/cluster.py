@@ -21,7 +21,7 @@ from distributed import Client, LocalCluster, Nanny, SpecCluster, WorkerPlugin
 from distributed.deploy.subprocess import SubprocessScheduler
 
 from digenrl.config import ClusterConfig, ConfigError
-from digenrl.schedulers.options import ROLLOUT, TRAINER
+from digenrl.vocabulary import ROLLOUT, TRAINER
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resources
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",

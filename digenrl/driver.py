@@ -23,22 +23,24 @@ import numpy as np
 from distributed import Future, wait
 
 from digenrl import __version__
-from digenrl.analysis import busy_seconds, pools_served
+from digenrl.analysis import optimize_stop, pools_served, window_metrics
+from digenrl.checkpoints import complete_checkpoints, drop_checkpoints
 from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint_key,
                                      init_nodes, publish_key, reduce_root_key, restore_key,
                                      restore_nodes, rollout_nodes, tail_nodes, train_nodes)
+from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
-from digenrl.schedulers.options import COLOCATED, ROLLOUT, TRAINER, ScheduleOptions
+from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
-from digenrl.store import (RunStore, StoreError, committed_iterations, complete_checkpoints,
-                           drop_checkpoints, read_attrs)
+from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
+from digenrl.vocabulary import DENOISE, TRAINER
 
-__all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "check_store",
-           "library_versions", "task_columns"]
+__all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "check_store",
+           "library_versions"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -69,7 +71,8 @@ class Workload(Protocol):
     layout: GraphLayout
     iterations: int
     images_per_iteration: int
-    #: task kinds whose results the driver gathers for :meth:`rows`
+    #: the task kinds whose results the driver gathers for :meth:`rows` (of decode,
+    #: reward, advantage and stats: the outputs it waits for)
     collected: tuple[str, ...]
 
     #: the chunking the driver chooses per iteration; None: the workload's fixed chunks
@@ -108,9 +111,7 @@ def check_store(workload: Workload, out: str, *, overwrite: bool = False,
     if start == 0:
         return 0  # nothing to restore: version 0 is built (and checkpointed) again
     have = set(complete_checkpoints(out))
-    need = set(range(max(0, start - workload.options.max_staleness), start + 1))
-    if workload.layout.kl:
-        need.add(0)
+    need = set(workload.layout.retained_versions(start))
     missing = sorted(need - have)
     if missing:
         raise StoreError(f"resume: the store lacks the checkpoints of policy versions "
@@ -138,11 +139,11 @@ def library_versions() -> dict[str, str]:
 class Driver:
     """Runs a workload to completion on a cluster, writing the store at ``out``.
 
-    Each iteration is submitted in three pieces, each as soon as what it reads exists:
-    its *rollout* (once the policy versions its chunks read are published), its *train*
-    part (advantages, micro-steps and the reduction, once version i is published) and its
-    *tail* (the optimizer step, from the previous state read back from its checkpoint,
-    which publishes and checkpoints version i + 1). Because every optimizer step starts
+    Each iteration is submitted in three pieces, each as soon as what it reads exists
+    (:class:`Pipeline`): its *rollout*, its *train* part (advantages, micro-steps and the
+    reduction) and its *tail* (the optimizer step, from the previous state read back from
+    its checkpoint, which publishes and checkpoints version i + 1); once complete it is
+    committed to the store (:meth:`_commit`). Because every optimizer step starts
     from a checkpoint, no result ever needs more than about two iterations of lineage to
     be recomputed, the scheduler forgets finished iterations, and ``resume`` continues a
     run from its last complete iteration bit for bit.
@@ -219,16 +220,12 @@ class Driver:
         """Adaptive chunking: what this iteration's denoise tasks measured."""
         if getattr(self.w, "chunking", None) is None:
             return
-        iterations = {int(r["iteration"]) for r in records if r.get("kind") == "denoise"}
+        iterations = {int(r["iteration"]) for r in records if r.get("kind") == DENOISE}
         sizes = {(i, c): b - a for i in iterations if i in self._plans
                  for c, (a, b) in enumerate(self._plans[i].chunks)}
         m = measure_chunks(records, sizes, self._speeds())
         if m is not None:
             self._measured = m
-
-    def _versions_read(self, j: int) -> set[int]:
-        plan = self.plan(j)
-        return {self.w.layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
 
     # --------------------------------------------------------------------- run
 
@@ -294,200 +291,246 @@ class Driver:
             logger.debug("could not end run %s on the scheduler: %r", self.run_id, e)
 
     def _run(self, store: RunStore, start: int) -> RunResult:
-        w, opts, client = self.w, self.w.options, self.handle.client
-        k = opts.max_staleness
-        published: dict[int, Future] = {}     # version -> its publish future (held)
-        checkpoints: dict[int, Future] = {}   # version -> its checkpoint future
-        checkpointed: set[int] = set()
-        held: dict[int, dict[Key, Future]] = {}   # rollout/train keys a later piece reads
-        collect: dict[int, dict[Key, Future]] = {}
-        submitted = {"rollout": set(), "train": set(), "tail": set()}
-
-        if start == 0:
-            futs = self._submit(init_nodes(checkpoint=True),
-                                [publish_key(0), checkpoint_key(0)], "init")
-            published[0] = futs[publish_key(0)]
-            checkpoints[0] = futs[checkpoint_key(0)]
-        else:
-            versions = sorted({v for v in range(max(0, start - k), start + 1)}
-                              | ({0} if w.layout.kl else set()))
-            for v in versions:
-                futs = self._submit(restore_nodes(v, publish=True), [publish_key(v)],
-                                    f"restore-{v}")
-                published[v] = futs[publish_key(v)]
-            checkpointed.add(start)
-
-        def submit_ready(next_collect: int) -> None:
-            progress = True
-            while progress:
-                progress = False
-                for j in range(start, w.iterations):
-                    if j not in submitted["rollout"] and j > next_collect + k + 1:
-                        break  # not yet: its plan is fixed when it can be submitted
-                    plan = self.plan(j)
-                    if (j not in submitted["rollout"]
-                            and self._versions_read(j) <= set(published)):
-                        keys = (iteration_outputs(plan)["decode"]
-                                + iteration_outputs(plan)["reward"])
-                        trained = chain_keys_trained(w.layout, plan)
-                        futs = self._submit(rollout_nodes(w.layout, plan), keys + trained,
-                                            f"rollout-{j}")
-                        collect.setdefault(j, {}).update({k_: futs[k_] for k_ in keys})
-                        held[j] = {k_: futs[k_] for k_ in trained}
-                        submitted["rollout"].add(j)
-                        progress = True
-                    if (j in submitted["rollout"] and j not in submitted["train"]
-                            and j in published and (not w.layout.kl or 0 in published)):
-                        root = reduce_root_key(j, len(plan.chunks) * w.layout.trained_steps,
-                                               w.layout.reduce_fanin)
-                        keys = iteration_outputs(plan)["advantage"]
-                        futs = self._submit(train_nodes(w.layout, plan), keys + [root],
-                                            f"train-{j}")
-                        collect[j].update({k_: futs[k_] for k_ in keys})
-                        held[j] = {root: futs[root]}  # the chain latents are read now
-                        submitted["train"].add(j)
-                        progress = True
-                    if (j in submitted["train"] and j not in submitted["tail"]
-                            and j in checkpointed):
-                        keys = [("stats", j), publish_key(j + 1), checkpoint_key(j + 1)]
-                        futs = self._submit(tail_nodes(w.layout, plan, restore_key(j),
-                                                       checkpoint=True), keys, f"tail-{j}")
-                        collect[j][("stats", j)] = futs[("stats", j)]
-                        published[j + 1] = futs[publish_key(j + 1)]
-                        checkpoints[j + 1] = futs[checkpoint_key(j + 1)]
-                        held.pop(j, None)
-                        submitted["tail"].add(j)
-                        progress = True
-
-        def note_checkpoints() -> None:
-            for v, f in list(checkpoints.items()):
-                if f.status == "error":
-                    f.result()  # raises: a checkpoint that cannot be written stops the run
-                if f.done():
-                    checkpointed.add(v)
-                    del checkpoints[v]
-
+        w, client = self.w, self.handle.client
+        pipeline = Pipeline(w, client, self._submit, self.plan)
+        pipeline.begin(start)
         result = RunResult(store=self.out)
-        started = time.time()
-        cursor = 0
-        last_done = started
-        recent: list[dict] = []
-        submit_ready(start)
+        window = _Window(time.time())
+        pipeline.submit_ready(start)
         for i in range(start, w.iterations):
-            while True:
-                note_checkpoints()
-                submit_ready(i)
-                futs = collect.get(i, {})
-                complete = (i in submitted["tail"] and (i + 1) in checkpointed
-                            and all(f.done() for f in futs.values()))
-                errors = [f for f in futs.values() if f.status == "error"]
-                if errors:
-                    errors[0].result()  # raises the task's exception
-                if complete:
-                    break
-                waiting = [f for f in futs.values() if not f.done()] + list(checkpoints.values())
-                assert waiting, f"iteration {i}: nothing left to wait for ({submitted})"
-                # distributed.wait runs on the default client's event loop, which is
-                # not this run's when the process holds several clients; the futures'
-                # events would then belong to the wrong loop.
-                with client.as_current():
-                    wait(waiting, return_when="FIRST_COMPLETED")
-            futs = collect.pop(i)
-            values = dict(zip(futs, client.gather(list(futs.values()))))
-            batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)
-            cursor = batch["next"]
-            records = list(batch["records"])
-            self._measure(records)
-            done_at = _optimize_stop(records, i) or time.time()
-            recent = [r for r in recent if (r["stop"] or 0.0) > last_done] + records
-            seconds = done_at - last_done
-            plan = self.plan(i)
-            groups, metrics = w.rows(i, plan, values)
-            metrics.update({
-                "chunk_size": plan.num_samples / len(plan.chunks),
-                "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
-                "iteration_seconds": seconds,
-                "wall_time": done_at - started,
-                "policy_version": float(i + 1),
-                **_window_metrics(recent, self.pools(), last_done, done_at),
-            })
-            groups["metrics"] = {k_: np.asarray(v, np.float64) for k_, v in metrics.items()}
-            groups["tasks"] = task_columns(records)
-            store.append_iteration(groups)
-            # Keep the checkpoints a resume at i + 1, or a recomputation, may read: the
-            # versions from i - k on (and 0 for the KL reference).
-            oldest = max(0, i - k)
-            drop_checkpoints(self.out, lambda v: v < oldest and not (v == 0 and w.layout.kl))
-            store.commit()
-            for v in [v for v in published if v < oldest and not (v == 0 and w.layout.kl)]:
-                del published[v]
-            client.sync(client.scheduler.digenrl_metrics, run=self.run_id, iteration=i,
-                        metrics={k_: float(v) for k_, v in metrics.items()})
-            last_done = done_at
-            summary = IterationSummary(i, metrics.get("reward_mean", float("nan")),
-                                       metrics.get("reward_std", float("nan")),
-                                       metrics.get("loss", float("nan")),
-                                       metrics["images_per_s"], metrics)
+            pipeline.wait_for(i)
+            summary = self._commit(store, pipeline, window, i)
             result.iterations.append(summary)
             if self.on_iteration is not None:
                 self.on_iteration(summary)
             logger.info("iteration %d/%d  reward %.4f +- %.4f  loss %+.3e  %.2f images/s",
                         i + 1, w.iterations, summary.reward_mean, summary.reward_std,
                         summary.loss, summary.images_per_s)
-            del futs, values
-        result.final = w.finish(client, store, published[w.iterations])
+        result.final = w.finish(client, store, pipeline.published[w.iterations])
         store.update_attrs(finished=w.iterations)
         return result
 
-
-_TASK_COLUMNS = {
-    "key": str, "kind": str, "gpu": bool, "worker": str, "worker_name": str, "pool": str,
-    "start": np.float64, "stop": np.float64, "iteration": np.int32,
-    "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
-    "ready": np.float64, "eligible": np.float64, "released": np.float64,
-    "finished": np.float64, "tag": bool,
-    "stolen": bool, "nbytes": np.int64, "transfer": np.float64,
-    "transfer_start": np.float64, "transfer_stop": np.float64,
-}
-
-
-def task_columns(records: list[dict]) -> dict[str, np.ndarray]:
-    out = {}
-    for name, dtype in _TASK_COLUMNS.items():
-        vals = [r.get(name) for r in records]
-        if dtype is np.float64:
-            vals = [np.nan if v is None else v for v in vals]
-        out[name] = np.asarray(vals, dtype=dtype) if records else np.zeros(0, dtype)
-    return out
-
-
-def _window_metrics(records: list[dict], pools: dict[str, list[str]], t0: float,
-                    t1: float) -> dict[str, float]:
-    """Per-pool GPU utilisation, TAG GPU-seconds and the mean wait of GPU tasks from
-    ready to released, over an iteration's window ``[t0, t1]``."""
-    import pandas as pd
-
-    out = {f"utilisation_{p}": float("nan") for p in (ROLLOUT, TRAINER, COLOCATED)}
-    out.update({"tag_seconds": 0.0, "gpu_wait_mean": float("nan")})
-    if not records or t1 <= t0:
-        return out
-    df = pd.DataFrame(records).dropna(subset=["start", "stop"])
-    busy = busy_seconds(df, t0, t1)
-    for pool, names in pools.items():
-        if names:
-            out[f"utilisation_{pool}"] = sum(busy.get(w, 0.0) for w in names) / (
-                len(names) * (t1 - t0))
-    tag = df[df["tag"]]
-    out["tag_seconds"] = float(np.clip(np.minimum(tag["stop"], t1) - np.maximum(tag["start"], t0),
-                                       0, None).sum())
-    gpu = df[df["gpu"] & (df["finished"] > t0) & (df["finished"] <= t1)]
-    if len(gpu):
-        out["gpu_wait_mean"] = float((gpu["released"] - gpu["ready"]).mean())
-    return out
+    def _commit(self, store: RunStore, pipeline: Pipeline, window: _Window,
+                i: int) -> IterationSummary:
+        """Iteration ``i`` is complete: gather what the workload stores, read the task
+        records, append the iteration to the store and commit it, then drop the
+        checkpoints and weights no later piece reads (:meth:`GraphLayout.retains`)."""
+        w, client = self.w, self.handle.client
+        futs = pipeline.take(i)
+        wanted = {k: f for k, f in futs.items() if k[0] in w.collected}
+        values = dict(zip(wanted, client.gather(list(wanted.values()))))
+        records, t1 = window.close(client, i)
+        self._measure(records)
+        t0 = window.opened
+        seconds = t1 - t0
+        plan = self.plan(i)
+        groups, metrics = w.rows(i, plan, values)
+        metrics.update({
+            "chunk_size": plan.num_samples / len(plan.chunks),
+            "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
+            "iteration_seconds": seconds,
+            "wall_time": t1 - window.started,
+            "policy_version": float(i + 1),
+            **window_metrics(window.recent, self.pools(), t0, t1),
+        })
+        groups["metrics"] = {k: np.asarray(v, np.float64) for k, v in metrics.items()}
+        groups["tasks"] = task_columns(records)
+        store.append_iteration(groups)
+        # Keep what a resume at i + 1, or a recomputation, may read.
+        drop_checkpoints(self.out, lambda v: not w.layout.retains(v, i))
+        store.commit()
+        pipeline.release(i)
+        client.sync(client.scheduler.digenrl_metrics, run=self.run_id, iteration=i,
+                    metrics={k: float(v) for k, v in metrics.items()})
+        window.opened = t1
+        return IterationSummary(i, metrics.get("reward_mean", float("nan")),
+                                metrics.get("reward_std", float("nan")),
+                                metrics.get("loss", float("nan")), metrics["images_per_s"],
+                                metrics)
 
 
-def _optimize_stop(records: list[dict], iteration: int) -> float | None:
-    for r in records:
-        if r["kind"] == "optimize" and r["iteration"] == iteration and r["stop"]:
-            return float(r["stop"])
-    return None
+class Pipeline:
+    """Which pieces of a run's iterations are in the cluster, and when the next may go.
+
+    Iteration ``j`` is submitted in three pieces, each as soon as what it reads exists:
+
+    * its *rollout* once ``j`` is at most ``max_staleness + 1`` iterations past the
+      oldest one not yet collected (its plan is fixed then) and every policy version
+      its chunks read is published;
+    * its *train* piece (advantages, micro-steps, the reduction) once its rollout is in
+      and version ``j`` -- with the KL term, version 0 too -- is published;
+    * its *tail* (the optimizer step from version ``j``'s checkpoint, which publishes and
+      checkpoints version ``j + 1``) once its train piece is in and checkpoint ``j`` is
+      written.
+
+    A piece passes the futures of what the driver collects to :meth:`take` and holds
+    those a later piece of its iteration reads until that piece is in; published
+    weights are held until :meth:`release`.
+    """
+
+    def __init__(self, workload: Workload, client,
+                 submit: Callable[[list, list[Key], str], dict[Key, Future]],
+                 plan: Callable[[int], IterationPlan]):
+        self.w = workload
+        self.client = client
+        self._submit = submit
+        self._plan = plan
+        self.start = 0
+        #: version -> its publish future, held while the version is retained
+        self.published: dict[int, Future] = {}
+        #: version -> its checkpoint future, until the checkpoint is written
+        self.checkpoints: dict[int, Future] = {}
+        self.checkpointed: set[int] = set()
+        #: iteration -> the futures of its outputs the driver collects
+        self._outputs: dict[int, dict[Key, Future]] = {}
+        #: iteration -> the futures of its pieces a later piece reads
+        self._held: dict[int, dict[Key, Future]] = {}
+        self.rollouts: set[int] = set()
+        self.trains: set[int] = set()
+        self.tails: set[int] = set()
+
+    def begin(self, start: int) -> None:
+        """Version 0 for a new run; for one resumed at ``start``, the weights of the
+        versions it retains, restored from their checkpoints."""
+        self.start = start
+        if start == 0:
+            futs = self._submit(init_nodes(checkpoint=True),
+                                [publish_key(0), checkpoint_key(0)], "init")
+            self.published[0] = futs[publish_key(0)]
+            self.checkpoints[0] = futs[checkpoint_key(0)]
+            return
+        for v in self.w.layout.retained_versions(start):
+            futs = self._submit(restore_nodes(v, publish=True), [publish_key(v)],
+                                f"restore-{v}")
+            self.published[v] = futs[publish_key(v)]
+        self.checkpointed.add(start)
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit_ready(self, oldest: int) -> None:
+        """Submit every piece whose inputs exist, in iteration order, until none is
+        left; ``oldest``: the oldest iteration not collected yet."""
+        window = self.w.options.max_staleness + 1
+        progress = True
+        while progress:
+            progress = False
+            for j in range(self.start, self.w.iterations):
+                if j not in self.rollouts and j > oldest + window:
+                    break  # not yet: its plan is fixed when it can be submitted
+                plan = self._plan(j)
+                progress |= self._rollout(plan)
+                progress |= self._train(plan)
+                progress |= self._tail(plan)
+
+    def _rollout(self, plan: IterationPlan) -> bool:
+        j, layout = plan.iteration, self.w.layout
+        if j in self.rollouts:
+            return False
+        reads = {layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
+        if not reads <= set(self.published):
+            return False
+        outputs = iteration_outputs(plan)
+        keys = outputs["decode"] + outputs["reward"]
+        trained = chain_keys_trained(layout, plan)
+        futs = self._submit(rollout_nodes(layout, plan), keys + trained, f"rollout-{j}")
+        self._outputs.setdefault(j, {}).update({k: futs[k] for k in keys})
+        self._held[j] = {k: futs[k] for k in trained}
+        self.rollouts.add(j)
+        return True
+
+    def _train(self, plan: IterationPlan) -> bool:
+        j, layout = plan.iteration, self.w.layout
+        if (j not in self.rollouts or j in self.trains or j not in self.published
+                or (layout.kl and 0 not in self.published)):
+            return False
+        root = reduce_root_key(j, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
+        keys = iteration_outputs(plan)["advantage"]
+        futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
+        self._outputs[j].update({k: futs[k] for k in keys})
+        self._held[j] = {root: futs[root]}  # the chain latents are read now
+        self.trains.add(j)
+        return True
+
+    def _tail(self, plan: IterationPlan) -> bool:
+        j = plan.iteration
+        if j not in self.trains or j in self.tails or j not in self.checkpointed:
+            return False
+        stats = iteration_outputs(plan)["stats"]
+        futs = self._submit(tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
+                            stats + [publish_key(j + 1), checkpoint_key(j + 1)], f"tail-{j}")
+        self._outputs[j].update({k: futs[k] for k in stats})
+        self.published[j + 1] = futs[publish_key(j + 1)]
+        self.checkpoints[j + 1] = futs[checkpoint_key(j + 1)]
+        self._held.pop(j, None)
+        self.tails.add(j)
+        return True
+
+    # ------------------------------------------------------------------ waiting
+
+    def _note_checkpoints(self) -> None:
+        for v, f in list(self.checkpoints.items()):
+            if f.status == "error":
+                f.result()  # raises: a checkpoint that cannot be written stops the run
+            if f.done():
+                self.checkpointed.add(v)
+                del self.checkpoints[v]
+
+    def wait_for(self, i: int) -> None:
+        """Submit pieces as they become ready until iteration ``i`` is complete: its
+        tail is in, its outputs are computed and checkpoint ``i + 1`` is written. A
+        task's error is raised here."""
+        while True:
+            self._note_checkpoints()
+            self.submit_ready(i)
+            futs = self._outputs.get(i, {})
+            complete = (i in self.tails and (i + 1) in self.checkpointed
+                        and all(f.done() for f in futs.values()))
+            errors = [f for f in futs.values() if f.status == "error"]
+            if errors:
+                errors[0].result()  # raises the task's exception
+            if complete:
+                return
+            waiting = [f for f in futs.values() if not f.done()] + list(self.checkpoints.values())
+            assert waiting, (f"iteration {i}: nothing left to wait for (rollouts "
+                             f"{sorted(self.rollouts)}, trains {sorted(self.trains)}, tails "
+                             f"{sorted(self.tails)})")
+            # distributed.wait runs on the default client's event loop, which is not this
+            # run's when the process holds several clients; the futures' events would
+            # then belong to the wrong loop.
+            with self.client.as_current():
+                wait(waiting, return_when="FIRST_COMPLETED")
+
+    # ------------------------------------------------------------------ committing
+
+    def take(self, i: int) -> dict[Key, Future]:
+        """The futures of complete iteration ``i``'s collected outputs, handed over."""
+        return self._outputs.pop(i)
+
+    def release(self, i: int) -> None:
+        """Iteration ``i`` is committed: drop the weights of the versions no longer
+        retained."""
+        for v in [v for v in self.published if not self.w.layout.retains(v, i)]:
+            del self.published[v]
+
+
+class _Window:
+    """Iteration windows, each from the previous iteration's optimizer step stopping to
+    its own, and the task records read from the scheduler that may overlap them."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.opened = started   # when the current window opened
+        self.cursor = 0         # the next record to read from the scheduler
+        self.recent: list[dict] = []
+
+    def close(self, client, i: int) -> tuple[list[dict], float]:
+        """Read the records of the tasks finished since the last call, and close
+        iteration ``i``'s window when its optimizer step stopped (now, if they lack it).
+        Returns those records and that time; :attr:`recent` then holds every record
+        that may overlap the window."""
+        batch = client.sync(client.scheduler.digenrl_tasks, start=self.cursor)
+        self.cursor = batch["next"]
+        records = list(batch["records"])
+        closes = optimize_stop(records, i) or time.time()
+        self.recent = [r for r in self.recent if (r["stop"] or 0.0) > self.opened] + records
+        return records, closes

@@ -117,7 +117,7 @@ def small_emulated_profile(time_scale: float):
 def emulated_2x2():
     """An emulated cluster for :func:`small_emulated_profile` (its pool speeds)."""
     from digenrl.cluster import start_emulated_cluster
-    from digenrl.schedulers.options import ROLLOUT, TRAINER
+    from digenrl.vocabulary import ROLLOUT, TRAINER
 
     p = small_emulated_profile(1.0)
     handle = start_emulated_cluster(p.rollout_workers, p.trainer_workers,

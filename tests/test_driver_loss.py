@@ -23,9 +23,10 @@ import pytest
 import yaml
 import zarr
 
+from digenrl.checkpoints import complete_checkpoints
 from digenrl.cli import main
 from digenrl.runner import Runner
-from digenrl.store import committed_iterations, complete_checkpoints, open_run, read_attrs
+from digenrl.store import committed_iterations, open_run, read_attrs
 
 from conftest import (REFERENCE_ITERATIONS, SMALL, assert_complete, assert_same_results,
                       small_config)

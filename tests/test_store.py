@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from digenrl.store import (RunStore, StoreError, complete_checkpoints, drop_checkpoints,
-                           open_run, read_checkpoint, write_checkpoint)
+from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
+                                 write_checkpoint)
+from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
+from digenrl.store import RunStore, StoreError, open_run
 
 
 def rows(i, n=3):
@@ -43,6 +45,24 @@ def test_a_task_column_new_to_a_store_fills_its_earlier_rows(store_path):
     assert tasks.sizes["task"] == 4
     np.testing.assert_array_equal(tasks.transfer_start.values, [np.nan, np.nan, 0.5, 0.25])
     np.testing.assert_array_equal(tasks.start.values, [1.0, 2.0, 1.0, 2.0])
+
+
+def test_task_records_are_stored_as_their_schema_says(store_path):
+    ints = {"iteration": 0, "policy_version": 0, "chunk": 0, "nbytes": 12}
+    records = [{"key": "('noise', 0, 0)", "kind": "noise", "start": 1.5, "stop": None,
+                "timestep": -1, **ints},
+               {"key": "('grad', 0, 0, 1)", "kind": "grad", "gpu": True, "start": 2.0,
+                "stop": 3.0, "timestep": 1, **ints}]
+    s = RunStore.create(store_path, {})
+    s.append_iteration({**rows(0), "tasks": task_columns(records)})
+    tasks = open_run(store_path)["tasks"]
+    assert set(tasks.data_vars) == set(TASK_COLUMNS)
+    for name, column in TASK_COLUMNS.items():
+        kind = np.dtype(column.dtype).kind
+        assert tasks[name].dtype.kind in ("UTO" if kind == "U" else kind), name
+    np.testing.assert_array_equal(tasks.stop.values, [np.nan, 3.0])  # a missing time
+    assert list(tasks.timestep.values) == [-1, 1] and list(tasks.gpu.values) == [False, True]
+    assert set(SIMULATED_COLUMNS) < set(TASK_COLUMNS)
 
 
 def test_a_reader_never_sees_a_partial_iteration(store_path):

@@ -21,9 +21,10 @@ import pytest
 import zarr
 from distributed import Client
 
+from digenrl.checkpoints import complete_checkpoints, read_checkpoint
 from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload, Runner
-from digenrl.store import complete_checkpoints, open_run, read_checkpoint
+from digenrl.store import open_run
 from digenrl.tasks.resident import PLUGIN_NAME
 
 from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config

@@ -130,11 +130,17 @@ class GraphLayout:
             return rollout_version(plan.iteration, self.version_lag)
         return plan.iteration
 
-    def oldest_version(self, iteration: int) -> int:
-        """The oldest version any rollout of ``iteration`` reads."""
-        if self.stale_groups == 0:
-            return iteration
-        return rollout_version(iteration, self.version_lag)
+    def retains(self, version: int, iteration: int) -> bool:
+        """Whether a run at iteration ``iteration`` keeps the weights and checkpoint of
+        ``version``: the versions from ``iteration - version_lag`` on (what the rollouts
+        of this iteration and later ones may read, recomputed or resumed) and, with the
+        KL term, version 0 (its reference)."""
+        return version >= iteration - self.version_lag or (self.kl and version == 0)
+
+    def retained_versions(self, iteration: int) -> list[int]:
+        """The versions up to ``iteration`` that :meth:`retains` keeps there: what a run
+        resumed at ``iteration`` restores."""
+        return [v for v in range(iteration + 1) if self.retains(v, iteration)]
 
 
 def init_nodes(checkpoint: bool = False) -> list[Node]:

@@ -39,17 +39,20 @@ class Conditioning:
     tensors: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None = None
 
+    def _map(self, fn) -> "Conditioning":
+        """The same prompts with ``fn`` applied to every tensor."""
+        def each(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {k: fn(v) for k, v in tensors.items()}
+
+        return Conditioning(self.prompts, each(self.tensors),
+                            None if self.negative is None else each(self.negative))
+
     def to(self, device) -> "Conditioning":
-        move = (lambda d: {k: v.to(device) for k, v in d.items()})
-        return Conditioning(self.prompts, move(self.tensors),
-                            None if self.negative is None else move(self.negative))
+        return self._map(lambda t: t.to(device))
 
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
-        cast = (lambda d: {k: v.to(dtype) if v.is_floating_point() else v
-                           for k, v in d.items()})
-        return Conditioning(self.prompts, cast(self.tensors),
-                            None if self.negative is None else cast(self.negative))
+        return self._map(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     @property
     def nbytes(self) -> int:

@@ -105,25 +105,26 @@ class DigenRLPage:
         held = state.get("held", {})
         self.held_source.data = {"reason": list(HELD_REASONS),
                                  "tasks": [held.get(r, 0) for r in HELD_REASONS]}
-        counts = plugin.staleness_counts
+        counts = plugin.telemetry.staleness_counts
         self.stale_source.data = {"staleness": sorted(counts),
                                   "samples": [counts[k] for k in sorted(counts)]}
-        metrics = plugin.metrics
+        metrics = plugin.telemetry.metrics
         self.reward_source.data = {
             "iteration": [m["iteration"] for m in metrics],
             "reward": [m.get("reward_mean", float("nan")) for m in metrics]}
         self._update_timeline(plugin)
 
     def _update_timeline(self, plugin) -> None:
-        samples = [s for s in plugin.timeline if s["time"] > self._last_timeline]
+        timeline = plugin.telemetry.timeline
+        samples = [s for s in timeline if s["time"] > self._last_timeline]
         if not samples:
             return
         self._last_timeline = samples[-1]["time"]
-        pools = sorted({p for s in plugin.timeline for p in s["pools"]})
-        data: dict[str, list] = {"time": [s["time"] * 1000 for s in plugin.timeline]}
+        pools = sorted({p for s in timeline for p in s["pools"]})
+        data: dict[str, list] = {"time": [s["time"] * 1000 for s in timeline]}
         for pool in pools:
-            data[pool] = [_ratio(s["pools"].get(pool), "busy") for s in plugin.timeline]
-            data[f"{pool}_tag"] = [_ratio(s["pools"].get(pool), "tag") for s in plugin.timeline]
+            data[pool] = [_ratio(s["pools"].get(pool), "busy") for s in timeline]
+            data[f"{pool}_tag"] = [_ratio(s["pools"].get(pool), "tag") for s in timeline]
         for pool in pools:
             if pool not in self.util_lines:
                 colour = POOL_COLOURS.get(pool, "#333333")

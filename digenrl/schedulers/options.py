@@ -6,9 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# (The pool names are defined in digenrl.vocabulary; they are importable from here too.)
-from digenrl.vocabulary import COLOCATED, POOLS, ROLLOUT, TRAINER  # noqa: F401
-
 __all__ = ["ScheduleOptions", "MODES"]
 
 

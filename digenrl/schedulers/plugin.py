@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Any, Hashable
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -36,6 +36,7 @@ from distributed.protocol import pickle
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.vocabulary import ANNOTATION, POOLS
+from digenrl.schedulers.telemetry import Telemetry
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources"]
@@ -62,8 +63,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     Registered by ``digenrl run`` (``client.register_plugin``) or installed at scheduler
     start with ``dask scheduler --preload digenrl.schedulers.preload``. Each run calls
-    the ``digenrl_begin_run`` handler with its schedule options; telemetry is served by
-    ``digenrl_state`` and ``digenrl_tasks``.
+    the ``digenrl_begin_run`` handler with its schedule options; its :class:`Telemetry`
+    is served by ``digenrl_state``, ``digenrl_tasks`` and ``digenrl_timeline``.
     """
 
     name = PLUGIN_NAME
@@ -74,24 +75,11 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.run: str | None = None      # the run being scheduled, or the last one
         self.active = False              # between digenrl_begin_run and digenrl_end_run
         self.policy: SchedulingPolicy | None = None
-        self.records: list[dict[str, Any]] = []
-        self.record_offset = 0
+        self.telemetry = Telemetry()
         self._flush_pending = False
         self._meta: dict[Hashable, dict[str, Any]] = {}
-        self._decisions: dict[Hashable, Any] = {}
         self._to_err: dict[Hashable, str] = {}
-        #: When each task last became ready. A task whose inputs are lost with a worker
-        #: goes back to waiting and becomes ready again once they are recomputed; the
-        #: records report that last time, when it was actually runnable.
-        self._ready_at: dict[Hashable, float] = {}
         self.warnings: list[str] = []
-        #: Samples of (time, policy version, per-pool busy/TAG workers, held tasks).
-        self.timeline: deque[dict[str, Any]] = deque(maxlen=20_000)
-        self._last_sample = 0.0
-        #: Samples trained so far by staleness (first trained timestep of each chunk).
-        self.staleness_counts: dict[int, int] = defaultdict(int)
-        #: Per-iteration metrics the driver reports (reward curve on the dashboard).
-        self.metrics: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,15 +110,10 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.run = run
         self.active = True
         self.policy = SchedulingPolicy(ScheduleOptions.from_dict(options))
-        self.records, self.record_offset = [], 0
+        self.telemetry = Telemetry()
         self._meta.clear()
-        self._decisions.clear()
         self._to_err.clear()
-        self._ready_at.clear()
         self.warnings = []
-        self.timeline.clear()
-        self.staleness_counts.clear()
-        self.metrics = []
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
         return self.state()
@@ -200,13 +183,16 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             if key in self._to_err:
                 self._schedule_flush()
                 return
-            self._ready_at[key] = time.time()
+            self.telemetry.ready(key)
             self.policy.task_ready(key, self._locality(key))
             self._schedule_flush()
         elif start == "processing":
             if finish == "memory":
-                duration = self._record(key, meta, kwargs)
-                self.policy.task_done(key, kwargs.get("worker"), duration)
+                worker = kwargs.get("worker")
+                ws = self.scheduler.workers.get(worker)
+                duration = self.telemetry.finished(
+                    key, meta, self.policy, str(ws.name) if ws is not None else worker, kwargs)
+                self.policy.task_done(key, worker, duration)
             elif finish == "erred":
                 self.policy.task_failed(key)
             else:
@@ -220,9 +206,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         elif finish == "forgotten":
             self.policy.task_forgotten(key)
             self._meta.pop(key, None)
-            self._decisions.pop(key, None)
             self._to_err.pop(key, None)
-            self._ready_at.pop(key, None)
+            self.telemetry.forget(key)
 
     def _park(self, key) -> None:
         ts = self.scheduler.tasks.get(key)
@@ -264,7 +249,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 continue
             ts.worker_restrictions = {d.worker}
             recs[d.key] = "processing"
-            self._decisions[d.key] = d
+            self.telemetry.released(d)
         if recs:
             s.transitions(recs, stimulus_id)
         for key in recs:
@@ -274,97 +259,25 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 failed.append(key)
         for key in failed:
             self.policy.release_failed(key)
-        self._sample()
-
-    def _sample(self, every: float = 0.2) -> None:
-        """Append a timeline sample: at most every ``every`` seconds, and always when a
-        new policy version has been published."""
-        now = time.time()
-        last_version = self.timeline[-1]["policy_version"] if self.timeline else None
-        if now - self._last_sample < every and self.policy.version == last_version:
-            return
-        self._last_sample = now
-        snap = self.policy.snapshot()
-        self.timeline.append({"time": now, "policy_version": snap["policy_version"],
-                              "pools": snap["pools"], "held": snap["held"]})
+        self.telemetry.sample(self.policy)
 
     # ----------------------------------------------------------------- telemetry
 
-    def _record(self, key, meta, kwargs) -> float | None:
-        """Keep the telemetry of a finished task; returns its compute seconds."""
-        worker = kwargs.get("worker")
-        start = stop = None
-        fetch = 0.0
-        fetch_start = fetch_stop = None
-        for ss in kwargs.get("startstops") or ():
-            if ss.get("action") == "compute":
-                start, stop = ss["start"], ss["stop"]
-            elif ss.get("action") == "transfer":
-                fetch += ss["stop"] - ss["start"]
-                fetch_start = ss["start"] if fetch_start is None else min(fetch_start, ss["start"])
-                fetch_stop = ss["stop"] if fetch_stop is None else max(fetch_stop, ss["stop"])
-        d = self._decisions.get(key)
-        ws = self.scheduler.workers.get(worker)
-        bv = meta.get("behaviour_version")
-        ready = self._ready_at.get(key) or self.policy.ready_since(key) or 0.0
-        if meta["kind"] == "grad" and meta.get("timestep") == 0 and bv is not None:
-            self.staleness_counts[meta["policy_version"] - bv] += int(meta.get("samples") or 0)
-        self.records.append({
-            "key": str(key),
-            "kind": meta["kind"],
-            "gpu": bool(meta.get("gpu")),
-            "worker": worker,
-            "worker_name": str(ws.name) if ws is not None else worker,
-            "pool": self.policy.pool_of(worker) or "",
-            "start": start,
-            "stop": stop,
-            "iteration": meta["iteration"],
-            "policy_version": meta["policy_version"],
-            "timestep": -1 if meta.get("timestep") is None else meta["timestep"],
-            "chunk": -1 if meta.get("chunk") is None else meta["chunk"],
-            # Scheduler clock (start/stop are the worker's, shifted by Dask's estimate of
-            # its clock offset): compare these four for what happened before what.
-            "ready": ready,
-            "eligible": max(self.policy.eligible_since(key) or 0.0, ready),
-            "released": d.time if d is not None else 0.0,
-            "finished": time.time(),
-            "tag": bool(d.tag) if d is not None else False,
-            "stolen": bool(d.stolen) if d is not None else False,
-            "nbytes": int(kwargs.get("nbytes") or 0),
-            # Fetches from other workers that Dask attached to this task: their seconds
-            # and their span. Dask attaches a fetch to one dependent of the fetched data
-            # (not necessarily the task that waited for it), so the analysis attributes
-            # fetches by time on the worker (digenrl.analysis.dispatch_overhead).
-            "transfer": fetch,
-            "transfer_start": fetch_start,
-            "transfer_stop": fetch_stop,
-        })
-        return stop - start if start is not None and stop is not None else None
-
     def task_records(self, start: int = 0) -> dict[str, Any]:
-        """Completed-task records from index ``start`` on (indices count from the run's
-        beginning); records before ``start`` are dropped, so pass back ``next``."""
-        drop = start - self.record_offset
-        if drop > 0:
-            del self.records[:drop]
-            self.record_offset = start
-        begin = max(0, start - self.record_offset)
-        out = self.records[begin:]
-        return {"records": out, "next": self.record_offset + begin + len(out)}
+        """The ``digenrl_tasks`` handler: :meth:`Telemetry.task_records`."""
+        return self.telemetry.task_records(start)
 
     def report_metrics(self, run: str, iteration: int, metrics: dict[str, float]) -> None:
         """The driver reports an iteration's metrics (for the dashboard's reward curve)."""
         if run == self.run:
-            self.metrics.append({"iteration": iteration, **metrics})
+            self.telemetry.metrics.append({"iteration": iteration, **metrics})
 
     def timeline_since(self, since: float = 0.0) -> list[dict[str, Any]]:
-        """Utilisation samples after ``since`` (seconds since the epoch): per pool the
-        workers with a GPU task in flight and those doing TAG work, the held tasks by
-        reason, the newest policy version."""
-        return [s for s in self.timeline if s["time"] > since]
+        """The ``digenrl_timeline`` handler: :meth:`Telemetry.timeline_since`."""
+        return self.telemetry.timeline_since(since)
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}
         snap.update({"run": self.run, "active": self.active, "warnings": list(self.warnings),
-                     "records": self.record_offset + len(self.records)})
+                     "records": self.telemetry.recorded})
         return snap

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections import defaultdict, deque
+from collections import defaultdict, deque, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key, publish_key
+from digenrl.records import SIMULATED_COLUMNS
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.sim.template import Batch, IterationSource, node_batch
@@ -45,23 +46,8 @@ class SimWorker:
     speed: float = 1.0          # relative speed: durations are divided by it
 
 
-class SimRecord(NamedTuple):
-    """One task as it ran."""
-
-    key: Key
-    kind: str
-    worker: str
-    pool: str
-    iteration: int
-    policy_version: int
-    timestep: int
-    chunk: int
-    ready: float
-    released: float
-    start: float
-    stop: float
-    tag: bool
-    gpu: bool
+#: One task as it ran: the task-record columns the simulator models.
+SimRecord = namedtuple("SimRecord", SIMULATED_COLUMNS)
 
 
 @dataclass

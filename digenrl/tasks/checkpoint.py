@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from digenrl.store import read_checkpoint, write_checkpoint
+from digenrl.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
 

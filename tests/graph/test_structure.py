@@ -68,6 +68,20 @@ def test_rollout_versions_follow_the_staleness_bound(lag, stale, expected):
     assert [by_group[g].pop() for g in range(3)] == expected
 
 
+@pytest.mark.parametrize("lag,kl,expected", [
+    (0, False, [5]), (1, False, [4, 5]), (2, False, [3, 4, 5]), (1, True, [0, 4, 5]),
+])
+def test_the_retained_versions_are_those_later_iterations_may_read(lag, kl, expected):
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=lag, kl=kl)
+    assert layout.retained_versions(5) == expected
+    for i in range(4):
+        # A run resumed at i + 1 (or recomputing it) reads these of what existed then.
+        read = {d[1] for n in iteration_nodes(layout, plan(i + 1)) for d in n.deps
+                if d[0] == "publish" and d[1] <= i + 1}
+        assert read and all(layout.retains(v, i) for v in read)
+        assert {v for v in range(i + 2) if layout.retains(v, i + 1)} >= read
+
+
 def test_chunks_spanning_groups():
     p = IterationPlan.uniform(0, ("a", "b", "c", "d"), 2, 4)
     nodes = {n.key: n for n in iteration_nodes(LAYOUT, p)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from distributed import Event
 from distributed.utils_test import async_poll_for, inc
 
+from digenrl.records import TASK_COLUMNS
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
 
@@ -45,6 +46,7 @@ async def test_pools_come_from_the_workers_own_resources(c, s, r, t):
     assert state["counters"]["released"] == 12
     recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
     assert len(recs) == 12 and {rec["pool"] for rec in recs} == {"rollout", "trainer"}
+    assert all(list(rec) == list(TASK_COLUMNS) for rec in recs)
     assert plugin.run == "test"
 
 
@@ -96,3 +98,20 @@ async def test_an_untagged_worker_is_not_used_and_is_reported(c, s, r, untagged)
     assert set(names) == {r.name}
     state = await c.scheduler.digenrl_state()
     assert any("has no pool tag" in w for w in state["warnings"])
+
+
+@pooled_cluster(POOLED)
+async def test_the_dashboard_page_reads_the_runs_telemetry(c, s, r, t):
+    from digenrl.schedulers.dashboard import DigenRLPage
+
+    await install(s, tag=False)
+    tasks = {("publish", 0): (inc, (0,), task_meta("publish", -1, 0)),
+             ("grad", 0, 0, 0): (inc, (1,), task_meta("grad", 0, 0, chunk=0, timestep=0,
+                                                       behaviour_version=0, samples=3))}
+    await c.gather(c.get(annotated(tasks), list(tasks), sync=False))
+    await c.scheduler.digenrl_metrics(run="test", iteration=0, metrics={"reward_mean": 0.5})
+    page = DigenRLPage(s)
+    page.update()
+    assert page.stale_source.data == {"staleness": [0], "samples": [3]}
+    assert page.reward_source.data == {"iteration": [0], "reward": [0.5]}
+    assert (await c.scheduler.digenrl_state())["records"] == 2
