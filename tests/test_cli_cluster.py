@@ -8,15 +8,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import yaml
 from distributed import Client
 
+import digenrl
 from digenrl.store import open_run
+
+from conftest import REFERENCE_ITERATIONS, SMALL, assert_complete, assert_same_results
+from test_driver_loss import resume, stored_weights
+from test_signals import committed, wait_for_commits
 
 
 BIN = Path(sys.executable).parent
 TINY = Path(__file__).resolve().parents[1] / "workflows" / "configs" / "tiny.yaml"
+#: Where digenrl's own code is: no traceback may pass through it.
+PACKAGE = Path(digenrl.__file__).parent
 
 
 def poll(predicate, timeout=60.0, what="condition"):
@@ -26,6 +35,11 @@ def poll(predicate, timeout=60.0, what="condition"):
             return
         time.sleep(0.1)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+class CliCluster(NamedTuple):
+    address: str
+    scheduler: subprocess.Popen  #: the `dask scheduler` process
 
 
 @pytest.fixture
@@ -51,7 +65,7 @@ def cli_cluster(tmp_path):
         with Client(address) as c:
             c.wait_for_workers(2, timeout=60)
             assert "digenrl" in c.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
-        yield address
+        yield CliCluster(address, procs[0])
     finally:
         # The workers first, while their scheduler still answers (a worker whose
         # scheduler is gone waits for it before it exits), then the scheduler.
@@ -71,7 +85,7 @@ def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):
     # The default workflow (README.md), shortened to two iterations.
     out = tmp_path / "run.zarr"
     proc = subprocess.run(
-        [str(BIN / "digenrl"), "run", str(TINY), "--out", str(out), "--scheduler", cli_cluster,
+        [str(BIN / "digenrl"), "run", str(TINY), "--out", str(out), "--scheduler", cli_cluster.address,
          "--iterations", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "iteration 2/2" in proc.stderr
@@ -80,3 +94,37 @@ def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):
     assert not t[t.kind.isin(["grad", "reduce", "optimize"])].pool.eq("rollout").any()
     assert (t.pool[t.worker_name == "cli-rollout"] == "rollout").all()
     assert open_run(out)["metrics"].sizes["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_a_killed_scheduler_stops_the_run_and_a_new_one_resumes_it(
+        cli_cluster, cluster_1x1, reference_run, tmp_path):
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump({**SMALL, "iterations": REFERENCE_ITERATIONS}))
+    out = tmp_path / "run.zarr"
+    proc = subprocess.Popen(
+        [str(BIN / "digenrl"), "run", str(config), "--out", str(out), "--scheduler",
+         cli_cluster.address, "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_commits(proc, out, 1)
+        cli_cluster.scheduler.kill()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    done = assert_complete(open_run(out))
+    assert 1 <= done == committed(out)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"digenrl run: error: lost the Dask scheduler at {cli_cluster.address} ")
+    assert last.endswith(f"; {out} holds {done} complete iteration{'s' if done != 1 else ''}; "
+                         f"start a scheduler and continue with: digenrl run --resume {out} "
+                         "--scheduler NEW_ADDRESS"), err
+    # (Dask's client may log a traceback of its own as it gives up reconnecting.)
+    assert f'File "{PACKAGE}' not in err, err
+    # On a new scheduler (the session's cluster), the run ends as if never stopped.
+    if done < REFERENCE_ITERATIONS:
+        assert resume(out, cluster_1x1) == 0
+    assert_same_results(open_run(out), stored_weights(out), reference_run)
