@@ -37,11 +37,20 @@ from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import (RunStore, StoreError, committed_iterations, complete_checkpoints,
                            drop_checkpoints, read_attrs)
 
-__all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "check_store",
-           "library_versions", "task_columns"]
+__all__ = ["Workload", "Driver", "IterationSummary", "RunResult", "RunStalled",
+           "check_store", "library_versions", "task_columns"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
+
+#: Seconds between two asks whether a run that waits can still progress.
+STALL_POLL = 1.0
+
+
+class RunStalled(RuntimeError):
+    """No GPU task finished for the stall timeout and the progress watchdog has nothing
+    left to try (``schedule.stall_timeout``): the message names what the run waits for.
+    The store keeps the complete iterations before it."""
 
 
 @dataclass
@@ -391,7 +400,12 @@ class Driver:
                 # not this run's when the process holds several clients; the futures'
                 # events would then belong to the wrong loop.
                 with client.as_current():
-                    wait(waiting, return_when="FIRST_COMPLETED")
+                    try:
+                        wait(waiting, timeout=STALL_POLL, return_when="FIRST_COMPLETED")
+                    except TimeoutError:
+                        why = client.sync(client.scheduler.digenrl_stalled, run=self.run_id)
+                        if why:
+                            raise RunStalled(f"run stalled at iteration {i}: {why}") from None
             futs = collect.pop(i)
             values = dict(zip(futs, client.gather(list(futs.values()))))
             batch = client.sync(client.scheduler.digenrl_tasks, start=cursor)

@@ -35,6 +35,7 @@ from distributed.protocol import pickle
 
 from digenrl.schedulers.options import POOLS, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.progress import ProgressGuard
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources"]
@@ -109,6 +110,10 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_metrics": self.report_metrics,
         })
         use_kind_colours()
+        # The progress watchdog and the stall check (digenrl.schedulers.progress).
+        self.progress = ProgressGuard(self)
+        scheduler.add_plugin(self.progress)
+        await self.progress.start(scheduler)
         try:
             dashboard.install(scheduler, self.name)
         except Exception:  # the page is a convenience; scheduling never depends on it
@@ -365,6 +370,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}
+        if self.policy is not None:
+            snap["counters"].update(self.progress.state())
         snap.update({"run": self.run, "active": self.active, "warnings": list(self.warnings),
                      "records": self.record_offset + len(self.records)})
         return snap
