@@ -572,13 +572,16 @@ class SchedulingPolicy:
         return step * (n if n > 1 else 1) if step is not None else 0.0
 
     def expected_seconds(self, key: Key) -> float | None:
-        """Expected seconds of ``key``, a released GPU task, on its worker: the
-        worker's seconds per sample-step times the task's samples (a denoise step and a
-        training micro-step go over the same samples). None before any measurement."""
+        """Expected seconds of ``key``, a released GPU task, on its worker: moving the
+        input bytes it lacks there, then the worker's seconds per sample-step times the
+        task's samples (a denoise step and a training micro-step go over the same
+        samples). None before any measurement."""
         info = self.tasks.get(key)
         w = self.workers.get(info.where) if info is not None and info.where else None
         step = self.step_time(w) if w is not None and info.gpu else None
-        return None if step is None else step * max(info.samples, 1)
+        if step is None:
+            return None
+        return self._transfer_seconds(w, info) + step * max(info.samples, 1)
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""

@@ -24,8 +24,9 @@ import time
 from collections import defaultdict
 from typing import Any, Hashable
 
-from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.core import Status
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.stealing import _WORKER_STATE_CONFIRM, _WORKER_STATE_UNDEFINED
 from tornado.ioloop import PeriodicCallback
 
 from digenrl.schedulers.watchdog import GRACE_FLOOR, Processing, Watchdog, stall_timeout
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 
 #: The stimulus of a take-back request (its answer is told apart from work stealing's).
 TAKE_BACK = "digenrl-take-back"
-#: What a worker answers when it has dropped the task, or never had it: as for stealing.
-_DROPPED = frozenset({"ready", "constrained", "waiting", "released", None})
+#: What a worker answers when it has dropped the task, or never had it: the answers on
+#: which work stealing moves a task too.
+_DROPPED = _WORKER_STATE_CONFIRM | _WORKER_STATE_UNDEFINED
 #: At most this many waited-for tasks are named in the stall line.
 _NAMED = 6
 

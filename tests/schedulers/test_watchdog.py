@@ -75,11 +75,13 @@ def test_expected_times_come_from_the_measured_step_times():
                       chunk=c, samples=4) for c in range(2)]
     p.add_tasks(infos)
     p.version = 0
-    for info in infos:
-        p.task_ready(info.key)
-    [d1, d2] = p.decide()
-    assert p.expected_seconds(d1.key) is None and p.longest_expected() is None
-    p.task_done(d1.key, A, duration=2.0)             # 0.5 s per sample-step
-    assert p.expected_seconds(d2.key) == 2.0
+    first, second = (info.key for info in infos)
+    p.task_ready(first)
+    # The second step's input (1 GB) lies elsewhere: moving it is expected to take 1 s.
+    p.task_ready(second, {"tcp://elsewhere:1": opts.transfer_bandwidth})
+    assert {d.key for d in p.decide()} == {first, second}
+    assert p.expected_seconds(first) is None and p.longest_expected() is None
+    p.task_done(first, A, duration=2.0)             # 0.5 s per sample-step
+    assert p.expected_seconds(second) == 1.0 + 2.0
     assert p.longest_expected() == 2.0
-    assert p.expected_seconds(d1.key) is None        # finished: not released anywhere
+    assert p.expected_seconds(first) is None        # finished: not released anywhere
