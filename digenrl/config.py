@@ -393,7 +393,7 @@ class ScheduleConfig:
     slots_per_worker: int = 2
     """GPU tasks released to a worker at once (one runs, the rest wait on the worker)."""
     stall_timeout: float | None = None
-    """Seconds without a finished GPU task after which a run the progress watchdog cannot help stops, naming what it waits for (exit status 1; --resume continues it). null: 50 times the longest expected task, at least 600."""
+    """Seconds without a finished GPU task after which a run the progress watchdog cannot help stops, naming what it waits for (exit status 1; --resume continues it). null: many times the longest expected task, at least ten minutes (digenrl.schedulers.watchdog)."""
 
     def validate(self, p: str = "schedule") -> None:
         _choice(self.mode, f"{p}.mode", MODES)
