@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from digenrl.store import committed_iterations, open_run
+from digenrl.store import StoreError, committed_iterations, open_run
 
 from conftest import REFERENCE_ITERATIONS, SMALL, assert_complete, assert_same_results
 from test_driver_loss import resume, stored_weights
@@ -34,9 +34,17 @@ def start_run(tmp_path, cluster, overrides=None, iterations=REFERENCE_ITERATIONS
     return proc, out, address
 
 
+def _committed(out) -> int:
+    """Iterations committed to ``out`` (0 while the run has not created it whole)."""
+    try:
+        return committed_iterations(out) if (out / "zarr.json").is_file() else 0
+    except StoreError:  # created, its run attributes not written yet
+        return 0
+
+
 def wait_for_commits(proc, out, n: int, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
-    while not (out / "zarr.json").is_file() or committed_iterations(out) < n:
+    while _committed(out) < n:
         assert proc.poll() is None, f"the run ended first: {proc.stderr.read()}"
         assert time.monotonic() < deadline, f"no iteration committed in {timeout} s"
         time.sleep(0.05)
