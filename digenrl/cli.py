@@ -22,6 +22,7 @@ import yaml
 
 from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
                             load_config)
+from digenrl.driver import RunStalled
 from digenrl.store import StoreError, committed_iterations
 from digenrl.tasks.rewards import RewardError
 
@@ -573,6 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"digenrl {args.command}: error: {_one_line(_reward_failure(e, args))}",
               file=sys.stderr)
+        return 1
+    except RunStalled as e:
+        out, n = _stored(args)
+        hint = "" if n is None else (f"; {out} holds {n} complete iteration"
+                                     f"{'s' if n != 1 else ''}; continue with: "
+                                     f"{_resume_command(args, out)}")
+        print(f"digenrl {args.command}: error: {_one_line(str(e))}{hint}", file=sys.stderr)
         return 1
     except Exception as e:
         if args.command != "run" or getattr(args, "debug", False) or not _lost_scheduler(e):

@@ -488,6 +488,8 @@ class ScheduleConfig:
     """Leading prompt groups of an iteration generated with version i - k (null: all)."""
     slots_per_worker: int = 2
     """GPU tasks released to a worker at once (one runs, the rest wait on the worker)."""
+    stall_timeout: float | None = None
+    """Seconds without a finished GPU task after which a run the progress watchdog cannot help stops, naming what it waits for (exit status 1; --resume continues it). null: many times the longest expected task, at least ten minutes (digenrl.schedulers.watchdog)."""
 
     def validate(self, p: str = "schedule") -> None:
         _choice(self.mode, f"{p}.mode", MODES)
@@ -504,6 +506,8 @@ class ScheduleConfig:
             _require(v is None or isinstance(v, bool), f"{p}.{name}",
                      "true, false or null", v)
         _positive_int(self.slots_per_worker, f"{p}.slots_per_worker")
+        if self.stall_timeout is not None:
+            _finite(self.stall_timeout, f"{p}.stall_timeout", 0.0, lo_open=True)
         _finite(self.transfer_bandwidth, f"{p}.transfer_bandwidth", 0.0, lo_open=True)
         if self.mode == "colocated":
             _require(not self.tag, f"{p}.tag",
@@ -520,7 +524,8 @@ class ScheduleConfig:
                 preset[name] = getattr(self, name)
         return ScheduleOptions(mode=self.mode, slots_per_worker=self.slots_per_worker,
                                transfer_bandwidth=float(self.transfer_bandwidth),
-                               **preset)
+                               stall_timeout=None if self.stall_timeout is None
+                               else float(self.stall_timeout), **preset)
 
 
 # ------------------------------------------------------------------------- cluster

@@ -39,11 +39,20 @@ from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
 from digenrl.vocabulary import DENOISE, TRAINER
 
-__all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "check_store",
-           "library_versions"]
+__all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
+           "check_store", "library_versions"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
+
+#: Seconds between two asks whether a run that waits can still progress.
+STALL_POLL = 1.0
+
+
+class RunStalled(RuntimeError):
+    """No GPU task finished for the stall timeout and the progress watchdog has nothing
+    left to try (``schedule.stall_timeout``): the message names what the run waits for.
+    The store keeps the complete iterations before it."""
 
 
 @dataclass
@@ -298,7 +307,7 @@ class Driver:
         window = _Window(time.time())
         pipeline.submit_ready(start)
         for i in range(start, w.iterations):
-            pipeline.wait_for(i)
+            pipeline.wait_for(i, self._stalled)
             summary = self._commit(store, pipeline, window, i)
             result.iterations.append(summary)
             if self.on_iteration is not None:
@@ -309,6 +318,12 @@ class Driver:
         result.final = w.finish(client, store, pipeline.published[w.iterations])
         store.update_attrs(finished=w.iterations)
         return result
+
+    def _stalled(self) -> str | None:
+        """The scheduler's diagnosis once this run can no longer progress (None while
+        it can)."""
+        client = self.handle.client
+        return client.sync(client.scheduler.digenrl_stalled, run=self.run_id)
 
     def _commit(self, store: RunStore, pipeline: Pipeline, window: _Window,
                 i: int) -> IterationSummary:
@@ -475,10 +490,12 @@ class Pipeline:
                 self.checkpointed.add(v)
                 del self.checkpoints[v]
 
-    def wait_for(self, i: int) -> None:
+    def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
         tail is in, its outputs are computed and checkpoint ``i + 1`` is written. A
-        task's error is raised here."""
+        task's error is raised here. After each ``STALL_POLL`` seconds without progress,
+        ``stalled()`` says why the run can no longer progress (None while it can), and
+        :class:`RunStalled` is raised with that."""
         while True:
             self._note_checkpoints()
             self.submit_ready(i)
@@ -498,7 +515,12 @@ class Pipeline:
             # run's when the process holds several clients; the futures' events would
             # then belong to the wrong loop.
             with self.client.as_current():
-                wait(waiting, return_when="FIRST_COMPLETED")
+                try:
+                    wait(waiting, timeout=STALL_POLL, return_when="FIRST_COMPLETED")
+                except TimeoutError:
+                    why = stalled()
+                    if why:
+                        raise RunStalled(f"run stalled at iteration {i}: {why}") from None
 
     # ------------------------------------------------------------------ committing
 

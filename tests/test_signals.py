@@ -21,10 +21,11 @@ from test_driver_loss import resume, stored_weights
 BIN = Path(sys.executable).parent
 
 
-def start_run(tmp_path, cluster, iterations=REFERENCE_ITERATIONS):
-    """``digenrl run`` of the reference config as a process of its own, on ``cluster``."""
+def start_run(tmp_path, cluster, overrides=None, iterations=REFERENCE_ITERATIONS):
+    """``digenrl run`` of the reference config (with ``overrides``, top-level sections)
+    as a process of its own, on ``cluster``."""
     config = tmp_path / "small.yaml"
-    config.write_text(yaml.safe_dump({**SMALL, "iterations": iterations}))
+    config.write_text(yaml.safe_dump({**SMALL, **(overrides or {}), "iterations": iterations}))
     out = tmp_path / "run.zarr"
     address = cluster.client.scheduler.address
     proc = subprocess.Popen(
@@ -34,10 +35,10 @@ def start_run(tmp_path, cluster, iterations=REFERENCE_ITERATIONS):
 
 
 def committed(out) -> int:
-    """Iterations committed to ``out`` so far (0 while the run is creating it)."""
+    """Iterations committed to ``out`` so far (0 while the run has not created it whole)."""
     try:
-        return committed_iterations(out)
-    except StoreError:
+        return committed_iterations(out) if (out / "zarr.json").is_file() else 0
+    except StoreError:  # created, its run attributes not written yet
         return 0
 
 

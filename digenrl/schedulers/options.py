@@ -28,6 +28,8 @@ class ScheduleOptions:
     sooner there, counting the transfer of the inputs it lacks at
     ``transfer_bandwidth`` bytes/s, and a chunk starts on whichever worker frees first
     (off: a chunk runs on the worker that drew its noise, dealt round-robin).
+    ``stall_timeout``: seconds without a finished GPU task after which a run that the
+    progress watchdog cannot help stops (None: many times the longest expected task).
     """
 
     mode: str
@@ -39,6 +41,7 @@ class ScheduleOptions:
     slots_per_worker: int = 2
     rebalance: bool = True
     transfer_bandwidth: float = 1.0e9
+    stall_timeout: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -35,8 +35,9 @@ from distributed.protocol import pickle
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
-from digenrl.vocabulary import ANNOTATION, POOLS
+from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
+from digenrl.vocabulary import ANNOTATION, POOLS
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources"]
@@ -97,6 +98,10 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_metrics": self.report_metrics,
         })
         use_kind_colours()
+        # The progress watchdog and the stall check (digenrl.schedulers.progress).
+        self.progress = ProgressGuard(self)
+        scheduler.add_plugin(self.progress)
+        await self.progress.start(scheduler)
         try:
             dashboard.install(scheduler, self.name)
         except Exception:  # the page is a convenience; scheduling never depends on it
@@ -278,6 +283,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}
+        if self.policy is not None:
+            snap["counters"].update(self.progress.state())
         snap.update({"run": self.run, "active": self.active, "warnings": list(self.warnings),
                      "records": self.telemetry.recorded})
         return snap

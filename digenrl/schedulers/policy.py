@@ -613,6 +613,26 @@ class SchedulingPolicy:
         step = self.step_time(w)
         return step * info.sample_steps if step is not None else 0.0
 
+    def expected_seconds(self, key: Key) -> float | None:
+        """Expected seconds of ``key``, a released GPU task, on its worker: moving the
+        input bytes it lacks there, then the worker's seconds per sample-step times the
+        task's samples (a denoise step and a training micro-step go over the same
+        samples). None before any measurement."""
+        info = self.tasks.get(key)
+        w = self.workers.get(info.where) if info is not None and info.where else None
+        step = self.step_time(w) if w is not None and info.gpu else None
+        if step is None:
+            return None
+        return self._transfer_seconds(w, info) + step * max(info.samples, 1)
+
+    def longest_expected(self) -> float | None:
+        """The longest :meth:`expected_seconds` a known task could have on any worker."""
+        steps = [s for s in map(self.step_time, self.workers.values()) if s is not None]
+        if not steps:
+            return None
+        samples = max((info.samples for info in self.tasks.values() if info.gpu), default=1)
+        return max(steps) * max(samples, 1)
+
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
         the transfer of the input bytes it lacks, then the step at its pace."""
