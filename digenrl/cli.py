@@ -75,6 +75,7 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, metavar="K")
     for name, what in (("gap", "generation-axis pipeline"), ("tsp", "time-step parallelism"),
                        ("tag", "trainer-assisted generation"),
+                       ("rat", "rollout-assisted training"),
                        ("rebalance", "straggler rebalancing")):
         p.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                        default=None, help=f"switch {what} on or off (default: the mode's)")
@@ -155,7 +156,7 @@ _FLAG_FIELDS = {
     "rollout_workers": "cluster.rollout_workers", "trainer_workers": "cluster.trainer_workers",
     "scheduler": "cluster.scheduler", "gpus": "cluster.gpus",
     "max_staleness": "schedule.max_staleness", "gap": "schedule.gap", "tsp": "schedule.tsp",
-    "tag": "schedule.tag", "rebalance": "schedule.rebalance",
+    "tag": "schedule.tag", "rat": "schedule.rat", "rebalance": "schedule.rebalance",
 }
 
 

@@ -446,7 +446,7 @@ _TASK_COLUMNS = {
     "policy_version": np.int32, "timestep": np.int32, "chunk": np.int32,
     "ready": np.float64, "eligible": np.float64, "released": np.float64,
     "finished": np.float64, "tag": bool,
-    "stolen": bool, "nbytes": np.int64, "transfer": np.float64,
+    "stolen": bool, "rat": bool, "nbytes": np.int64, "transfer": np.float64,
     "transfer_start": np.float64, "transfer_stop": np.float64,
 }
 

@@ -330,6 +330,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "finished": time.time(),
             "tag": bool(d.tag) if d is not None else False,
             "stolen": bool(d.stolen) if d is not None else False,
+            "rat": bool(d.rat) if d is not None else False,
             "nbytes": int(kwargs.get("nbytes") or 0),
             # Fetches from other workers that Dask attached to this task: their seconds
             # and their span. Dask attaches a fetch to one dependent of the fetched data

@@ -62,6 +62,7 @@ class SimRecord(NamedTuple):
     stop: float
     tag: bool
     gpu: bool
+    rat: bool = False
 
 
 @dataclass
@@ -85,7 +86,8 @@ class SimResult:
             policy_version=t.policy_version,
             timestep=-1 if t.timestep is None else t.timestep,
             chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
-            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu)
+            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
+            rat=t.worker_rat)
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
@@ -148,7 +150,7 @@ class _Task(TaskInfo):
     the engine's state of it. The state is set when the task is added."""
 
     __slots__ = ("deps", "dependents", "waiting", "holder", "nbytes", "fetch", "ready_at",
-                 "released", "worker_tag", "on", "start", "stop")
+                 "released", "worker_tag", "worker_rat", "on", "start", "stop")
 
 
 class _Worker:
@@ -233,7 +235,7 @@ class Simulator:
                     self.output_bytes(t.kind, t.samples), self.transfer(t.kind, t.samples))
             t.nbytes, t.fetch = size
             t.ready_at = t.released = 0.0
-            t.worker_tag = False
+            t.worker_tag = t.worker_rat = False
             by_iteration[t.iteration].append(t)
             append(t)
         self.added += len(new)
@@ -303,6 +305,7 @@ class Simulator:
             w = workers[d.worker]
             t.released = now
             t.worker_tag = d.tag
+            t.worker_rat = d.rat
             if t.gpu:
                 # (A worker's queue is empty whenever it has a free GPU.)
                 if w.running < w.gpus:

@@ -240,7 +240,9 @@ def check_trace(result, options, layout, workers):
             if r.kind in ROLLOUT_KINDS:
                 assert pool_of[r.worker] == ROLLOUT or (options.tag and r.tag), r
             else:
-                assert pool_of[r.worker] == TRAINER, r
+                assert pool_of[r.worker] == TRAINER or (options.rat and r.rat
+                                                        and r.kind == GRAD), r
+        assert not r.rat or (options.rat and r.kind == GRAD), r
         if r.kind in ROLLOUT_KINDS and r.iteration - options.max_staleness >= 0:
             published = recs[(PUBLISH, r.iteration - options.max_staleness)].stop
             assert r.released >= published, r
@@ -259,20 +261,24 @@ def check_trace(result, options, layout, workers):
         for r in result.records:
             if r.iteration >= 0 and r.kind not in ROLLOUT_KINDS:
                 assert r.released >= barrier[r.iteration], r
-    # GPU slots: never more in flight on a worker than it advertises; TAG one at a time.
+    # GPU slots: never more in flight on a worker than it advertises; TAG and RAT one
+    # at a time, each released only to a worker with nothing in flight.
     events = defaultdict(list)
     for r in result.records:
         if r.gpu:
-            events[r.worker].append((r.released, 1, r.tag))
-            events[r.worker].append((r.stop, -1, r.tag))
+            lent = r.tag or r.rat
+            events[r.worker].append((r.released, 1, lent))
+            events[r.worker].append((r.stop, -1, lent))
     slots = {w.name: w.gpus * options.slots_per_worker for w in workers}
     for w, evs in events.items():
-        inflight = tag = 0
-        for t, delta, is_tag in sorted(evs, key=lambda e: (e[0], e[1])):
+        inflight = lent = 0
+        for t, delta, is_lent in sorted(evs, key=lambda e: (e[0], e[1])):
+            if delta > 0 and is_lent:
+                assert inflight == 0, (w, t)
             inflight += delta
-            tag += delta if is_tag else 0
+            lent += delta if is_lent else 0
             assert inflight <= slots[w]
-            assert tag <= 1
+            assert lent <= 1
     # TAG: a rollout task goes to a trainer only while no training task is runnable there.
     for r in result.records:
         if not r.tag:
@@ -291,7 +297,7 @@ def scenarios(draw):
     mode = draw(st.sampled_from(sorted(MODES)))
     switches = {} if mode == "colocated" else dict(
         gap=draw(st.booleans()), tsp=draw(st.booleans()), tag=draw(st.booleans()),
-        max_staleness=draw(st.integers(0, 2)))
+        rat=draw(st.booleans()), max_staleness=draw(st.integers(0, 2)))
     options = opts(mode, slots_per_worker=draw(st.integers(1, 3)), **switches)
     num_steps = draw(st.integers(2, 4))
     spp = draw(st.sampled_from([2, 4]))
