@@ -689,21 +689,26 @@ class SchedulingPolicy:
             return None, False
         return steal.info, True
 
-    def _lend(self, w: WorkerInfo, now: float) -> TaskInfo | None:
+    def _trainers_reach(self) -> float | None:
+        """Seconds until a trainer would have finished the most urgent grad if it were
+        queued there now: once the GPU tasks released to it have run (each counted as a
+        grad), then the grad (measured seconds). None while a trainer has no GPU task
+        (it takes the grad itself) or no grad has been measured."""
+        grad_s = self._ref_grad
+        trainers = self._trainers()
+        if grad_s is None or not trainers or any(not t.inflight for t in trainers):
+            return None
+        return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
+
+    def _lend(self, w: WorkerInfo, theirs: float | None) -> TaskInfo | None:
         """The grad an idle rollout worker ``w`` takes (RAT), or None: the most urgent
         one of the TSP queue, when every trainer is busy and ``w`` is expected to finish
-        it no later than the first trainer to free would (measured grad seconds)."""
+        it, its missing inputs moved, no later than a trainer would (``theirs``: see
+        :meth:`_trainers_reach`)."""
         top = self._train.peek()
-        grad_s = self._ref_grad
-        if top is None or top.info.kind != GRAD or grad_s is None:
+        if theirs is None or top is None or top.info.kind != GRAD:
             return None
-        trainers = self._trainers()
-        if not trainers or not all(t.inflight for t in trainers):
-            return None   # a free trainer takes it
-        # A trainer gets to it once the GPU tasks released to it have run (each
-        # counted as a grad), then computes it.
-        theirs = min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
-        mine = self._transfer_seconds(w, top.info) + grad_s / w.speed
+        mine = self._transfer_seconds(w, top.info) + self._ref_grad / w.speed
         if mine > theirs:
             self._counts["rat_declined"] += 1
             return None
@@ -795,9 +800,11 @@ class SchedulingPolicy:
                     candidates |= free[TRAINER]
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
-                if training and self._rat_on():
-                    candidates.update(a for a in free[ROLLOUT] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
+        lending = self._rat_on() and self._train.peek() is not None
+        if lending:
+            # Rollout-assisted training: idle rollout workers may take runnable grads.
+            candidates |= {a for a in self._free[ROLLOUT] if not workers[a].inflight}
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -808,7 +815,8 @@ class SchedulingPolicy:
         active = sorted((w for w in map(workers.get, candidates)
                          if w is not None and len(w.inflight) < w.slots),
                         key=lambda w: (len(w.inflight), w.rank))
-        idle_rollout = [w for w in active if w.pool == ROLLOUT and not w.inflight]
+        idle_rollout = [w for w in active if w.pool == ROLLOUT and not w.inflight] \
+            if lending else []
         while active:
             still = []
             for w in active:
@@ -820,12 +828,13 @@ class SchedulingPolicy:
             active = still
         # Rollout-assisted training, once every other worker has taken its share: a
         # rollout worker still idle takes one grad.
-        if idle_rollout and self._rat_on():
+        idle_rollout = [w for w in idle_rollout if not w.inflight]
+        if idle_rollout:
+            theirs = self._trainers_reach()
             for w in idle_rollout:
-                if not w.inflight:
-                    info = self._lend(w, now)
-                    if info is not None:
-                        out.append(self._release(info, w, now, rat=True))
+                info = self._lend(w, theirs)
+                if info is not None:
+                    out.append(self._release(info, w, now, rat=True))
         return out
 
     def _rat_on(self) -> bool:

@@ -100,6 +100,55 @@ def test_events_by_key_and_by_the_held_task_are_the_same_events():
     assert drive(by_key=False) == (rejected, log, snapshot)
 
 
+def _grads(n, iteration=0):
+    return [info(("g", iteration, j), GRAD, iteration=iteration, version=iteration, chunk=j,
+                 timestep=0, behaviour_version=iteration) for j in range(n)]
+
+
+def test_rat_lends_an_idle_rollout_worker_one_grad_while_every_trainer_is_busy():
+    p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=1)
+    grads = _grads(6)
+    p.add_tasks(grads)
+    p.task_ready(grads[0].key)
+    [first] = p.decide()
+    assert first.worker == "t0" and not first.rat
+    # Nothing measured yet: the rollout worker does not guess what a grad costs.
+    for g in grads[1:]:
+        p.task_ready(g.key)
+    assert {d.worker for d in p.decide()} == {"t0"}
+    p.task_done(first.key, "t0", 1.0)
+    out = p.decide()
+    # The trainer takes its slot back; its slots are full, so the idle rollout worker
+    # takes one grad (one only) and records it.
+    lent = [d for d in out if d.worker == "r0"]
+    assert len(lent) == 1 and lent[0].rat and not lent[0].tag
+    assert p.counters["rat_released"] == 1
+    assert p.snapshot()["pools"][ROLLOUT]["rat"] == 1
+    assert p.decide() == []
+    # A rollout step that becomes runnable takes the worker's next release.
+    p.add_tasks([info("d", DENOISE, chunk=0, timestep=0)])
+    p.task_ready("d")
+    assert [(d.key, d.worker) for d in p.decide()] == [("d", "r0")]
+
+
+def test_rat_declines_when_a_trainer_would_finish_the_grad_sooner_or_when_off():
+    for options, loc in ((opts("digenrl", tag=False, rat=False), {}),
+                         # Moving 10 GB at 1 GB/s costs more than waiting for the trainer.
+                         (opts("digenrl", tag=False), {"t0": 10 ** 10})):
+        p = policy_with(options, rollout=1, trainer=1)
+        grads = _grads(6)
+        p.add_tasks(grads)
+        p.task_ready(grads[0].key, dict(loc))
+        [first] = p.decide()
+        for g in grads[1:]:
+            p.task_ready(g.key, dict(loc))
+        p.decide()
+        p.task_done(first.key, "t0", 1.0)
+        assert all(d.worker == "t0" for d in p.decide()), options
+        assert not p.counters["rat_released"]
+    assert p.counters["rat_declined"] > 0
+
+
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), DENOISE, chunk=j, timestep=0) for j in range(5)])
