@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from digenrl.report import summarise
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
@@ -87,6 +88,9 @@ def test_rollout_assisted_training_changes_no_bit(cluster_1x1, shared_runs, tmp_
     assert not t_off.rat.any()
     assert not t_off[t_off.kind == "grad"].pool.eq("rollout").any()
     assert_same_results(ds, result.final_weights.tensors, (on.result, on.ds))
+    # The report counts the lent GPU-seconds and advises a split from the task times.
+    text = summarise(on.ds)
+    assert "rollout-assisted training" in text and "pool sizing:" in text
 
 
 def test_tsp_spreads_a_chunks_micro_steps_over_trainers(cluster_2x2, tmp_path):
