@@ -4,7 +4,8 @@ pool utilisation and idle time ("bubbles").
 The measured window runs from the end of iteration ``skip - 1`` (its optimizer step) to
 the end of iteration ``n - 1 - drain``, so start-up (worker warm-up, the first version)
 and, with ``drain``, the run's last iteration are left out. The ideal bound is the total GPU work done in that window divided by the number of
-GPU slots: a pipeline with no idle time at all.
+GPU slots: a pipeline with no idle time at all. :func:`split_advice` compares it with
+what fixed pools allow, to advise a rollout/trainer split.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from digenrl.vocabulary import COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT, TRAINER
+from digenrl.vocabulary import (COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT,
+                                ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
 
 __all__ = ["WindowStats", "window_stats", "window_metrics", "optimize_stop", "busy_seconds",
-           "utilisation_timeline", "dispatch_overhead", "pools_served", "store_pools"]
+           "utilisation_timeline", "dispatch_overhead", "pools_served", "store_pools",
+           "SplitAdvice", "split_advice"]
 
 
 def pools_served(tagged: Mapping[str, Iterable[str]], pooled: bool) -> dict[str, list[str]]:
@@ -97,6 +100,7 @@ class WindowStats:
     utilisation: dict[str, float] = field(default_factory=dict)   # pool -> busy fraction
     idle_s: dict[str, float] = field(default_factory=dict)        # pool -> idle GPU-seconds
     tag_s: float = 0.0                                            # TAG GPU-seconds
+    rat_s: float = 0.0                                            # RAT GPU-seconds
 
     @property
     def images_per_gpu_s(self) -> float:
@@ -145,12 +149,74 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
         b = sum(busy.get(w, 0.0) for w in ws)
         util[pool] = b / (len(ws) * seconds)
         idle[pool] = len(ws) * seconds - b
-    tag = tasks[tasks["tag"]] if "tag" in tasks else tasks.iloc[:0]
-    tag_s = float(_overlap(tag["start"].to_numpy(), tag["stop"].to_numpy(), t0, t1).sum()) / time_scale
+    lent = {}
+    for column in ("tag", "rat"):
+        rows = tasks[tasks[column]] if column in tasks else tasks.iloc[:0]
+        lent[column] = float(_overlap(rows["start"].to_numpy(), rows["stop"].to_numpy(),
+                                      t0, t1).sum()) / time_scale
     return WindowStats(iterations=n_it, seconds=seconds, images=images,
                        images_per_s=images / seconds, gpus=gpus, gpu_work_s=work,
                        ideal_images_per_s=ideal, ideal_fraction=(images / seconds) / ideal,
-                       utilisation=util, idle_s=idle, tag_s=tag_s)
+                       utilisation=util, idle_s=idle, tag_s=lent["tag"], rat_s=lent["rat"])
+
+
+@dataclass
+class SplitAdvice:
+    """The rollout/trainer split the ideal bound favours for a workload.
+
+    With the pools as walls an iteration takes at least ``max(rollout_s / R,
+    training_s / T)`` on ``R`` rollout and ``T`` trainer GPUs, against the ideal
+    ``(rollout_s + training_s) / (R + T)``; the best split minimises the former.
+    """
+
+    rollout_s: float          # GPU-seconds of rollout work per iteration (speed 1)
+    training_s: float         # GPU-seconds of training work per iteration (speed 1)
+    current: tuple[int, int]  # (rollout, trainer) GPUs of the run
+    best: tuple[int, int]     # the split with the highest bound
+
+    @staticmethod
+    def bound(rollout_s: float, training_s: float, split: tuple[int, int]) -> float:
+        """The fraction of the ideal bound reachable with ``split`` as walls."""
+        r, t = split
+        ideal = (rollout_s + training_s) / (r + t)
+        return ideal / max(rollout_s / r, training_s / t)
+
+    @classmethod
+    def of(cls, rollout_s: float, training_s: float, current: tuple[int, int]) -> "SplitAdvice":
+        n = sum(current)
+        best = max(((r, n - r) for r in range(1, n)),
+                   key=lambda s: (cls.bound(rollout_s, training_s, s), -abs(s[0] - current[0])))
+        return cls(rollout_s, training_s, current, best)
+
+    def text(self) -> str:
+        (r, t), (br, bt) = self.current, self.best
+        share = self.rollout_s / (self.rollout_s + self.training_s)
+        return (f"pool sizing: rollout work {share:.0%} of the GPU work; with pools as walls "
+                f"{r} rollout + {t} trainer reach at most "
+                f"{self.bound(self.rollout_s, self.training_s, self.current):.2f} of the ideal "
+                f"bound, {br} + {bt} (the split the bound favours) "
+                f"{self.bound(self.rollout_s, self.training_s, self.best):.2f}; TAG and RAT "
+                f"lend the difference (check a split with digenrl simulate --splits)")
+
+
+def split_advice(tasks, pools: Mapping[str, Iterable[str]],
+                 speeds: Mapping[str, float] | None = None) -> SplitAdvice | None:
+    """:class:`SplitAdvice` from a run's measured task times (every GPU task, weighed by
+    its worker's speed, counted as rollout or training work by its kind wherever it
+    ran); None without both pools."""
+    speeds = speeds or {}
+    r, t = len(list(pools.get(ROLLOUT, []))), len(list(pools.get(TRAINER, [])))
+    if not r or not t:
+        return None
+    g = tasks[tasks["gpu"]] if "gpu" in tasks else tasks[tasks["kind"].isin(GPU_KINDS)]
+    seconds = (g["stop"] - g["start"]) * g["worker_name"].astype(str).map(
+        lambda w: speeds.get(w, 1.0))
+    its = max(int(g["iteration"].max()) + 1, 1) if len(g) else 1
+    rollout = float(seconds[g["kind"].isin(ROLLOUT_KINDS)].sum()) / its
+    training = float(seconds[g["kind"].isin(TRAINING_KINDS)].sum()) / its
+    if rollout <= 0 or training <= 0:
+        return None
+    return SplitAdvice.of(rollout, training, (r, t))
 
 
 def dispatch_overhead(tasks, t0: float | None = None, t1: float | None = None) -> dict[str, float]:

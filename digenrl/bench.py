@@ -150,12 +150,12 @@ def _write_csv(results: Sequence[BenchResult], path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "images_per_s", "images_per_gpu_s", "ideal_images_per_s",
-                    "ideal_fraction", "gpu_work_s", "seconds", "tag_s", *overhead]
+                    "ideal_fraction", "gpu_work_s", "seconds", "tag_s", "rat_s", *overhead]
                    + [f"utilisation_{p}" for p in pools] + [f"idle_s_{p}" for p in pools])
         for r in results:
             s, o = r.stats, r.overhead
             w.writerow([r.name, s.images_per_s, s.images_per_gpu_s, s.ideal_images_per_s,
-                        s.ideal_fraction, s.gpu_work_s, s.seconds, s.tag_s,
+                        s.ideal_fraction, s.gpu_work_s, s.seconds, s.tag_s, s.rat_s,
                         *(o.get(k, "") for k in overhead)]
                        + [s.utilisation.get(p, "") for p in pools]
                        + [s.idle_s.get(p, "") for p in pools])
@@ -165,7 +165,7 @@ def format_table(results: Sequence[BenchResult]) -> str:
     """One row per variant plus its throughput ratio to every other variant."""
     names = [r.name for r in results]
     head = (f"{'variant':<14}{'img/s':>9}{'img/GPU/s':>11}{'ideal':>7}"
-            f"{'util r/t/c':>16}{'idle s r/t/c':>20}{'TAG s':>8}{'wait ms':>9}{'Dask ms':>9}"
+            f"{'util r/t/c':>16}{'idle s r/t/c':>20}{'TAG s':>8}{'RAT s':>8}{'wait ms':>9}{'Dask ms':>9}"
             f"{'%step':>7}  " +
             "".join(f"{'/' + n:>{max(8, len(n) + 2)}}" for n in names))
     lines = [head, "-" * len(head)]
@@ -183,6 +183,6 @@ def format_table(results: Sequence[BenchResult]) -> str:
                          for x in results)
         lines.append(f"{r.name:<14}{s.images_per_s:>9.3f}{s.images_per_gpu_s:>11.4f}"
                      f"{s.ideal_fraction:>7.2f}{triple(s.utilisation, '{:.2f}'):>16}"
-                     f"{triple(s.idle_s, '{:.0f}'):>20}{s.tag_s:>8.0f}{wait_ms:>9.1f}{dask_ms:>9.1f}"
+                     f"{triple(s.idle_s, '{:.0f}'):>20}{s.tag_s:>8.0f}{s.rat_s:>8.0f}{wait_ms:>9.1f}{dask_ms:>9.1f}"
                      f"{share:>7.1f}  {ratios}")
     return "\n".join(lines)

@@ -76,6 +76,7 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-staleness", type=int, metavar="K")
     for name, what in (("gap", "generation-axis pipeline"), ("tsp", "time-step parallelism"),
                        ("tag", "trainer-assisted generation"),
+                       ("rat", "rollout-assisted training"),
                        ("rebalance", "straggler rebalancing")):
         p.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
                        default=None, help=f"switch {what} on or off (default: the mode's)")
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--time-scale", type=float,
                        help="with --emulate: emulated seconds per profile second "
                             "(default: the profile's)")
+    # (--rollout-workers / --trainer-workers size the emulated pools too.)
     rep = sub.add_parser("report", help="PNG plots and a summary of a run's store")
     rep.add_argument("store", help="a digenrl store (finished or running)")
     rep.add_argument("--out", help="folder for the PNGs (default: STORE-report)")
@@ -149,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("profile", help="a shipped cost profile or a YAML file")
     sim.add_argument("--gpus", type=int, help="scale the profile to this many GPUs")
     sim.add_argument("--iterations", type=int, default=20)
+    sim.add_argument("--splits", metavar="R:T[,R:T...]",
+                     help="simulate each rollout:trainer split of the GPUs (ratios, e.g. "
+                          "11:5,8:8,3:13 on 16 GPUs or the same shares of --gpus) and name "
+                          "the best split per variant")
     sim.add_argument("--variants", default="colocated,disaggregated,digenrl",
                      help=f"comma-separated, from: {', '.join(VARIANTS)}")
     sim.add_argument("--dispatch-latency", type=float,
@@ -176,7 +182,7 @@ _FLAG_FIELDS = {
     "rollout_workers": "cluster.rollout_workers", "trainer_workers": "cluster.trainer_workers",
     "scheduler": "cluster.scheduler", "gpus": "cluster.gpus",
     "max_staleness": "schedule.max_staleness", "gap": "schedule.gap", "tsp": "schedule.tsp",
-    "tag": "schedule.tag", "rebalance": "schedule.rebalance",
+    "tag": "schedule.tag", "rat": "schedule.rat", "rebalance": "schedule.rebalance",
 }
 
 
@@ -422,6 +428,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
         if args.time_scale is not None and not args.time_scale > 0:
             raise ConfigError(f"--time-scale: expected a number > 0, got {args.time_scale}")
+        if args.rollout_workers is not None or args.trainer_workers is not None:
+            try:
+                profile = profile.with_pools(
+                    args.rollout_workers if args.rollout_workers is not None
+                    else profile.rollout_workers,
+                    args.trainer_workers if args.trainer_workers is not None
+                    else profile.trainer_workers)
+            except ProfileError as e:
+                raise ConfigError(f"--rollout-workers/--trainer-workers: {e}") from None
         results = bench_profile(profile, variants, args.out, iterations=config.iterations,
                                 time_scale=args.time_scale, skip=args.skip, drain=args.drain,
                                 dashboard_address=config.cluster.dashboard_address)
@@ -463,10 +478,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--time-scale: expected a number > 0, got {args.time_scale}")
     if args.reuse and not args.validate:
         raise ConfigError("--reuse: expected together with --validate DIR")
+    splits = _parse_splits(args.splits) if args.splits is not None else None
+    if splits and args.validate:
+        raise ConfigError("--splits: expected without --validate (it simulates only)")
     scale = args.time_scale or profile.time_scale
     latency = args.dispatch_latency
     if latency is None:
         latency = DASK_ROUND_TRIP / scale if args.validate else 0.005
+    if splits:
+        best: dict[str, tuple[float, str]] = {}
+        for r, t in splits:
+            p = profile.split(r, t)
+            name = f"{p.rollout_workers} rollout + {p.trainer_workers} trainer"
+            reports = simulate_variants(p, variants, args.iterations, dispatch_latency=latency)
+            print(f"{name}:\n{format_reports(reports)}\n")
+            for v, rep in reports:
+                if v not in best or rep.images_per_s > best[v][0]:
+                    best[v] = (rep.images_per_s, name)
+        for v, (rate, name) in best.items():
+            print(f"best split for {v}: {name} ({rate:.4f} images/s)")
+        return 0
     if not args.validate:
         print(format_reports(simulate_variants(profile, variants, args.iterations,
                                                dispatch_latency=latency)))
@@ -495,6 +526,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           + "; ".join(f"{v} dispatch {m[1]['fresh_ms']:.1f}, queued {m[1]['queued_ms']:.1f}"
                       for v, m in measured.items()))
     return 0
+
+
+def _parse_splits(text: str) -> list[tuple[int, int]]:
+    """``--splits``: ``R:T`` pairs of positive integers, comma-separated."""
+    out = []
+    for part in text.split(","):
+        r, sep, t = part.strip().partition(":")
+        if not (sep and r.isdigit() and t.isdigit() and int(r) > 0 and int(t) > 0):
+            raise ConfigError(f"--splits: expected ROLLOUT:TRAINER pairs of positive "
+                              f"integers, comma-separated (e.g. 11:5,8:8), got {text!r}")
+        out.append((int(r), int(t)))
+    return out
 
 
 def _check_reused(store: Path, profile, iterations: int) -> None:

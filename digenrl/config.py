@@ -482,6 +482,8 @@ class ScheduleConfig:
     """Trainer-assisted generation. null: the mode's."""
     rebalance: bool | None = None
     """Straggler rebalancing: a chunk's next step moves to a worker that would finish it sooner, transfer counted. false: chunks stay where they started. null: the mode's."""
+    rat: bool | None = None
+    """Rollout-assisted training: an idle rollout worker takes grad micro-steps while every trainer is busy and it would finish them no later. null: the mode's."""
     transfer_bandwidth: float = 1.0e9
     """Bytes/s the rebalancing assumes for moving a step's inputs between workers."""
     stale_groups: int | None = None
@@ -501,7 +503,7 @@ class ScheduleConfig:
             _require(_is_int(self.max_staleness) and 0 <= self.max_staleness <= 8,
                      f"{p}.max_staleness", "an integer from 0 to 8 or null",
                      self.max_staleness)
-        for name in ("gap", "tsp", "tag", "rebalance"):
+        for name in ("gap", "tsp", "tag", "rebalance", "rat"):
             v = getattr(self, name)
             _require(v is None or isinstance(v, bool), f"{p}.{name}",
                      "true, false or null", v)
@@ -513,13 +515,16 @@ class ScheduleConfig:
             _require(not self.tag, f"{p}.tag",
                      f"false or null in colocated mode ({p}.mode; there is no trainer pool)",
                      self.tag)
+            _require(not self.rat, f"{p}.rat",
+                     f"false or null in colocated mode ({p}.mode; there is no rollout pool)",
+                     self.rat)
             _require(not self.max_staleness, f"{p}.max_staleness",
                      f"0 or null in colocated mode ({p}.mode; its phases are synchronous)",
                      self.max_staleness)
 
     def options(self) -> ScheduleOptions:
         preset = dict(MODES[self.mode])
-        for name in ("gap", "tsp", "tag", "rebalance", "max_staleness"):
+        for name in ("gap", "tsp", "tag", "rebalance", "rat", "max_staleness"):
             if getattr(self, name) is not None:
                 preset[name] = getattr(self, name)
         return ScheduleOptions(mode=self.mode, slots_per_worker=self.slots_per_worker,

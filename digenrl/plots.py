@@ -15,13 +15,17 @@ import numpy as np  # noqa: E402
 from digenrl.analysis import utilisation_timeline  # noqa: E402
 from digenrl.schedulers.palette import KIND_COLOURS  # noqa: E402
 
+#: The tasks records' columns of work lent across pools, and their hatch: rollout tasks
+#: on trainers (TAG) and grads on rollout workers (RAT).
+LENT_HATCHES = {"tag": "//", "rat": "xx"}
+
 __all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png"]
 
 
 def timeline_png(tasks, path: str | Path, *, title: str = "",
                  pools: Mapping[str, Iterable[str]] | None = None) -> Path:
     """One row per worker (grouped by pool), a bar per task coloured by its kind;
-    TAG tasks hatched. White space is idle time."""
+    TAG tasks hatched ``//``, RAT tasks ``xx``. White space is idle time."""
     t0 = float(tasks["start"].min())
     names = list(dict.fromkeys(
         [str(w) for ws in (pools or {}).values() for w in ws]
@@ -39,16 +43,19 @@ def timeline_png(tasks, path: str | Path, *, title: str = "",
             ax.barh(y, part["stop"] - part["start"], left=part["start"] - t0, height=height,
                     color=colour, label=kind if height == 0.8 or gpu.empty else None,
                     linewidth=0)
-        if "tag" in g:
-            tag = g[g["tag"]]
-            if not tag.empty:
-                ax.barh([row[str(w)] for w in tag["worker_name"]], tag["stop"] - tag["start"],
-                        left=tag["start"] - t0, height=0.8, fill=False, hatch="//",
+        for column, hatch in LENT_HATCHES.items():
+            if column not in g:
+                continue
+            lent = g[g[column]]
+            if not lent.empty:
+                ax.barh([row[str(w)] for w in lent["worker_name"]], lent["stop"] - lent["start"],
+                        left=lent["start"] - t0, height=0.8, fill=False, hatch=hatch,
                         edgecolor="black", linewidth=0)
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run's first task")
-    ax.set_title(title or "tasks by worker (hatched: trainer-assisted generation)")
+    ax.set_title(title or "tasks by worker (hatched //: trainer-assisted generation, "
+                          "xx: rollout-assisted training)")
     handles, labels = ax.get_legend_handles_labels()
     uniq = dict(zip(labels, handles))
     # Beside the axes, so it never hides the bars or the axis label.

@@ -47,6 +47,7 @@ TASK_COLUMNS: dict[str, Column] = {
     "finished": Column(np.float64, "when the scheduler heard it finished"),
     "tag": Column(bool, "whether it was trainer-assisted generation"),
     "stolen": Column(bool, "whether it moved to another worker at a timestep boundary"),
+    "rat": Column(bool, "whether it was a micro-step lent to a rollout worker (RAT)"),
     "nbytes": Column(np.int64, "the size of its result"),
     "transfer": Column(np.float64, "seconds of fetches from other workers Dask attached to it"),
     "transfer_start": Column(np.float64, "when the first of those fetches started"),
@@ -56,7 +57,8 @@ TASK_COLUMNS: dict[str, Column] = {
 #: The columns the simulator records (it has no worker addresses apart from names, no
 #: clock offsets and no data sizes): a worker's name stands in its ``worker`` column.
 SIMULATED_COLUMNS = ("key", "kind", "worker", "pool", "iteration", "policy_version",
-                     "timestep", "chunk", "ready", "released", "start", "stop", "tag", "gpu")
+                     "timestep", "chunk", "ready", "released", "start", "stop", "tag", "gpu",
+                     "rat")
 
 
 def task_columns(records: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:

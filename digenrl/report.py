@@ -2,7 +2,7 @@
 
 Writes ``reward.png`` (every sample's reward and the mean per iteration),
 ``timeline.png`` (one row per worker, a bar per task coloured by kind, hatched where a
-trainer generated), ``utilisation.png`` (busy fraction of each pool over time) and
+trainer generated (TAG) and, cross-hatched, where a rollout worker trained (RAT)), ``utilisation.png`` (busy fraction of each pool over time) and
 ``staleness.png`` (how many versions old the trained samples were), plus
 ``summary.txt`` -- the summary is also returned for printing. A running store shows its
 complete iterations.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from digenrl.analysis import dispatch_overhead, store_pools, window_stats
+from digenrl.analysis import dispatch_overhead, split_advice, store_pools, window_stats
 from digenrl.store import open_run
 
 __all__ = ["write_report", "summarise"]
@@ -27,7 +27,7 @@ def summarise(ds) -> str:
     sched = attrs["schedule"]
     lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, mode "
              f"{sched['mode']} (gap={sched['gap']} tsp={sched['tsp']} tag={sched['tag']} "
-             f"max_staleness={sched['max_staleness']}), {n} complete iterations"]
+             f"rat={sched.get('rat', False)} max_staleness={sched['max_staleness']}), {n} complete iterations"]
     pools = store_pools(attrs)
     lines.append("workers: " + ", ".join(f"{len(w)} {p}" for p, w in pools.items()))
     if n == 0:
@@ -53,7 +53,11 @@ def summarise(ds) -> str:
                      f"({ws.images_per_gpu_s:.4f} per GPU), {ws.ideal_fraction:.2f} of the "
                      f"ideal bound (GPU work / GPUs)")
         lines.append("utilisation: " + ", ".join(f"{p} {u:.2f}" for p, u in ws.utilisation.items())
-                     + f"; trainer-assisted generation {ws.tag_s:.1f} GPU-s")
+                     + f"; trainer-assisted generation {ws.tag_s:.1f} GPU-s, "
+                       f"rollout-assisted training {ws.rat_s:.1f} GPU-s")
+        advice = split_advice(tasks, pools)
+        if advice is not None:
+            lines.append(advice.text())
         o = dispatch_overhead(tasks)
         lines.append(f"GPU idle before a GPU task that could run: {o['overhead_ms']:.1f} ms, "
                      f"{o['dask_ms']:.1f} ms without fetching inputs; Dask's cost per denoise "

@@ -22,12 +22,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gap": {"schedule.mode": "disaggregated", "schedule.gap": True},
     "tsp": {"schedule.mode": "disaggregated", "schedule.tsp": True},
     "tag": {"schedule.mode": "disaggregated", "schedule.tag": True},
+    "rat": {"schedule.mode": "disaggregated", "schedule.tsp": True, "schedule.rat": True},
     "staleness-1": {"schedule.mode": "disaggregated", "schedule.max_staleness": 1},
     # DigenRL without asynchrony, and with it only for the tail bubble.
     "digenrl-sync": {"schedule.mode": "digenrl", "schedule.max_staleness": 0},
     "digenrl-tail": {"schedule.mode": "digenrl", "schedule.stale_groups": 1},
     # DigenRL with every chunk pinned to the worker it started on (no rebalancing).
     "digenrl-pinned": {"schedule.mode": "digenrl", "schedule.rebalance": False},
+    # DigenRL without rollout-assisted training: only the trainers lend (TAG).
+    "digenrl-no-rat": {"schedule.mode": "digenrl", "schedule.rat": False},
+    # ... and without trainer-assisted generation: only the rollout workers lend.
+    "digenrl-no-tag": {"schedule.mode": "digenrl", "schedule.tag": False},
 }
 #: What ``digenrl bench`` runs when no ``--variants`` are named.
 DEFAULT_VARIANTS = ("colocated", "disaggregated", "digenrl", "gap", "tsp", "tag",

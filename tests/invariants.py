@@ -2,7 +2,7 @@
 
 Each record is one completed task as the scheduler plugin saw it (the store's ``tasks``
 group): its kind, the worker and pool that ran it, its iteration and policy version,
-whether it was a TAG release, and on the scheduler's clock when it became ready, when it
+whether it was a TAG or RAT release, and on the scheduler's clock when it became ready, when it
 was released to its worker and when it finished. The checks hold for any timing, so the
 same functions serve the runs of real models, the runs whose workers were killed, and
 emulated runs with injected slowdowns.
@@ -18,16 +18,27 @@ from digenrl.vocabulary import (COLOCATED, GRAD, PUBLISH, ROLLOUT, ROLLOUT_KINDS
 
 
 def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
-    """Training only on trainers; rollout work on a trainer only as a TAG release, and
-    TAG only with TAG on, only on trainers, only for rollout kinds, only while no grad
-    task was runnable on that trainer (any grad with TSP; without it, the grads of the
-    chunks mapped to it) and only to a trainer with no GPU task in flight."""
+    """Training on trainers, except grads lent to rollout workers (RAT); rollout work on
+    a trainer only as a TAG release, and TAG only with TAG on, only on trainers, only
+    for rollout kinds, only while no grad task was runnable on that trainer (any grad
+    with TSP; without it, the grads of the chunks mapped to it) and only to a trainer
+    with no GPU task in flight. RAT only with RAT (and TSP) on, only grads, only on
+    rollout workers, only to a worker with no GPU task in flight."""
+    rat = t[t.rat] if "rat" in t else t.iloc[:0]
     if not options.pools:
         assert t.pool.eq(COLOCATED).all(), sorted(set(t.pool))
-        assert not t.tag.any()
+        assert not t.tag.any() and rat.empty
         return
-    assert not t[t.kind.isin(TRAINING_KINDS)].pool.eq(ROLLOUT).any(), \
-        t[t.kind.isin(TRAINING_KINDS) & t.pool.eq(ROLLOUT)].key.tolist()
+    on_rollout = t[t.kind.isin(TRAINING_KINDS) & t.pool.eq(ROLLOUT)]
+    assert on_rollout.index.isin(rat.index).all(), on_rollout.key.tolist()
+    if not (options.rat and options.tsp):
+        assert rat.empty, rat.key.tolist()
+    assert rat.kind.eq(GRAD).all() and rat.pool.eq(ROLLOUT).all(), rat.key.tolist()
+    gpu = t[t.gpu]
+    for row in rat.itertuples():
+        r = row.released
+        busy = gpu[(gpu.worker == row.worker) & (gpu.released < r) & (gpu.finished > r)]
+        assert busy.empty, (row.key, busy.key.tolist())
     on_trainers = t[t.kind.isin(ROLLOUT_KINDS) & t.pool.eq(TRAINER)]
     assert on_trainers.tag.all(), on_trainers[~on_trainers.tag].key.tolist()
     tag = t[t.tag]
@@ -41,7 +52,6 @@ def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
         # so only those are runnable on that trainer.
         trainers = sorted(set(t.worker_name[t.pool == TRAINER]))
         grads = grads.assign(runs_on=[trainers[c % len(trainers)] for c in grads.chunk])
-    gpu = t[t.gpu]
     for row in tag.itertuples():
         r = row.released
         waiting = grads[(grads.ready <= r) & (grads.released > r)]
@@ -90,7 +100,7 @@ def assert_slots(t: pd.DataFrame, options: ScheduleOptions) -> None:
 
 
 def assert_schedule_invariants(t: pd.DataFrame, options: ScheduleOptions) -> None:
-    """Every rule above: pools and TAG, the staleness bound, the GPU slots."""
+    """Every rule above: pools, TAG and RAT, the staleness bound, the GPU slots."""
     assert_pool_rules(t, options)
     assert_staleness_bound(t, options)
     assert_slots(t, options)

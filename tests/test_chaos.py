@@ -62,10 +62,10 @@ class Chaos:
 
 
 @pytest.mark.parametrize("seed,switches", [
-    (1, {}),
-    (2, {"max_staleness": 2}),
-    (3, {"tsp": False}),
-    (4, {"max_staleness": 0}),
+    (1, {"rat": True}),
+    (2, {"max_staleness": 2, "rat": False}),
+    (3, {"tsp": False, "rat": True}),
+    (4, {"max_staleness": 0, "rat": True}),
 ])
 def test_slowdowns_never_break_the_scheduling_rules(emulated_2x2, profile, tmp_path, seed,
                                                     switches):

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from digenrl.report import summarise
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
-from conftest import small_config
+from conftest import assert_same_results, small_config
 from invariants import assert_schedule_invariants
 
 
@@ -70,6 +71,26 @@ def test_gap_tsp_tag_as_the_tasks_group_records_them(request, shared_runs, clust
     # TAG: trainers generate.
     assert t.tag.sum() > 0
     assert (ds["samples"].trained_version - ds["samples"].behaviour_version).max() <= 1
+
+
+def test_rollout_assisted_training_changes_no_bit(cluster_1x1, shared_runs, tmp_path):
+    cfg = pipelined_config()
+    assert cfg.schedule.options().rat   # mode digenrl lends rollout workers
+    on = shared_runs(cluster_1x1, cfg)
+    t = on.ds["tasks"].to_dataframe()
+    lent = t[t.rat]
+    # The rollout worker trained: grads only, each on the rollout pool.
+    assert len(lent) > 0
+    assert lent.kind.eq("grad").all() and lent.pool.eq("rollout").all()
+    assert on.state["counters"]["rat_released"] >= len(lent)
+    off = pipelined_config(**{"schedule.rat": False})
+    result, ds, t_off = run(off, cluster_1x1, tmp_path / "off.zarr")
+    assert not t_off.rat.any()
+    assert not t_off[t_off.kind == "grad"].pool.eq("rollout").any()
+    assert_same_results(ds, result.final_weights.tensors, (on.result, on.ds))
+    # The report counts the lent GPU-seconds and advises a split from the task times.
+    text = summarise(on.ds)
+    assert "rollout-assisted training" in text and "pool sizing:" in text
 
 
 def test_tsp_spreads_a_chunks_micro_steps_over_trainers(cluster_2x2, tmp_path):

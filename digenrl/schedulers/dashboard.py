@@ -40,7 +40,7 @@ class DigenRLPage:
         self.plugin_name = plugin_name
         self.status = Div(name="digenrl-status", sizing_mode="stretch_width")
         self.pools_source = ColumnDataSource({"pool": [], "workers": [], "busy": [],
-                                              "tag": [], "slots": []})
+                                              "tag": [], "rat": [], "slots": []})
         self.pools = DataTable(
             source=self.pools_source, name="digenrl-pools", height=110, width=420,
             index_position=None,
@@ -48,9 +48,10 @@ class DigenRLPage:
                      TableColumn(field="workers", title="workers"),
                      TableColumn(field="busy", title="busy GPUs"),
                      TableColumn(field="tag", title="TAG (trainers generating)"),
+                     TableColumn(field="rat", title="RAT (rollout workers training)"),
                      TableColumn(field="slots", title="task slots")])
         self.util_source = ColumnDataSource({"time": []})
-        self.util = figure(title="pool utilisation (busy GPUs / GPUs) and TAG", height=260,
+        self.util = figure(title="pool utilisation (busy GPUs / GPUs), TAG and RAT", height=260,
                            sizing_mode="stretch_width", x_axis_type="datetime",
                            y_range=(0, 1.05), name="digenrl-utilisation", tools="")
         self.util_lines = set()
@@ -101,6 +102,7 @@ class DigenRLPage:
             "pool": list(pools), "workers": [p["workers"] for p in pools.values()],
             "busy": [p["busy"] for p in pools.values()],
             "tag": [p["tag"] for p in pools.values()],
+            "rat": [p.get("rat", 0) for p in pools.values()],
             "slots": [p["slots"] for p in pools.values()]}
         held = state.get("held", {})
         self.held_source.data = {"reason": list(HELD_REASONS),
@@ -125,6 +127,7 @@ class DigenRLPage:
         for pool in pools:
             data[pool] = [_ratio(s["pools"].get(pool), "busy") for s in timeline]
             data[f"{pool}_tag"] = [_ratio(s["pools"].get(pool), "tag") for s in timeline]
+            data[f"{pool}_rat"] = [_ratio(s["pools"].get(pool), "rat") for s in timeline]
         for pool in pools:
             if pool not in self.util_lines:
                 colour = POOL_COLOURS.get(pool, "#333333")
@@ -137,6 +140,10 @@ class DigenRLPage:
                     self.util.step(x="time", y=f"{pool}_tag", source=self.util_source,
                                    color=colour, line_dash="dashed", mode="after",
                                    legend_label="trainers generating (TAG)")
+                if pool == ROLLOUT:
+                    self.util.step(x="time", y=f"{pool}_rat", source=self.util_source,
+                                   color=colour, line_dash="dotted", mode="after",
+                                   legend_label="rollout workers training (RAT)")
                 self.util_lines.add(pool)
         self.util_source.data = data
 
@@ -144,13 +151,13 @@ class DigenRLPage:
 def _ratio(pool: dict | None, field: str) -> float:
     if not pool or not pool.get("workers"):
         return 0.0
-    return pool[field] / pool["workers"]
+    return pool.get(field, 0) / pool["workers"]
 
 
 def _status_html(state: dict[str, Any]) -> str:
     opts = state.get("options", {})
     switches = ", ".join(f"{k.upper()} {'on' if opts.get(k) else 'off'}"
-                         for k in ("gap", "tsp", "tag"))
+                         for k in ("gap", "tsp", "tag", "rat"))
     pools = state.get("pools", {})
     workers = ", ".join(f"{p['workers']} {html.escape(name)}" for name, p in pools.items())
     warnings = "".join(f"<li>{html.escape(w)}</li>" for w in state.get("warnings", []))

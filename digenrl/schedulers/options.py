@@ -20,6 +20,10 @@ class ScheduleOptions:
     ``tsp``: any trainer takes any micro-step (otherwise a chunk's micro-steps all run
     on the trainer the chunk is assigned to, as in data-parallel training).
     ``tag``: idle trainers take rollout tasks while no training work is runnable.
+    ``rat``: rollout-assisted training: an idle rollout worker with no runnable rollout
+    work takes one ``grad`` micro-step at a time when every trainer is busy and it is
+    expected to finish the step no later than the trainers would (its input transfer
+    counted); reductions, optimizer steps and the rest stay on trainers.
     ``max_staleness``: rollouts of iteration i start only once version i - k exists.
     ``slots_per_worker``: GPU tasks released to one worker at once (one runs, the rest
     wait on the worker and hide the scheduler round trip).
@@ -40,6 +44,7 @@ class ScheduleOptions:
     max_staleness: int
     slots_per_worker: int = 2
     rebalance: bool = True
+    rat: bool = False
     transfer_bandwidth: float = 1.0e9
     stall_timeout: float | None = None
 
@@ -54,9 +59,9 @@ class ScheduleOptions:
 #: Each mode is a preset of the scheduling switches; the graph is the same for all.
 MODES: dict[str, dict[str, Any]] = {
     "colocated": dict(pools=False, gap=False, tsp=False, tag=False, max_staleness=0,
-                      rebalance=True),
+                      rebalance=True, rat=False),
     "disaggregated": dict(pools=True, gap=False, tsp=False, tag=False, max_staleness=0,
-                          rebalance=True),
+                          rebalance=True, rat=False),
     "digenrl": dict(pools=True, gap=True, tsp=True, tag=True, max_staleness=1,
-                    rebalance=True),
+                    rebalance=True, rat=True),
 }

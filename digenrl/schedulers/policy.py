@@ -14,6 +14,13 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   on the one trainer the chunk maps to (data-parallel training);
 * **TAG**: a trainer with no runnable training work takes one rollout task at a time;
   once training work is runnable no rollout task is released to a trainer;
+* **RAT** (rollout-assisted training): a rollout worker with nothing in flight and no
+  runnable rollout work takes one ``grad`` micro-step at a time (of the TSP queue) when
+  every trainer is busy and it is expected to finish the step no later than the trainers
+  would: the transfer of the inputs it lacks (the trained version's weights among them)
+  plus the step at its pace, against the trainers' released work plus the step at
+  theirs. Reductions, optimizer steps and the rest stay on trainers; rollout work that
+  becomes runnable comes first again at the worker's next release;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
   ``i - max_staleness`` has been published; a training task that would consume samples
   more than ``max_staleness`` versions old is rejected when it is added.
@@ -47,8 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (COLOCATED, DENOISE, NOISE, POOLS, PUBLISH, ROLLOUT, TRAINER,
-                                stage_of)
+from digenrl.vocabulary import (COLOCATED, DENOISE, GRAD, NOISE, POOLS, PUBLISH, ROLLOUT,
+                                TRAINER, stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -176,7 +183,8 @@ class WorkerInfo:
     speed: float = 1.0
     inflight: set = field(default_factory=set)      # GPU tasks released, not finished
     cpu_inflight: set = field(default_factory=set)  # other tasks released, not finished
-    tag_inflight: int = 0
+    tag_inflight: int = 0            # rollout tasks released to it as a trainer (TAG)
+    rat_inflight: int = 0            # grads released to it as a rollout worker (RAT)
     step_time: float | None = None   # measured seconds per sample-step (moving average)
     busy_until: float = 0.0          # when its released GPU work is expected to end
     step_samples: int = 0            # sample-steps of the denoise tasks it was released
@@ -190,6 +198,7 @@ class Decision:
     time: float
     tag: bool = False          # a rollout task released to a trainer
     stolen: bool = False       # taken from another worker's affinity
+    rat: bool = False          # a grad released to a rollout worker
     info: TaskInfo | None = field(default=None, compare=False, repr=False)  # the task
 
 
@@ -217,8 +226,8 @@ class SchedulingPolicy:
                  "_affine", "_all_rollout", "_train", "_pinned",
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
-                 "_new_rollout", "_new_training", "_ref_step", "_chunk_home", "_counts",
-                 "_released", "_ranked")
+                 "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
+                 "_counts", "_released", "_ranked")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -257,6 +266,8 @@ class SchedulingPolicy:
         self._new_training = False
         # Rebalancing: speed-1 seconds per sample-step, averaged over every worker.
         self._ref_step: float | None = None
+        # Rollout-assisted training: speed-1 seconds of a grad micro-step, measured.
+        self._ref_grad: float | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
         # Telemetry (releases are counted apart: one is counted per task).
@@ -482,6 +493,12 @@ class SchedulingPolicy:
                     self._observe(w, duration / info.sample_steps)
         elif kind == NOISE and worker is not None:
             self._chunk_home[(info.iteration, info.chunk)] = worker
+        elif kind == GRAD and duration is not None and duration > 0 and worker is not None:
+            w = self.workers.get(worker)
+            if w is not None:
+                ref = duration * w.speed
+                a = self.STEP_EWMA
+                self._ref_grad = ref if self._ref_grad is None else (1 - a) * self._ref_grad + a * ref
         self._unrelease(info)
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
@@ -566,6 +583,8 @@ class SchedulingPolicy:
                 w.busy_until = self.clock() + (step * n if step is not None else 0.0)
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
+            elif w.pool == ROLLOUT and info.pool == TRAINER:
+                w.rat_inflight -= 1
         else:
             w.cpu_inflight.discard(info.key)
 
@@ -690,8 +709,33 @@ class SchedulingPolicy:
             return None, False
         return steal.info, True
 
+    def _trainers_reach(self) -> float | None:
+        """Seconds until a trainer would have finished the most urgent grad if it were
+        queued there now: once the GPU tasks released to it have run (each counted as a
+        grad), then the grad (measured seconds). None while a trainer has no GPU task
+        (it takes the grad itself) or no grad has been measured."""
+        grad_s = self._ref_grad
+        trainers = self._trainers()
+        if grad_s is None or not trainers or any(not t.inflight for t in trainers):
+            return None
+        return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
+
+    def _lend(self, w: WorkerInfo, theirs: float | None) -> TaskInfo | None:
+        """The grad an idle rollout worker ``w`` takes (RAT), or None: the most urgent
+        one of the TSP queue, when every trainer is busy and ``w`` is expected to finish
+        it, its missing inputs moved, no later than a trainer would (``theirs``: see
+        :meth:`_trainers_reach`)."""
+        top = self._train.peek()
+        if theirs is None or top is None or top.info.kind != GRAD:
+            return None
+        mine = self._transfer_seconds(w, top.info) + self._ref_grad / w.speed
+        if mine > theirs:
+            self._counts["rat_declined"] += 1
+            return None
+        return top.info
+
     def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
-                 stolen: bool = False) -> Decision:
+                 stolen: bool = False, rat: bool = False) -> Decision:
         key = info.key
         info.state = RELEASED
         info.where = w.address
@@ -707,6 +751,8 @@ class SchedulingPolicy:
                 w.busy_until = max(now, w.busy_until) + self._expected(w, info)
             if tag:
                 w.tag_inflight += 1
+            if rat:
+                w.rat_inflight += 1
         else:
             w.cpu_inflight.add(key)
         self._released += 1
@@ -714,7 +760,9 @@ class SchedulingPolicy:
             self._counts["tag_released"] += 1
         if stolen:
             self._counts["stolen"] += 1
-        return Decision(key, w.address, now, tag, stolen, info)
+        if rat:
+            self._counts["rat_released"] += 1
+        return Decision(key, w.address, now, tag, stolen, rat, info)
 
     def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes; without inputs on the pool, the
@@ -773,6 +821,10 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
+        lending = self._rat_on() and self._train.peek() is not None
+        if lending:
+            # Rollout-assisted training: idle rollout workers may take runnable grads.
+            candidates |= {a for a in self._free[ROLLOUT] if not workers[a].inflight}
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -783,6 +835,8 @@ class SchedulingPolicy:
         active = sorted((w for w in map(workers.get, candidates)
                          if w is not None and len(w.inflight) < w.slots),
                         key=lambda w: (len(w.inflight), w.rank))
+        idle_rollout = [w for w in active if w.pool == ROLLOUT and not w.inflight] \
+            if lending else []
         while active:
             still = []
             for w in active:
@@ -792,7 +846,21 @@ class SchedulingPolicy:
                     if len(w.inflight) < w.slots:
                         still.append(w)
             active = still
+        # Rollout-assisted training, once every other worker has taken its share: a
+        # rollout worker still idle takes one grad.
+        idle_rollout = [w for w in idle_rollout if not w.inflight]
+        if idle_rollout:
+            theirs = self._trainers_reach()
+            for w in idle_rollout:
+                info = self._lend(w, theirs)
+                if info is not None:
+                    out.append(self._release(info, w, now, rat=True))
         return out
+
+    def _rat_on(self) -> bool:
+        """Rollout-assisted training applies: RAT on, with pools and the TSP queue."""
+        o = self.options
+        return o.rat and o.pools and o.tsp
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         pools, pool = self.options.pools, w.pool
@@ -817,7 +885,9 @@ class SchedulingPolicy:
     @property
     def counters(self) -> dict[str, int]:
         """Telemetry: tasks ``released`` (of them ``tag_released`` to trainers and
-        ``stolen`` from another worker's affinity), steps ``kept`` on a slower worker."""
+        ``stolen`` from another worker's affinity, ``rat_released`` grads to rollout
+        workers), steps ``kept`` on a slower worker, grads a rollout worker declined
+        (``rat_declined``) because a trainer would finish them sooner."""
         counts = defaultdict(int, self._counts)
         counts["released"] = self._released
         return counts
@@ -830,8 +900,10 @@ class SchedulingPolicy:
         for info in self.tasks.values():
             if info.state is not READY:
                 continue
-            if self._pool_workers(info.pool) or (self.options.tag and info.pool == ROLLOUT
-                                                 and self._pool_workers(TRAINER)):
+            if (self._pool_workers(info.pool)
+                    or (self.options.tag and info.pool == ROLLOUT
+                        and self._pool_workers(TRAINER))
+                    or (self._rat_on() and info.kind == GRAD and self._pool_workers(ROLLOUT))):
                 counts["slot"] += 1
             else:
                 counts["no-worker"] += 1
@@ -849,18 +921,21 @@ class SchedulingPolicy:
     def snapshot(self) -> dict[str, Any]:
         pools: dict[str, dict[str, Any]] = {}
         for w in self.workers.values():
-            p = pools.setdefault(w.pool, {"workers": 0, "slots": 0, "busy": 0, "tag": 0})
+            p = pools.setdefault(w.pool, {"workers": 0, "slots": 0, "busy": 0, "tag": 0,
+                                          "rat": 0})
             p["workers"] += 1
             p["slots"] += w.slots
             p["busy"] += min(len(w.inflight), 1)
             p["tag"] += min(w.tag_inflight, 1)
+            p["rat"] += min(w.rat_inflight, 1)
         return {
             "options": self.options.as_dict(),
             "policy_version": self.version,
             "pools": pools,
             "workers": {w.address: {"name": w.name, "pool": w.pool,
                                     "inflight": len(w.inflight),
-                                    "tag": w.tag_inflight} for w in self.workers.values()},
+                                    "tag": w.tag_inflight,
+                                    "rat": w.rat_inflight} for w in self.workers.values()},
             "held": self.held(),
             "rejected": {repr(k): v for k, v in self.rejected.items()},
             "counters": dict(self.counters),

@@ -93,6 +93,7 @@ class Telemetry:
             "finished": time.time(),
             "tag": bool(d.tag) if d is not None else False,
             "stolen": bool(d.stolen) if d is not None else False,
+            "rat": bool(d.rat) if d is not None else False,
             "nbytes": int(kwargs.get("nbytes") or 0),
             # Dask attaches a fetch to one dependent of the fetched data (not
             # necessarily the task that waited for it), so the analysis attributes

@@ -71,7 +71,8 @@ class SimResult:
             policy_version=t.policy_version,
             timestep=-1 if t.timestep is None else t.timestep,
             chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
-            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu)
+            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
+            rat=t.worker_rat)
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
@@ -134,7 +135,7 @@ class _Task(TaskInfo):
     the engine's state of it. The state is set when the task is added."""
 
     __slots__ = ("deps", "dependents", "waiting", "holder", "nbytes", "fetch", "ready_at",
-                 "released", "worker_tag", "on", "start", "stop")
+                 "released", "worker_tag", "worker_rat", "on", "start", "stop")
 
 
 class _Worker:
@@ -219,7 +220,7 @@ class Simulator:
                     self.output_bytes(t.kind, t.samples), self.transfer(t.kind, t.samples))
             t.nbytes, t.fetch = size
             t.ready_at = t.released = 0.0
-            t.worker_tag = False
+            t.worker_tag = t.worker_rat = False
             by_iteration[t.iteration].append(t)
             append(t)
         self.added += len(new)
@@ -289,6 +290,7 @@ class Simulator:
             w = workers[d.worker]
             t.released = now
             t.worker_tag = d.tag
+            t.worker_rat = d.rat
             if t.gpu:
                 # (A worker's queue is empty whenever it has a free GPU.)
                 if w.running < w.gpus:

@@ -168,6 +168,31 @@ class Profile:
             prompts_per_iteration=max(1, round(self.prompts_per_iteration * f)),
             worker_speeds={}, slowdowns=())
 
+    def with_pools(self, rollout: int, trainer: int) -> "Profile":
+        """The same work on ``rollout`` + ``trainer`` GPUs (per-worker speeds and
+        slowdowns of workers that no longer exist are dropped)."""
+        _need(isinstance(rollout, int) and rollout >= 1, "rollout_workers",
+              "an integer >= 1", rollout)
+        _need(isinstance(trainer, int) and trainer >= 1, "trainer_workers",
+              "an integer >= 1", trainer)
+        names = {n for n, _ in self.worker_names()}
+        p = dataclasses.replace(self, name=f"{self.name}[{rollout}+{trainer}]",
+                                rollout_workers=rollout, trainer_workers=trainer)
+        names &= {n for n, _ in p.worker_names()}
+        return dataclasses.replace(
+            p, worker_speeds={n: s for n, s in self.worker_speeds.items() if n in names},
+            slowdowns=tuple(s for s in self.slowdowns if s.worker in names))
+
+    def split(self, rollout: int, trainer: int) -> "Profile":
+        """The same work on the profile's GPUs split ``rollout : trainer`` (a ratio,
+        rounded to whole GPUs, at least one in each pool)."""
+        _need(isinstance(rollout, int) and isinstance(trainer, int) and rollout >= 1
+              and trainer >= 1, "split", "ROLLOUT:TRAINER, integers >= 1",
+              f"{rollout}:{trainer}")
+        n = self.gpus
+        r = min(max(1, round(n * rollout / (rollout + trainer))), n - 1)
+        return self.with_pools(r, n - r)
+
     # ------------------------------------------------------------------ costs
 
     def task_seconds(self, kind: str, samples: int, *, colocated: bool = False) -> float:

@@ -100,6 +100,55 @@ def test_events_by_key_and_by_the_held_task_are_the_same_events():
     assert drive(by_key=False) == (rejected, log, snapshot)
 
 
+def _grads(n, iteration=0):
+    return [info(("g", iteration, j), GRAD, iteration=iteration, version=iteration, chunk=j,
+                 timestep=0, behaviour_version=iteration) for j in range(n)]
+
+
+def test_rat_lends_an_idle_rollout_worker_one_grad_while_every_trainer_is_busy():
+    p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=1)
+    grads = _grads(6)
+    p.add_tasks(grads)
+    p.task_ready(grads[0].key)
+    [first] = p.decide()
+    assert first.worker == "t0" and not first.rat
+    # Nothing measured yet: the rollout worker does not guess what a grad costs.
+    for g in grads[1:]:
+        p.task_ready(g.key)
+    assert {d.worker for d in p.decide()} == {"t0"}
+    p.task_done(first.key, "t0", 1.0)
+    out = p.decide()
+    # The trainer takes its slot back; its slots are full, so the idle rollout worker
+    # takes one grad (one only) and records it.
+    lent = [d for d in out if d.worker == "r0"]
+    assert len(lent) == 1 and lent[0].rat and not lent[0].tag
+    assert p.counters["rat_released"] == 1
+    assert p.snapshot()["pools"][ROLLOUT]["rat"] == 1
+    assert p.decide() == []
+    # A rollout step that becomes runnable takes the worker's next release.
+    p.add_tasks([info("d", DENOISE, chunk=0, timestep=0)])
+    p.task_ready("d")
+    assert [(d.key, d.worker) for d in p.decide()] == [("d", "r0")]
+
+
+def test_rat_declines_when_a_trainer_would_finish_the_grad_sooner_or_when_off():
+    for options, loc in ((opts("digenrl", tag=False, rat=False), {}),
+                         # Moving 10 GB at 1 GB/s costs more than waiting for the trainer.
+                         (opts("digenrl", tag=False), {"t0": 10 ** 10})):
+        p = policy_with(options, rollout=1, trainer=1)
+        grads = _grads(6)
+        p.add_tasks(grads)
+        p.task_ready(grads[0].key, dict(loc))
+        [first] = p.decide()
+        for g in grads[1:]:
+            p.task_ready(g.key, dict(loc))
+        p.decide()
+        p.task_done(first.key, "t0", 1.0)
+        assert all(d.worker == "t0" for d in p.decide()), options
+        assert not p.counters["rat_released"]
+    assert p.counters["rat_declined"] > 0
+
+
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), DENOISE, chunk=j, timestep=0) for j in range(5)])
@@ -240,7 +289,9 @@ def check_trace(result, options, layout, workers):
             if r.kind in ROLLOUT_KINDS:
                 assert pool_of[r.worker] == ROLLOUT or (options.tag and r.tag), r
             else:
-                assert pool_of[r.worker] == TRAINER, r
+                assert pool_of[r.worker] == TRAINER or (options.rat and r.rat
+                                                        and r.kind == GRAD), r
+        assert not r.rat or (options.rat and r.kind == GRAD), r
         if r.kind in ROLLOUT_KINDS and r.iteration - options.max_staleness >= 0:
             published = recs[(PUBLISH, r.iteration - options.max_staleness)].stop
             assert r.released >= published, r
@@ -259,20 +310,24 @@ def check_trace(result, options, layout, workers):
         for r in result.records:
             if r.iteration >= 0 and r.kind not in ROLLOUT_KINDS:
                 assert r.released >= barrier[r.iteration], r
-    # GPU slots: never more in flight on a worker than it advertises; TAG one at a time.
+    # GPU slots: never more in flight on a worker than it advertises; TAG and RAT one
+    # at a time, each released only to a worker with nothing in flight.
     events = defaultdict(list)
     for r in result.records:
         if r.gpu:
-            events[r.worker].append((r.released, 1, r.tag))
-            events[r.worker].append((r.stop, -1, r.tag))
+            lent = r.tag or r.rat
+            events[r.worker].append((r.released, 1, lent))
+            events[r.worker].append((r.stop, -1, lent))
     slots = {w.name: w.gpus * options.slots_per_worker for w in workers}
     for w, evs in events.items():
-        inflight = tag = 0
-        for t, delta, is_tag in sorted(evs, key=lambda e: (e[0], e[1])):
+        inflight = lent = 0
+        for t, delta, is_lent in sorted(evs, key=lambda e: (e[0], e[1])):
+            if delta > 0 and is_lent:
+                assert inflight == 0, (w, t)
             inflight += delta
-            tag += delta if is_tag else 0
+            lent += delta if is_lent else 0
             assert inflight <= slots[w]
-            assert tag <= 1
+            assert lent <= 1
     # TAG: a rollout task goes to a trainer only while no training task is runnable there.
     for r in result.records:
         if not r.tag:
@@ -291,7 +346,7 @@ def scenarios(draw):
     mode = draw(st.sampled_from(sorted(MODES)))
     switches = {} if mode == "colocated" else dict(
         gap=draw(st.booleans()), tsp=draw(st.booleans()), tag=draw(st.booleans()),
-        max_staleness=draw(st.integers(0, 2)))
+        rat=draw(st.booleans()), max_staleness=draw(st.integers(0, 2)))
     options = opts(mode, slots_per_worker=draw(st.integers(1, 3)), **switches)
     num_steps = draw(st.integers(2, 4))
     spp = draw(st.sampled_from([2, 4]))

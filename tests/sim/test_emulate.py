@@ -35,7 +35,10 @@ def test_an_emulated_run_schedules_the_real_graph(emulated_2x2, small_profile, t
     assert ds["metrics"].sizes["iteration"] == 3
     # 4 chunks x (noise, 4 denoise, decode, reward, 2 grads) per iteration, and more.
     assert (t.kind == "denoise").sum() == 3 * 4 * 4 and (t.kind == "grad").sum() == 3 * 4 * 2
-    assert not t[t.kind.isin(["grad", "reduce", "optimize"])].pool.eq("rollout").any()
+    assert not t[t.kind.isin(["reduce", "optimize"])].pool.eq("rollout").any()
+    # Grads on the rollout pool only as rollout-assisted training (on in mode digenrl).
+    on_rollout = t[(t.kind == "grad") & t.pool.eq("rollout")]
+    assert on_rollout.rat.all(), on_rollout.key.tolist()
     assert ds["tasks"].attrs["digenrl"]["workload"] == "emulated"
 
 

@@ -35,12 +35,16 @@ def test_digenrl_overlaps_what_the_synchronous_designs_serialise(flux):
 
 
 def test_weight_sync_is_paid_once_per_version_per_rollout_worker(flux):
-    r = simulate(flux, opts("digenrl"), 4)
+    r = simulate(flux, opts("digenrl", rat=False), 4)
     # Versions 0..3 are read by rollouts of iterations 0..3 (with one-step staleness,
     # versions 0, 0, 1, 2): at most 3 distinct versions reach each of 5 rollout workers,
     # plus any a trainer reads while generating (trainers hold every version).
     assert r.weight_sync_s <= 3 * 5 * flux.weight_sync_seconds() + 1e-9
     assert r.weight_sync_s >= 2 * 5 * flux.weight_sync_seconds() - 1e-9
+    # A micro-step lent to a rollout worker reads the version it trains against (that of
+    # its iteration, 0..3): at most one more version per rollout worker.
+    lent = simulate(flux, opts("digenrl"), 4)
+    assert lent.weight_sync_s <= 4 * 5 * flux.weight_sync_seconds() + 1e-9
     assert simulate(flux, opts("colocated"), 4).weight_sync_s == 0
 
 
@@ -152,6 +156,35 @@ def test_a_finished_simulation_is_freed_by_reference_counting(flux):
         assert tasks_alive() <= before
 
 
+def test_rollout_assisted_training_recovers_a_split_too_large_for_rollout(flux):
+    wrong = flux.with_pools(11, 5)
+    assert (wrong.rollout_workers, wrong.trainer_workers, wrong.gpus) == (11, 5, 16)
+    on = simulate(wrong, opts("digenrl"), 4)
+    off = simulate(wrong, opts("digenrl", rat=False), 4)
+    assert on.ideal_fraction > off.ideal_fraction + 0.2, (on.ideal_fraction, off.ideal_fraction)
+    lent = [r for r in on.result.records if r.rat]
+    assert lent and {r.kind for r in lent} == {"grad"} and {r.pool for r in lent} == {"rollout"}
+    assert not any(r.rat for r in off.result.records)
+
+
+def test_split_advice_is_the_split_that_balances_the_pools():
+    from digenrl.analysis import SplitAdvice
+
+    advice = SplitAdvice.of(3.0, 1.0, (8, 8))
+    assert advice.best == (12, 4)
+    assert SplitAdvice.bound(3.0, 1.0, (8, 8)) == pytest.approx(0.25 / 0.375)
+    assert SplitAdvice.bound(3.0, 1.0, (12, 4)) == pytest.approx(1.0)
+    assert "12 + 4" in advice.text()
+
+
+def test_simulate_over_splits(capsys):
+    assert main(["simulate", "flux12b-16gpu", "--iterations", "3", "--splits", "11:5,3:13",
+                 "--variants", "digenrl-no-rat"]) == 0
+    out = capsys.readouterr().out
+    assert "11 rollout + 5 trainer" in out and "3 rollout + 13 trainer" in out
+    assert "best split for digenrl-no-rat: 3 rollout + 13 trainer" in out
+
+
 def test_simulate_command(capsys):
     assert main(["simulate", "flux12b-16gpu", "--gpus", "64", "--iterations", "3",
                  "--variants", "disaggregated,digenrl"]) == 0
@@ -163,6 +196,8 @@ def test_simulate_command(capsys):
     (["simulate", "nope"], "profile: expected a YAML file or one of"),
     (["simulate", "flux12b-16gpu", "--variants", "fast"], "--variants: expected names from"),
     (["simulate", "flux12b-16gpu", "--gpus", "1"], "--gpus: expected at least 2, got 1"),
+    (["simulate", "flux12b-16gpu", "--splits", "11-5"],
+     "--splits: expected ROLLOUT:TRAINER pairs of positive integers"),
 ])
 def test_simulate_refuses_bad_input(capsys, argv, message):
     assert main(argv) == 2
