@@ -17,6 +17,7 @@ float32 (so do the AdamW moments, and the SDE step, log-probs and loss downstrea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -44,10 +45,12 @@ class Trainable:
 
 
 def trainable_spec(model: ModelConfig, train: TrainConfig) -> Trainable:
-    """The run's :class:`Trainable`: the configured targets, else the family's default."""
+    """The run's :class:`Trainable`: the configured targets, else those of the family's
+    default the transformer has (a one-block SD3 has no ``to_add_out``)."""
     if train.lora_rank == 0:
         return Trainable(gradient_checkpointing=train.gradient_checkpointing)
-    targets = train.lora_targets or family(model).lora_targets
+    targets = train.lora_targets or tuple(
+        t for t in family(model).lora_targets if _matches(t, _module_names(model)))
     alpha = train.lora_alpha if train.lora_alpha is not None else float(train.lora_rank)
     return Trainable(train.lora_rank, float(alpha), tuple(targets),
                      train.gradient_checkpointing)
@@ -97,6 +100,12 @@ def cast_for_forward(module: torch.nn.Module, model: ModelConfig,
     return module
 
 
+def _matches(target: str, names) -> list[str]:
+    """The module names ``target`` selects, as peft matches a list of names."""
+    return [n for n in names if n == target or n.endswith("." + target)]
+
+
+@lru_cache(maxsize=16)
 def _module_names(model: ModelConfig) -> dict[str, type]:
     """Every module of the transformer by name, built without weights."""
     fam = family(model)
@@ -114,7 +123,7 @@ def check_targets(model: ModelConfig, train: TrainConfig) -> None:
     supported = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)
     field = "train.lora_targets"
     for target in trainable_spec(model, train).lora_targets:
-        hits = [n for n in names if n == target or n.endswith("." + target)]
+        hits = _matches(target, names)
         if not hits:
             raise ConfigError(f"{field}: expected names of modules the transformer has "
                               f"(e.g. {', '.join(family(model).lora_targets[:3])}), got "

@@ -110,3 +110,13 @@ def test_bad_values_fail_naming_the_field(changes, message):
     with pytest.raises(ConfigError) as e:
         config_from_dict(changes)
     assert message in str(e.value), str(e.value)
+
+
+def test_export_help_says_how_to_load_the_result(capsys):
+    from digenrl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "pipe.load_lora_weights(DIR)" in text and 'subfolder="transformer"' in text
