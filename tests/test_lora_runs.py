@@ -20,6 +20,7 @@ from digenrl.store import committed_iterations, open_run, read_attrs
 from conftest import (REFERENCE_ITERATIONS, assert_same_results, pipeline_config,
                       small_config)
 from test_driver_loss import DriverStopped, resume, stored_weights
+from test_worker_loss import run_killing
 
 LORA = {"train.lora_rank": 4, "train.learning_rate": 1e-2}
 
@@ -72,6 +73,19 @@ def pipeline_run(shared_runs, cluster, folder, name, dtype="float32", lora=True)
         "iterations": 2 if lora else 1, "schedule.mode": "disaggregated",
         "model.dtype": dtype, **(LORA if lora else {})})
     return cfg, shared_runs(cluster, cfg)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_of_a_lora_run_loses_nothing(cluster_1x1, shared_runs, tmp_path):
+    cfg = small_config(iterations=REFERENCE_ITERATIONS, **LORA)
+    reference = shared_runs(cluster_1x1, cfg)
+    path = tmp_path / "r.zarr"
+    # Its successor restores the adapters and their AdamW moments from a checkpoint.
+    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 1, cfg)
+    assert keys
+    ds = open_run(path)
+    assert_same_results(ds, stored_weights(path), reference[:2])
+    assert (ds["tasks"].worker.values == dead).any()
 
 
 @pytest.mark.parametrize("name,dtype", PIPELINE_RUNS)
