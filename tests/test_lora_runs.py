@@ -10,6 +10,7 @@ import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
 from digenrl.cli import main
+from digenrl.config import load_config
 from digenrl.export import LORA_WEIGHTS
 from digenrl.lora import trainable_spec
 from digenrl.models import build_transformer, family, latent_shape, model_seed, predict_velocity
@@ -73,6 +74,22 @@ def pipeline_run(shared_runs, cluster, folder, name, dtype="float32", lora=True)
         "iterations": 2 if lora else 1, "schedule.mode": "disaggregated",
         "model.dtype": dtype, **(LORA if lora else {})})
     return cfg, shared_runs(cluster, cfg)
+
+
+@pytest.mark.slow
+def test_lora_learns_the_reward_of_the_default_config(cluster_1x1, tmp_path):
+    """The short default run with LoRA adapters (r=8, scale alpha/r = 4) instead of every
+    weight: the JPEG reward rises as clearly as the full-weight run's does
+    (tests/test_end_to_end.py, the same threshold)."""
+    cfg = load_config("workflows/configs/tiny.yaml", {
+        "iterations": 12, "train.lora_rank": 8, "train.lora_alpha": 32,
+        "train.learning_rate": 2e-2})
+    Runner(cfg, str(tmp_path / "run.zarr"), cluster=cluster_1x1).run()
+    r = open_run(tmp_path / "run.zarr")["samples"].reward.values  # (iteration, sample)
+    first, last = r[:3].ravel(), r[-3:].ravel()
+    gain = last.mean() - first.mean()
+    stderr = np.sqrt(first.var() / first.size + last.var() / last.size)
+    assert gain > 0.1 and gain > 5 * stderr, (gain, stderr)
 
 
 @pytest.mark.slow
