@@ -147,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "network you trust)")
     srv.add_argument("--quiet", action="store_true", help="only warnings and errors")
     srv.add_argument("--debug", action="store_true", help="show full tracebacks")
+    exp = sub.add_parser(
+        "export", help="write a trained policy version in the form diffusers loads",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EPILOG,
+        description="Write policy version N of the run in STORE to DIR: with LoRA, "
+                    "DIR/pytorch_lora_weights.safetensors; with full fine-tuning, "
+                    "DIR/transformer/ (float32).")
+    exp.add_argument("store", help="a digenrl store")
+    exp.add_argument("dir", help="output folder (new or empty)")
+    exp.add_argument("--version", type=int,
+                     help="the policy version (default: the newest the store holds: the "
+                          "final weights of a finished run, else the newest checkpoint)")
     sim = sub.add_parser("simulate", help="the scheduling policy on a simulated cluster")
     sim.add_argument("profile", help="a shipped cost profile or a YAML file")
     sim.add_argument("--gpus", type=int, help="scale the profile to this many GPUs")
@@ -404,6 +415,25 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+EXPORT_EPILOG = """\
+loading the result in diffusers (PipelineClass: the pipeline the run trained, e.g.
+StableDiffusion3Pipeline, FluxPipeline, WanPipeline; the built-in model's is
+StableDiffusion3Pipeline):
+  LoRA:  pipe = PipelineClass.from_pretrained(MODEL_PATH); pipe.load_lora_weights(DIR)
+  full:  transformer = TransformerClass.from_pretrained(DIR, subfolder="transformer")
+         pipe = PipelineClass.from_pretrained(MODEL_PATH, transformer=transformer)
+"""
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from digenrl.export import export
+
+    done = export(args.store, args.dir, args.version)
+    kind = "LoRA adapters" if done.lora else "transformer"
+    print(f"policy version {done.version} ({kind}) -> {done.path}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from digenrl.report import write_report
 
@@ -602,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _stop_on_signals(args):
             return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-                    "simulate": _cmd_simulate,
+                    "export": _cmd_export, "simulate": _cmd_simulate,
                     "reward-server": _cmd_reward_server}[args.command](args)
     except Stopped as e:
         print(_interrupted(args, e.signum), file=sys.stderr)

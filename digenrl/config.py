@@ -125,7 +125,9 @@ class ModelConfig:
     max_sequence_length: int | None = None
     """With path: tokens of the T5/UMT5 prompt encoding; null is the pipeline's default (SD3 256, FLUX 512, Wan 512)."""
     text_encoder_dtype: str = "float32"
-    """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16); the trained transformer stays float32."""
+    """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16)."""
+    dtype: str = "float32"
+    """dtype of the transformer's frozen weights and forward pass (float32, bfloat16, float16); trained tensors, AdamW moments, the SDE step, log-probs and loss stay float32 (docs/algorithm.md)."""
     image_size: int = 64
     """Image height and width in pixels."""
     latent_channels: int = 4
@@ -152,6 +154,7 @@ class ModelConfig:
     """Seed of the initial weights; null uses the run seed."""
 
     def validate(self, p: str = "model") -> None:
+        _choice(self.dtype, f"{p}.dtype", ("float32", "bfloat16", "float16"))
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
         if self.path is not None:
@@ -438,6 +441,14 @@ class TrainConfig:
     """Truncation of the behaviour importance weight (decoupled correction)."""
     reduce_fanin: int = 8
     """Gradients summed per reduce task (the fixed reduction tree)."""
+    lora_rank: int = 0
+    """LoRA rank (peft adapters on lora_targets; only they train and travel); 0 trains every weight of the transformer."""
+    lora_alpha: float | None = None
+    """LoRA alpha (the adapter's output is scaled by alpha / rank); null is the rank (scale 1)."""
+    lora_targets: tuple[str, ...] = ()
+    """Module names that get adapters, matched as peft does (full name or its last dotted parts, e.g. to_q); empty is the model family's attention projections."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
 
     def validate(self, p: str = "train") -> None:
         _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -454,6 +465,11 @@ class TrainConfig:
                 ("decoupled", "clip"))
         _finite(self.importance_weight_cap, f"{p}.importance_weight_cap", 1.0)
         _positive_int(self.reduce_fanin, f"{p}.reduce_fanin", 2)
+        _positive_int(self.lora_rank, f"{p}.lora_rank", 0)
+        if self.lora_alpha is not None:
+            _finite(self.lora_alpha, f"{p}.lora_alpha", 0.0, lo_open=True)
+        _require(all(isinstance(t, str) and t for t in self.lora_targets), f"{p}.lora_targets",
+                 "a list of module names", list(self.lora_targets))
 
 
 # ------------------------------------------------------------------------ schedule
@@ -650,6 +666,9 @@ class RunConfig:
         _require(total % chunk == 0, "rollout.chunk_size",
                  f"a divisor of the samples per iteration (data.prompts_per_iteration x "
                  f"data.samples_per_prompt = {total})", chunk)
+        from digenrl.lora import check_targets
+
+        check_targets(self.model, self.train)
         if self.model.path is not None:
             self._check_prompts()
             from digenrl.models.registry import family

@@ -98,7 +98,8 @@ class FlowGRPOWorkload:
                          ("step",))
         client.register_plugin(ResidentPlugin(cfg.model, model_seed(cfg.model, cfg.seed),
                                               cfg.cluster.torch_threads,
-                                              max_versions=self.options.max_staleness + 3))
+                                              max_versions=self.options.max_staleness + 3,
+                                              trainable=self.ctx.rollout.trainable))
 
     def describe(self) -> list[str]:
         cfg, d = self.config, self.config.derived()
@@ -187,6 +188,7 @@ class FlowGRPOWorkload:
             "truncated_fraction": m.truncated / count,
             "staleness_mean": m.staleness_sum / count,
             "grad_norm": stats.grad_norm,
+            "weight_sync_bytes": float(stats.weight_bytes),
             "dropped_samples": float(n - valid.sum()),
         }
         for p in (p for r in rewards for p in r.problems):

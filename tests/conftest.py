@@ -143,7 +143,7 @@ REFERENCE_ITERATIONS = 4
 DETERMINISTIC_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction",
                          "approx_kl", "ratio_dev", "importance_weight_mean",
                          "truncated_fraction", "staleness_mean", "grad_norm",
-                         "dropped_samples", "policy_version")
+                         "dropped_samples", "policy_version", "weight_sync_bytes")
 
 
 class SharedRun(NamedTuple):

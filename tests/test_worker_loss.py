@@ -84,13 +84,13 @@ def _all_processing(dask_scheduler):
     return {a: _processing(dask_scheduler, a) for a in dask_scheduler.workers}
 
 
-def run_killing(cluster, path, pool: str, kind: str, min_iteration: int):
-    """Run the reference config; SIGKILL the ``pool`` worker while it computes a
-    ``kind`` task of iteration ``min_iteration`` or later. Returns the killed worker's
-    address and the keys it was computing."""
+def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=None):
+    """Run ``cfg`` (default: the reference config); SIGKILL the ``pool`` worker while it
+    computes a ``kind`` task of iteration ``min_iteration`` or later. Returns the killed
+    worker's address and the keys it was computing."""
     client = cluster.client
     address = _pool_worker(client, pool)
-    cfg = small_config(iterations=REFERENCE_ITERATIONS)
+    cfg = cfg or small_config(iterations=REFERENCE_ITERATIONS)
     run = _in_background(Runner(cfg, str(path), cluster=cluster).run)
     deadline = time.monotonic() + 300
     while True:

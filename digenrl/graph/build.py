@@ -14,6 +14,7 @@ from digenrl.config import ConfigError, RunConfig
 from digenrl.graph.dask_graph import IterationGraph, bind, init_outputs, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, init_nodes, iteration_nodes
+from digenrl.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
@@ -43,11 +44,13 @@ class GraphContext:
             model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
             sigmas=sigmas, samples_per_prompt=config.data.samples_per_prompt,
             same_noise_in_group=config.data.same_noise_in_group,
-            save_latents=config.store.save_latents)
+            save_latents=config.store.save_latents,
+            trainable=trainable_spec(config.model, config.train))
         tspec = train.TrainSpec(
             model=config.model, sampler=config.sampler, train=config.train, seed=mseed,
             sigmas=sigmas,
-            normaliser=config.data.samples_per_iteration * config.sampler.trained_steps)
+            normaliser=config.data.samples_per_iteration * config.sampler.trained_steps,
+            trainable=rspec.trainable)
         layout = GraphLayout(
             num_steps=config.sampler.num_steps, trained_steps=config.sampler.trained_steps,
             advantage_std=config.train.advantage_std,

@@ -14,6 +14,7 @@ import torch
 
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.models.base import Conditioning, ModelFamily, to_uint8
+from digenrl.models.parts import TORCH_DTYPES
 from digenrl.models.registry import FAMILIES, family
 from digenrl.models.tiny import PromptEncoder
 
@@ -55,8 +56,14 @@ def flow_sigmas(sampler: SamplerConfig, model: ModelConfig) -> tuple[float, ...]
 def predict_velocity(cfg: ModelConfig, transformer: torch.nn.Module, x: torch.Tensor,
                      sigma: float, cond: Conditioning, guidance_scale: float = 1.0
                      ) -> torch.Tensor:
-    """v(x, sigma | prompt), with the family's guidance."""
-    return family(cfg).predict_velocity(transformer, x, sigma, cond, guidance_scale)
+    """v(x, sigma | prompt), with the family's guidance, in float32: the transformer runs
+    in ``model.dtype`` (its input and the conditioning are cast to it)."""
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if dtype == torch.float32:
+        return family(cfg).predict_velocity(transformer, x, sigma, cond, guidance_scale)
+    v = family(cfg).predict_velocity(transformer, x.to(dtype), sigma, cond.to_dtype(dtype),
+                                     guidance_scale)
+    return v.float()
 
 
 @torch.no_grad()

@@ -20,7 +20,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 
-__all__ = ["Conditioning", "ModelFamily", "PromptCache", "to_uint8", "read_json"]
+__all__ = ["Conditioning", "ModelFamily", "PromptCache", "to_uint8", "read_json",
+           "JOINT_ATTENTION_TARGETS"]
+
+
+#: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
+JOINT_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                           "add_v_proj", "to_add_out")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -101,6 +107,11 @@ class ModelFamily:
     video: ClassVar[bool] = False
     #: The pipeline's own default for the text encoder's sequence length.
     default_max_sequence_length: ClassVar[int] = 256
+    #: The diffusers class of the trained transformer.
+    transformer_class: ClassVar[type]
+    #: Modules that get LoRA adapters when ``train.lora_targets`` is empty: the
+    #: attention projections (as peft matches names: full name or last dotted parts).
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg

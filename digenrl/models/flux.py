@@ -16,7 +16,8 @@ import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import Conditioning, ModelFamily, PromptCache
+from digenrl.models.base import (JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily,
+                                 PromptCache)
 from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
 from digenrl.models.tiny import scaled_vae_decode
 
@@ -76,6 +77,8 @@ class FluxFamily(ModelFamily):
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder", "tokenizer_2",
              "text_encoder_2")
     default_max_sequence_length = 512
+    transformer_class = FluxTransformer2DModel
+    lora_targets = JOINT_ATTENTION_TARGETS
     #: FluxPipeline's default_sample_size: 128 latent pixels.
     default_sample_size = 128
 

@@ -12,7 +12,8 @@ import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import Conditioning, ModelFamily, PromptCache
+from digenrl.models.base import (JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily,
+                                 PromptCache)
 from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
 from digenrl.models.tiny import scaled_vae_decode, sd3_velocity
 
@@ -59,6 +60,8 @@ class SD3Family(ModelFamily):
     parts = ("transformer", "vae", "scheduler") + tuple(p for pair in CLIP_PARTS for p in pair) \
         + T5_PARTS
     default_max_sequence_length = 256
+    transformer_class = SD3Transformer2DModel
+    lora_targets = JOINT_ATTENTION_TARGETS
 
     @cached_property
     def vae_scale_factor(self) -> int:

@@ -17,7 +17,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import Conditioning, ModelFamily
+from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
 from digenrl.seeding import stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
@@ -119,6 +119,8 @@ class TinyFamily(ModelFamily):
     """The built-in SD3-shaped model (``model.path`` null, or a folder of parts only)."""
 
     parts = ("transformer", "vae")
+    transformer_class = SD3Transformer2DModel
+    lora_targets = JOINT_ATTENTION_TARGETS
 
     def check_folder(self) -> None:
         from digenrl.config import ConfigError

@@ -60,6 +60,7 @@ class WanFamily(ModelFamily):
     pipeline_class = "WanPipeline"
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     video = True
+    transformer_class = WanTransformer3DModel
     default_max_sequence_length = 512
     #: WanPipeline's defaults.
     default_height, default_width, default_frames = 480, 832, 81

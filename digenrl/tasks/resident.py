@@ -11,6 +11,7 @@ same state lives in a process-wide table.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import sys
@@ -21,7 +22,8 @@ import torch
 from distributed import WorkerPlugin
 
 from digenrl.config import ModelConfig
-from digenrl.models import Conditioning, build_transformer, build_vae, family
+from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
+from digenrl.models import Conditioning, build_vae, family
 from digenrl.tasks.types import PolicyWeights
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "PLUGIN_NAME"]
@@ -32,15 +34,22 @@ PLUGIN_NAME = "digenrl-resident"
 
 
 class ResidentModels:
-    """Transformers per policy version (least recently used evicted), VAE, text encoders."""
+    """Transformers per policy version (least recently used evicted), VAE, text encoders.
 
-    def __init__(self, cfg: ModelConfig, seed: int, max_versions: int = 4):
+    With LoRA the versions' transformers share one set of frozen base weights (loaded
+    once): each version's module differs only in its adapters."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, max_versions: int = 4,
+                 trainable: Trainable = Trainable()):
         self.cfg, self.seed, self.max_versions = cfg, seed, max_versions
+        self.trainable = trainable
         #: Where this worker computes: its GPU when it has one (dask-cuda gives each
         #: worker one visible device), else the CPU. Task outputs always return to CPU.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._lock = threading.RLock()
         self._versions: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        #: With LoRA: the module whose frozen weights every version's module shares.
+        self._base: torch.nn.Module | None = None
         self._vae = None
         self._encoder = None
         self.loads = 0  # how many times weights were copied into a module (telemetry)
@@ -75,11 +84,25 @@ class ResidentModels:
             if len(self._versions) >= self.max_versions:
                 _, module = self._versions.popitem(last=False)
             else:
-                module = build_transformer(self.cfg, self.seed).to(self.device)
+                module = self._new_module()
             module.load_state_dict(weights.tensors, strict=False)
             self._versions[weights.version] = module
             self.loads += 1
             return module
+
+    def _new_module(self) -> torch.nn.Module:
+        """A transformer in ``model.dtype`` on this worker's device, for one version."""
+        if not self.trainable.lora:
+            return cast_for_forward(build_policy(self.cfg, self.trainable, self.seed),
+                                    self.cfg, self.trainable).to(self.device)
+        if self._base is None:
+            self._base = cast_for_forward(build_policy(self.cfg, self.trainable, self.seed),
+                                          self.cfg, self.trainable).to(self.device)
+        adapters = {id(p) for p in trainable_parameters(self._base).values()}
+        # A copy that shares (does not copy) every tensor except the adapters'.
+        shared = {id(t): t for t in list(self._base.parameters()) + list(self._base.buffers())
+                  if id(t) not in adapters}
+        return copy.deepcopy(self._base, memo=shared)
 
     def conditioning(self, prompts, guidance_scale: float) -> Conditioning:
         """The prompts' conditioning on the CPU (and the negative prompt's with guidance)."""
@@ -91,13 +114,14 @@ class ResidentModels:
             return list(self._versions)
 
     def loaded(self, version: int) -> dict[str, torch.Tensor] | None:
-        """The parameters of the transformer holding ``version`` (None when that version
-        is not resident): what this worker computes with for that version."""
+        """The trainable parameters of the transformer holding ``version`` (None when
+        that version is not resident): what this worker computes with for that version."""
         with self._lock:
             module = self._versions.get(version)
             if module is None:
                 return None
-            return {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
+            return {n: p.detach().cpu().clone()
+                    for n, p in trainable_parameters(module).items()}
 
 
 def tune_malloc() -> bool:
@@ -126,8 +150,8 @@ class ResidentPlugin(WorkerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, cfg: ModelConfig, seed: int, torch_threads: int = 1,
-                 max_versions: int = 4):
-        self.cfg, self.seed = cfg, seed
+                 max_versions: int = 4, trainable: Trainable = Trainable()):
+        self.cfg, self.seed, self.trainable = cfg, seed, trainable
         self.torch_threads, self.max_versions = torch_threads, max_versions
         self.models: ResidentModels | None = None
 
@@ -135,18 +159,18 @@ class ResidentPlugin(WorkerPlugin):
         torch.set_num_threads(self.torch_threads)
         if not tune_malloc():
             logger.info("worker %s: could not tune the allocator (not glibc)", worker.name)
-        self.models = ResidentModels(self.cfg, self.seed, self.max_versions)
+        self.models = ResidentModels(self.cfg, self.seed, self.max_versions, self.trainable)
 
     def teardown(self, worker) -> None:
         self.models = None
 
 
-_LOCAL: dict[tuple[ModelConfig, int], ResidentModels] = {}
+_LOCAL: dict[tuple[ModelConfig, int, Trainable], ResidentModels] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def resident(cfg: ModelConfig, seed: int) -> ResidentModels:
-    """The resident model state for ``cfg`` in this process."""
+def resident(cfg: ModelConfig, seed: int, trainable: Trainable = Trainable()) -> ResidentModels:
+    """The resident model state for ``cfg`` (and what of it trains) in this process."""
     try:
         from distributed import get_worker
 
@@ -154,10 +178,10 @@ def resident(cfg: ModelConfig, seed: int) -> ResidentModels:
     except ValueError:  # not running inside a worker
         plugin = None
     if isinstance(plugin, ResidentPlugin) and plugin.models is not None \
-            and plugin.cfg == cfg and plugin.seed == seed:
+            and plugin.cfg == cfg and plugin.seed == seed and plugin.trainable == trainable:
         return plugin.models
     with _LOCAL_LOCK:
-        key = (cfg, seed)
+        key = (cfg, seed, trainable)
         if key not in _LOCAL:
-            _LOCAL[key] = ResidentModels(cfg, seed)
+            _LOCAL[key] = ResidentModels(cfg, seed, trainable=trainable)
         return _LOCAL[key]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from digenrl.config import ModelConfig, SamplerConfig
+from digenrl.lora import Trainable
 from digenrl.models import decode_latents, latent_shape, predict_velocity
 from digenrl.seeding import stable_seed
 from digenrl.tasks.resident import resident
@@ -37,6 +38,7 @@ class RolloutSpec:
     samples_per_prompt: int
     same_noise_in_group: bool = False
     save_latents: bool = False
+    trainable: Trainable = Trainable()  # what of the transformer a version carries
 
 
 def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
@@ -54,7 +56,7 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = "group-noise" if spec.same_noise_in_group else "noise"
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
-    cond = resident(spec.model, spec.model_seed).conditioning(prompts,
+    cond = resident(spec.model, spec.model_seed, spec.trainable).conditioning(prompts,
                                                               spec.sampler.guidance_scale)
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
 
@@ -71,7 +73,7 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
             iteration: int, t: int, previous: Latents | StepOut) -> StepOut:
     """One SDE step of a chunk under policy ``weights``: x_t -> x_{t+1} and its log-prob."""
     started = time.perf_counter()
-    models = resident(spec.model, spec.model_seed)
+    models = resident(spec.model, spec.model_seed, spec.trainable)
     dev = models.device
     x = (previous.x if isinstance(previous, Latents) else previous.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
@@ -93,7 +95,7 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
 def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
     """Decode a chunk's final latents to images (videos for a video family); collect its
     per-step log-probs."""
-    models = resident(spec.model, spec.model_seed)
+    models = resident(spec.model, spec.model_seed, spec.trainable)
     steps = sorted(steps, key=lambda s: s.timestep)
     assert [s.timestep for s in steps] == list(range(len(steps))), "missing steps"
     images = decode_latents(spec.model, models.vae, steps[-1].latent.to(models.device))

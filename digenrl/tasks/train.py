@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
-from digenrl.models import build_transformer, predict_velocity
+from digenrl.lora import Trainable, build_policy, trainable_parameters
+from digenrl.models import predict_velocity
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import chunk_conditioning
 from digenrl.tasks.sde import sde_step
@@ -45,6 +46,7 @@ class TrainSpec:
     seed: int  # the model seed: builds version 0 and the resident transformer
     sigmas: tuple[float, ...]
     normaliser: int  # samples per iteration x trained timesteps
+    trainable: Trainable = Trainable()  # all weights, or LoRA adapters (digenrl/lora.py)
 
 
 @dataclass
@@ -54,9 +56,9 @@ class OptimizeOut:
 
 
 def init_state(spec: TrainSpec) -> OptimizeOut:
-    """Version 0: the initial weights and a zero AdamW state."""
-    model = build_transformer(spec.model, spec.seed)
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    """Version 0: the initial trainable weights (float32) and a zero AdamW state."""
+    model = build_policy(spec.model, spec.trainable, spec.seed)
+    params = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
     zeros = {n: torch.zeros_like(p) for n, p in params.items()}
     return OptimizeOut(TrainerState(version=0, params=params, exp_avg=zeros,
                                     exp_avg_sq={n: z.clone() for n, z in zeros.items()}),
@@ -106,7 +108,7 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
          *advantages: AdvantageOut) -> GradOut:
     """One micro-step: the gradient of the loss of one chunk at one timestep."""
     cfg, tc = spec.sampler, spec.train
-    models = resident(spec.model, spec.seed)
+    models = resident(spec.model, spec.seed, spec.trainable)
     dev = models.device
     model = models.policy(weights)
     x = (before.x if isinstance(before, Latents) else before.latent).to(dev)
@@ -134,9 +136,10 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
             / (2.0 * step.scale ** 2)
     mask = valid.to(torch.float32)
     total = ((per_sample + tc.kl_beta * kl) * mask).sum() / spec.normaliser
-    params = dict(model.named_parameters())
+    params = trainable_parameters(model)
     grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().cpu()
+    # float32 whatever the forward's dtype: the trained tensors and AdamW are float32.
+    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
              for (n, p), g in zip(params.items(), grads)}
 
     staleness = weights.version - after.version
@@ -205,4 +208,5 @@ def optimize(spec: TrainSpec, previous: OptimizeOut, total: GradOut,
     new = TrainerState(version=state.version + 1, params=params, exp_avg=m, exp_avg_sq=v,
                        step=step)
     return OptimizeOut(new, IterationStats(iteration=iteration, version=new.version,
-                                           micro=total.stats, grad_norm=norm))
+                                           micro=total.stats, grad_norm=norm,
+                                           weight_bytes=PolicyWeights(new.version, params).nbytes))

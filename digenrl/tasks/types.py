@@ -17,9 +17,10 @@ __all__ = ["PolicyWeights", "TrainerState", "Latents", "StepOut", "DecodeOut", "
 class PolicyWeights:
     """The trainable weights of one policy version.
 
-    They travel as Dask data (a few MB for the default model; a LoRA adapter for a large
-    one). A full 12B model would instead be broadcast from the trainers over NCCL/UCX
-    by the publishing task, with this object carrying only the version and a handle.
+    They travel as Dask data: every weight of the transformer in full fine-tuning (a
+    few MB for the default model), only the LoRA adapters with ``train.lora_rank``. A
+    large model trained in full would instead be broadcast from the trainers over
+    NCCL/UCX by the publishing task, with this object carrying the version and a handle.
     """
 
     version: int
@@ -131,3 +132,4 @@ class IterationStats:
     version: int                  # the version this iteration published
     micro: MicroStats
     grad_norm: float
+    weight_bytes: int = 0         # bytes of the published version (what travels to workers)

@@ -1,0 +1,125 @@
+"""``digenrl export``: a trained policy version from a run's store, in the form diffusers
+loads.
+
+* LoRA runs (``train.lora_rank`` > 0): ``DIR/pytorch_lora_weights.safetensors``, written by
+  the family pipeline's own ``save_lora_weights`` (adapter names as peft's
+  ``get_peft_model_state_dict`` gives them, under ``transformer.``, with the adapter's
+  rank, alpha and targets as metadata), so ``pipeline.load_lora_weights(DIR)`` applies it
+  to the pipeline the run trained.
+* Full fine-tuning: ``DIR/transformer/`` (config and safetensors weights) from the
+  transformer's ``save_pretrained``, so ``<TransformerClass>.from_pretrained(DIR,
+  subfolder="transformer")`` loads it (and a copy of the pipeline folder with that
+  ``transformer/`` in place is the trained pipeline).
+
+Weights are written in float32 (how the run holds its trained tensors). The versions a
+store holds are its final weights and its complete checkpoints; the default is the newest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from digenrl.config import RunConfig, config_from_dict
+from digenrl.lora import build_policy, trainable_spec
+from digenrl.models import family, model_seed
+from digenrl.store import StoreError, complete_checkpoints, read_attrs, read_checkpoint
+
+__all__ = ["Exported", "export", "stored_versions", "LORA_WEIGHTS"]
+
+#: The file name ``load_lora_weights(DIR)`` looks for.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+#: The pipeline class whose LoRA format the built-in (SD3-shaped) model uses.
+_TINY_PIPELINE = "StableDiffusion3Pipeline"
+
+
+@dataclass
+class Exported:
+    version: int
+    lora: bool
+    path: Path  # the file (LoRA) or folder (full) written
+
+
+def _final(store: str) -> tuple[int | None, zarr.Group | None]:
+    root = zarr.open_group(store, mode="r", use_consolidated=False)
+    if "weights" not in root:
+        return None, None
+    grp = root["weights"]
+    version = grp.attrs.get("policy_version")
+    return (int(version), grp) if version is not None else (None, None)
+
+
+def stored_versions(store: str) -> list[int]:
+    """The policy versions whose trainable weights ``store`` holds."""
+    final, _ = _final(store)
+    return sorted(set(complete_checkpoints(store)) | ({final} if final is not None else set()))
+
+
+def stored_config(store: str) -> RunConfig:
+    if not (Path(store) / "zarr.json").is_file():
+        raise StoreError(f"store: expected an existing digenrl store, got {store!r}")
+    attrs = read_attrs(store)
+    if "config" not in attrs:
+        raise StoreError(f"store: {store!r} holds no digenrl run config")
+    return config_from_dict(attrs["config"])
+
+
+def version_weights(store: str, version: int | None) -> tuple[int, dict[str, torch.Tensor]]:
+    """``version`` (default: the newest the store holds) and its trainable tensors."""
+    versions = stored_versions(store)
+    if not versions:
+        raise StoreError(f"store: expected a run with at least one complete policy version, "
+                         f"got none in {store!r}")
+    if version is None:
+        version = versions[-1]
+    if version not in versions:
+        raise StoreError(f"--version: expected one of the versions {store!r} holds "
+                         f"{versions}, got {version}")
+    final, grp = _final(store)
+    if version == final:
+        arrays = {name: arr[...] for name, arr in grp.arrays()}
+    else:
+        arrays = read_checkpoint(store, version)[0]["params"]
+    return version, {n: torch.from_numpy(np.array(a)) for n, a in arrays.items()}
+
+
+def policy_module(config: RunConfig, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The run's transformer (float32) holding ``tensors``: what the run computes with."""
+    module = build_policy(config.model, trainable_spec(config.model, config.train),
+                          model_seed(config.model, config.seed))
+    missing = set(tensors) - set(module.state_dict())
+    if missing:
+        raise StoreError(f"store: expected weights of the run's transformer, got unknown "
+                         f"tensors {sorted(missing)[:3]}")
+    module.load_state_dict(tensors, strict=False)
+    return module.eval()
+
+
+def pipeline_class(config: RunConfig):
+    import diffusers
+
+    return getattr(diffusers, family(config.model).pipeline_class or _TINY_PIPELINE)
+
+
+def export(store: str, out: str | Path, version: int | None = None) -> Exported:
+    """Write ``version`` of the run in ``store`` to the folder ``out``."""
+    config = stored_config(str(store))
+    version, tensors = version_weights(str(store), version)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise StoreError(f"DIR: expected a new or empty folder, got {str(out)!r}")
+    module = policy_module(config, tensors)
+    if trainable_spec(config.model, config.train).lora:
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(module)
+        metadata = module.peft_config["default"].to_dict()
+        pipeline_class(config).save_lora_weights(out, transformer_lora_layers=layers,
+                                                 transformer_lora_adapter_metadata=metadata)
+        return Exported(version, True, out / LORA_WEIGHTS)
+    module.save_pretrained(out / "transformer")
+    return Exported(version, False, out / "transformer")
