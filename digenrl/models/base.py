@@ -107,8 +107,9 @@ class ModelFamily:
     video: ClassVar[bool] = False
     #: The pipeline's own default for the text encoder's sequence length.
     default_max_sequence_length: ClassVar[int] = 256
-    #: The diffusers class of the trained transformer.
+    #: The diffusers classes of the trained transformer and of the VAE.
     transformer_class: ClassVar[type]
+    vae_class: ClassVar[type]
     #: Modules that get LoRA adapters when ``train.lora_targets`` is empty: the
     #: attention projections (as peft matches names: full name or last dotted parts).
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
@@ -188,11 +189,15 @@ class ModelFamily:
     # --------------------------------------------------------------------- the parts
 
     def build_transformer(self, seed: int) -> torch.nn.Module:
-        """The trainable velocity model, float32, with the initial (version 0) weights."""
-        raise NotImplementedError
+        """The trainable velocity model, float32, with the initial (version 0) weights:
+        the folder's ``transformer/``."""
+        return self.transformer_class.from_pretrained(
+            self.folder, subfolder="transformer", dtype=torch.float32).eval()
 
     def build_vae(self, seed: int) -> torch.nn.Module:
-        raise NotImplementedError
+        """The folder's ``vae/``, frozen."""
+        vae = self.vae_class.from_pretrained(self.folder, subfolder="vae", dtype=torch.float32)
+        return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device: torch.device) -> "PromptEncoderLike":
         """An object whose ``encode(prompts, negative) -> Conditioning`` runs the text

@@ -78,6 +78,7 @@ class FluxFamily(ModelFamily):
              "text_encoder_2")
     default_max_sequence_length = 512
     transformer_class = FluxTransformer2DModel
+    vae_class = AutoencoderKL
     lora_targets = JOINT_ATTENTION_TARGETS
     #: FluxPipeline's default_sample_size: 128 latent pixels.
     default_sample_size = 128
@@ -121,15 +122,6 @@ class FluxFamily(ModelFamily):
         for name, tok in self.tokenizers():
             check_tokens(tok, name, named,
                          self.max_sequence_length if name == "tokenizer_2" else None)
-
-    def build_transformer(self, seed: int) -> FluxTransformer2DModel:
-        return FluxTransformer2DModel.from_pretrained(
-            self.folder, subfolder="transformer", dtype=torch.float32).eval()
-
-    def build_vae(self, seed: int) -> AutoencoderKL:
-        vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                            dtype=torch.float32)
-        return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _FluxEncoder:
         return _FluxEncoder(self, device)

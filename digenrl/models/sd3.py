@@ -61,6 +61,7 @@ class SD3Family(ModelFamily):
         + T5_PARTS
     default_max_sequence_length = 256
     transformer_class = SD3Transformer2DModel
+    vae_class = AutoencoderKL
     lora_targets = JOINT_ATTENTION_TARGETS
 
     @cached_property
@@ -104,15 +105,6 @@ class SD3Family(ModelFamily):
         for name, tok in self.tokenizers():
             check_tokens(tok, name, named,
                          self.max_sequence_length if name == T5_PARTS[0] else None)
-
-    def build_transformer(self, seed: int) -> SD3Transformer2DModel:
-        return SD3Transformer2DModel.from_pretrained(
-            self.folder, subfolder="transformer", dtype=torch.float32).eval()
-
-    def build_vae(self, seed: int) -> AutoencoderKL:
-        vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                            dtype=torch.float32)
-        return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _SD3Encoder:
         return _SD3Encoder(self, device)

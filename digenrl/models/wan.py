@@ -61,6 +61,7 @@ class WanFamily(ModelFamily):
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     video = True
     transformer_class = WanTransformer3DModel
+    vae_class = AutoencoderKLWan
     default_max_sequence_length = 512
     #: WanPipeline's defaults.
     default_height, default_width, default_frames = 480, 832, 81
@@ -107,15 +108,6 @@ class WanFamily(ModelFamily):
         for name, tok in self.tokenizers():
             check_tokens(tok, name, [(f, clean_prompt(p)) for f, p in named],
                          self.max_sequence_length)
-
-    def build_transformer(self, seed: int) -> WanTransformer3DModel:
-        return WanTransformer3DModel.from_pretrained(
-            self.folder, subfolder="transformer", dtype=torch.float32).eval()
-
-    def build_vae(self, seed: int) -> AutoencoderKLWan:
-        vae = AutoencoderKLWan.from_pretrained(self.folder, subfolder="vae",
-                                               dtype=torch.float32)
-        return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device) -> _WanEncoder:
         return _WanEncoder(self, device)
