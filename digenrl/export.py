@@ -27,7 +27,8 @@ import zarr
 from digenrl.config import RunConfig, config_from_dict
 from digenrl.lora import build_policy, trainable_spec
 from digenrl.models import family, model_seed
-from digenrl.store import StoreError, complete_checkpoints, read_attrs, read_checkpoint
+from digenrl.checkpoints import complete_checkpoints, read_checkpoint
+from digenrl.store import StoreError, read_attrs
 
 __all__ = ["Exported", "export", "stored_versions", "LORA_WEIGHTS"]
 
