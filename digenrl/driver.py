@@ -271,16 +271,16 @@ class Driver:
 
         try:
             result = self._run(store, start)
-        except BaseException:
-            self._abandon()
-            raise
-        client.sync(client.scheduler.digenrl_end_run, run=self.run_id)
+        finally:
+            self._release()
         return result
 
-    def _abandon(self, timeout: float = 30.0) -> None:
-        """The run stopped on an error: release everything it holds in the cluster and
+    def _release(self, timeout: float = 30.0) -> None:
+        """The run finished or stopped: release everything it holds in the cluster and
         end its schedule, waiting until the scheduler has dropped its tasks, so that a
-        later run on the same (perhaps long-lived) scheduler starts from nothing.
+        later run on the same (perhaps long-lived) scheduler starts from nothing. (The
+        next run's keys are the same: one whose results were still held would be
+        taken for this run's.)
 
         (Releasing, not ``Client.cancel``: cancelling a key whose dependents nobody
         holds trips an assertion in the scheduler's cancel handler, distributed
