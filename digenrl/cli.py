@@ -305,6 +305,10 @@ def _stored(args: argparse.Namespace) -> tuple[str | None, int | None]:
         return out, None
 
 
+def _holds(out: str, n: int) -> str:
+    return f"{out} holds {n} complete iteration{'s' if n != 1 else ''}"
+
+
 def _resume_command(args: argparse.Namespace, out: str) -> str:
     """The command that continues ``out``: the stored config, on the same cluster."""
     cmd = f"digenrl run --resume {out}"
@@ -354,7 +358,7 @@ def _scheduler_loss(args: argparse.Namespace, e: BaseException) -> str:
         hint = f"start a scheduler and continue with: {hint}"
     else:
         hint = f"continue with: {hint}"
-    return f"{line}; {out} holds {n} complete iteration{'s' if n != 1 else ''}; {hint}"
+    return f"{line}; {_holds(out, n)}; {hint}"
 
 
 class Stopped(KeyboardInterrupt):
@@ -376,8 +380,8 @@ def _interrupted(args: argparse.Namespace, signum: int) -> str:
     if n is None:
         return (f"digenrl {args.command}: stopped by {name} before {out} held any "
                 f"iteration; start it again with --out {out} --overwrite")
-    return (f"digenrl {args.command}: stopped by {name}; {out} holds {n} complete "
-            f"iteration{'s' if n != 1 else ''}; continue with: {_resume_command(args, out)}")
+    return (f"digenrl {args.command}: stopped by {name}; {_holds(out, n)}; "
+            f"continue with: {_resume_command(args, out)}")
 
 
 @contextlib.contextmanager
@@ -650,8 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except RunStalled as e:
         out, n = _stored(args)
-        hint = "" if n is None else (f"; {out} holds {n} complete iteration"
-                                     f"{'s' if n != 1 else ''}; continue with: "
+        hint = "" if n is None else (f"; {_holds(out, n)}; continue with: "
                                      f"{_resume_command(args, out)}")
         print(f"digenrl {args.command}: error: {_one_line(str(e))}{hint}", file=sys.stderr)
         return 1
