@@ -97,6 +97,28 @@ def test_only_adapters_train_and_versions_share_the_base_weights(dtype):
     assert {p.dtype for n, p in m1.named_parameters() if p.requires_grad} == {torch.float32}
 
 
+def lora_b_gradients(dtype: str, **train_overrides) -> torch.Tensor:
+    """The LoRA B gradients of the first micro-step at version 0 (B is zero there, so
+    only B has a gradient), in ``dtype``."""
+    ctx = context(lora_rank=4, model={"dtype": dtype}, **train_overrides)
+    w0 = train.publish(train.init_state(ctx.train))
+    lat, step = first_step(ctx, w0)
+    adv = AdvantageOut(0, IDS, np.array([1.0, -1.0, 0.5, -0.5], np.float32), np.ones(4, bool))
+    g = train.grad(ctx.train, w0, None, PROMPTS, 0, lat, step, adv)
+    assert g.stats.ratio_dev == 0.0
+    return torch.cat([g.grads[n].flatten() for n in sorted(g.grads) if ".lora_B." in n])
+
+
+def test_float16_gradients_are_loss_scaled_and_match_float32():
+    want = lora_b_gradients("float32")
+    # Through gradient checkpointing too: the scaled backward may run twice on one graph.
+    got = lora_b_gradients("float16", gradient_checkpointing=True)
+    assert torch.isfinite(got).all()
+    # Unscaled, half of these underflow to zero in float16's backward pass.
+    assert (got == 0).sum() == (want == 0).sum()
+    assert float((got - want).norm() / want.norm()) < 0.01
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"train": {"lora_rank": -1}}, "train.lora_rank: expected an integer >= 0, got -1"),
     ({"train": {"lora_rank": 4, "lora_targets": ["to_q", "nope"]}},

@@ -137,10 +137,7 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     mask = valid.to(torch.float32)
     total = ((per_sample + tc.kl_beta * kl) * mask).sum() / spec.normaliser
     params = trainable_parameters(model)
-    grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-    # float32 whatever the forward's dtype: the trained tensors and AdamW are float32.
-    grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
-             for (n, p), g in zip(params.items(), grads)}
+    grads = _gradients(total, params, spec.model.dtype)
 
     staleness = weights.version - after.version
     with torch.no_grad():
@@ -160,6 +157,40 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
             stats.ratio_dev = float((r_b - 1.0).abs().max())
             stats.ratio_dev_count = n_valid
     return GradOut(grads=grads, stats=stats)
+
+
+#: The first loss scale of a float16 backward pass, then halved until every gradient is
+#: finite (see :func:`_gradients`).
+FLOAT16_LOSS_SCALE = 2.0 ** 16
+
+
+def _gradients(total: torch.Tensor, params: dict[str, torch.Tensor],
+               dtype: str) -> dict[str, torch.Tensor]:
+    """The gradients of ``total`` for ``params``, in float32 on the CPU whatever the
+    forward's dtype (the trained tensors and AdamW are float32).
+
+    A float16 forward pass is back-propagated through float16 activations, where the
+    small gradients of a mean loss underflow to zero (half of a tiny model's LoRA B
+    gradients at version 0). So with ``float16`` the loss is scaled by
+    :data:`FLOAT16_LOSS_SCALE` (a power of two: scaling and unscaling are exact) and the
+    gradients divided by the scale again; where some gradient overflowed, the same graph
+    is back-propagated again at half the scale. The scale is found anew for every
+    micro-step from its own inputs, so a recomputed micro-step returns the same bits
+    and no scale state has to be kept or checkpointed. bfloat16 has float32's range and
+    needs no scaling.
+    """
+    scale = FLOAT16_LOSS_SCALE if dtype == "float16" else 1.0
+    while True:
+        raw = torch.autograd.grad(total * scale, list(params.values()), allow_unused=True,
+                                  retain_graph=scale > 1.0)
+        grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
+                 for (n, p), g in zip(params.items(), raw)}
+        if scale == 1.0 or all(torch.isfinite(g).all() for g in grads.values()):
+            break
+        scale /= 2.0
+    if scale != 1.0:
+        grads = {n: g / scale for n, g in grads.items()}
+    return grads
 
 
 def reduce(*parts: GradOut) -> GradOut:
