@@ -38,6 +38,7 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
 from digenrl.vocabulary import DENOISE, TRAINER
+from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
            "check_store", "library_versions"]
@@ -258,6 +259,7 @@ class Driver:
         w, opts, client = self.w, self.w.options, self.handle.client
         store, start = self._open_store()
         w.prepare(client, store)
+        client.register_plugin(WeightReceipts())
         client.sync(client.scheduler.digenrl_begin_run, run=self.run_id, options=opts.as_dict())
         logger.info("run %s: mode %s (gap=%s tsp=%s tag=%s max_staleness=%d), %d iterations%s",
                     self.run_id, opts.mode, opts.gap, opts.tsp, opts.tag, opts.max_staleness,
@@ -346,6 +348,7 @@ class Driver:
             "iteration_seconds": seconds,
             "wall_time": t1 - window.started,
             "policy_version": float(i + 1),
+            **self._weight_receipts(),
             **window_metrics(window.recent, self.pools(), t0, t1),
         })
         groups["metrics"] = {k: np.asarray(v, np.float64) for k, v in metrics.items()}
@@ -362,6 +365,16 @@ class Driver:
                                 metrics.get("reward_std", float("nan")),
                                 metrics.get("loss", float("nan")), metrics["images_per_s"],
                                 metrics)
+
+
+    def _weight_receipts(self) -> dict[str, float]:
+        """The seconds workers spent receiving policy weights since the last iteration
+        was committed, summed over workers, and how many versions they received (a
+        worker lost meanwhile takes its figures with it)."""
+        client = self.handle.client
+        got = client.run(drain_weight_receipts, on_error="ignore").values()
+        return {"weight_sync_seconds": float(sum(s for s, _ in got)),
+                "weight_sync_transfers": float(sum(n for _, n in got))}
 
 
 class Pipeline:

@@ -36,6 +36,16 @@ def test_a_version_ships_only_the_adapters(cluster_1x1, shared_runs):
     sent = ds["metrics"].weight_sync_bytes.values
     assert (sent == adapter_bytes).all(), (sent, adapter_bytes)
     assert adapter_bytes < full_bytes / 10, (adapter_bytes, full_bytes)
+    # Every worker received each version it computed with from the trainer that
+    # published it, and the time that took was measured.
+    t = ds["tasks"]
+    kind, worker, version = t.kind.values, t.worker.values, t.policy_version.values
+    publisher = {v: w for k, w, v in zip(kind, worker, version) if k == "publish"}
+    reads = {(w, v) for k, w, v in zip(kind, worker, version)
+             if k in ("denoise", "grad") and w != publisher[v]}
+    received = ds["metrics"].weight_sync_transfers.values
+    assert reads and received.sum() >= len(reads), (received, sorted(reads))
+    assert ds["metrics"].weight_sync_seconds.values.sum() > 0
     # The adapters trained: every B moved from zero, except where nothing reaches the
     # output: the last block (context_pre_only) drops its text queries' attention.
     last = cfg.model.transformer_layers - 1
