@@ -11,6 +11,7 @@ state stored.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class PromptFile:
     path: str
     prompts: tuple[str, ...]
     metadata: tuple[Mapping[str, Any], ...]
+    #: The SHA-256 of the file's bytes: a resumed run checks it reads the same lines.
+    sha256: str = ""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -101,6 +104,7 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
         line = raw.count(b"\n", 0, e.start) + 1
         raise ConfigError(f"{field}: line {line} of {path}: expected UTF-8 text, got "
                           f"byte {raw[e.start:e.start + 1]!r}") from None
+    digest = hashlib.sha256(raw).hexdigest()
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line
@@ -116,7 +120,7 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
             raise bad(n, "a prompt", "an empty line")
     empty: Mapping[str, Any] = {}
     if suffix == ".txt":
-        return PromptFile(path, tuple(lines), (empty,) * len(lines))
+        return PromptFile(path, tuple(lines), (empty,) * len(lines), digest)
     records = _json_lines(lines, bad)
     prompts: list[str] = []
     metadata: list[Mapping[str, Any]] = []
@@ -129,7 +133,7 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
                       "no \"prompt\" key" if prompt is None else repr(prompt))
         prompts.append(prompt)
         metadata.append(record or empty)
-    return PromptFile(path, tuple(prompts), tuple(metadata))
+    return PromptFile(path, tuple(prompts), tuple(metadata), digest)
 
 
 def _json_lines(lines: list[str], bad) -> list[Any]:

@@ -22,7 +22,7 @@ from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
-from digenrl.prompts import prompt_source
+from digenrl.prompts import load_prompt_file, prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
@@ -72,7 +72,15 @@ class FlowGRPOWorkload:
 
     def attrs(self) -> dict[str, Any]:
         return {"config": config_to_dict(self.config), "derived": self.config.derived(),
-                "workload": "flow-grpo"}
+                "workload": "flow-grpo", "prompt_files": self._prompt_files()}
+
+    def _prompt_files(self) -> dict[str, str]:
+        """The SHA-256 of each prompt file the config names, by its field."""
+        d = self.config.data
+        return {f"data.{name}": load_prompt_file(path, f"data.{name}").sha256
+                for name, path in (("prompt_file", d.prompt_file),
+                                   ("eval_prompt_file", d.eval_prompt_file))
+                if path is not None}
 
     def check_resume(self, attrs: dict[str, Any]) -> None:
         """A resumed run must do the same work: only iterations, cluster and store
@@ -90,6 +98,13 @@ class FlowGRPOWorkload:
             raise ConfigError(f"resume: the config differs from the stored run's in "
                               f"{differ}; resume with the stored config (only iterations, "
                               f"cluster and store settings may change)")
+        stored_files = attrs.get("prompt_files") or {}
+        for name, digest in self._prompt_files().items():
+            if stored_files.get(name, digest) != digest:
+                raise ConfigError(f"resume: {name} changed since the run was stored "
+                                  f"(SHA-256 {stored_files[name][:12]}..., now "
+                                  f"{digest[:12]}...); its epochs would visit other "
+                                  f"prompts: resume with the file the run started with")
 
     def prepare(self, client, store: RunStore) -> None:
         self.checkpoint_spec = CheckpointSpec(os.path.abspath(store.path))

@@ -128,3 +128,11 @@ def test_a_resumed_run_follows_the_epoch_order_and_rewards_see_metadata(cluster_
         metadata = [{"score": records[j]["score"]} for j in lines for _ in range(spp)]
         scores = metadata_score(s.image.values[i], expected, metadata)
         assert np.array_equal(s.reward_metadata_score.values[i], scores), i
+
+    # A prompt file changed since: its epochs would visit other lines, so resuming with
+    # it is refused before any work, naming the field.
+    _write(tmp_path / "p.jsonl", [json.dumps(r) for r in reversed(records)])
+    with pytest.raises(ConfigError, match=r"resume: data.prompt_file changed since"):
+        Runner(small_config(iterations=3, **settings), out, cluster=cluster_1x1,
+               resume=True).run()
+    assert assert_complete(open_run(out)) == 2
