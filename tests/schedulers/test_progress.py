@@ -9,7 +9,9 @@ cancelled fetch (see the first test).
 from __future__ import annotations
 
 import asyncio
+import re
 
+import pytest
 from distributed import Worker
 from distributed.core import Status
 from distributed.utils_test import BlockedGatherDep, async_poll_for, inc
@@ -137,6 +139,10 @@ async def test_dasks_lost_fetch_race_hangs_without_the_watchdog_and_is_taken_bac
         assert t.state.tasks[step].state == "waiting" and stranded()
         assert s.tasks[noise].state == "memory"
         assert s.tasks[noise].who_has == {s.workers[w.address]}
+        # Dask's check of the worker's whole state rejects it: a task waits for an
+        # input no one will fetch.
+        with pytest.raises(AssertionError, match=re.escape(repr(noise))):
+            t.state.validate_state()
         # With it, the trainer is asked to give the step back; it held it as waiting,
         # drops it, and the policy releases it again (to the trainer), which now asks
         # for the input where it is, computes the step and then the micro-step.
