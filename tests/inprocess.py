@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import dask
-from distributed import Client
+from distributed import Client, Worker
 from distributed.utils_test import start_cluster
 
 #: What the upstream test helpers switch on: every transition checked by the scheduler
@@ -25,14 +25,17 @@ VALIDATING = {
 }
 
 
-def pooled_cluster(nthreads, config: dict | None = None, timeout: float = 60.0):
+def pooled_cluster(nthreads, config: dict | None = None, timeout: float = 60.0,
+                   worker_class: type = Worker):
     """Decorate ``async def test(c, s, *workers)``: it runs against a scheduler and one
     in-process worker per ``(host, nthreads[, worker kwargs])`` entry, with a client, all
-    closed afterwards; it fails after ``timeout`` seconds."""
+    closed afterwards; it fails after ``timeout`` seconds. ``worker_class``: the workers'
+    class (one of the upstream test workers that hold a step until the test lets it go,
+    such as ``distributed.utils_test.BlockedGatherDep``)."""
 
     def decorator(test):
         async def body():
-            s, workers = await start_cluster(nthreads, "127.0.0.1")
+            s, workers = await start_cluster(nthreads, "127.0.0.1", Worker=worker_class)
             try:
                 async with Client(s.address, asynchronous=True) as c:
                     await asyncio.wait_for(test(c, s, *workers), timeout)

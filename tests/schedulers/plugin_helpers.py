@@ -10,14 +10,26 @@ from digenrl.vocabulary import ANNOTATION
 
 
 def annotated(tasks: dict, name: str = "g") -> HighLevelGraph:
-    """``tasks``: key -> (func, args, meta); args that are keys of ``tasks`` become refs."""
-    dsk, meta = {}, {}
+    """``tasks``: key -> (func, args, meta); args that are keys of ``tasks`` become refs.
+    A task whose meta is a plain dict of resources (``{"resources": {...}}``) instead of
+    a task annotation is a plain Dask task, in a layer of its own, restricted to those
+    resources."""
+    dsk, meta, plain, plain_resources = {}, {}, {}, {}
     for key, (func, args, m) in tasks.items():
-        dsk[key] = Task(key, func, *[TaskRef(a) if a in tasks else a for a in args])
-        meta[key] = m
+        task = Task(key, func, *[TaskRef(a) if a in tasks else a for a in args])
+        if set(m) == {"resources"}:
+            plain[key], plain_resources[key] = task, m["resources"]
+        else:
+            dsk[key], meta[key] = task, m
     resources = {k: {"GPU": 1} for k, m in meta.items() if m["gpu"]}
-    return HighLevelGraph({name: MaterializedLayer(dsk, annotations={
-        ANNOTATION: meta.get, "resources": resources.get})}, {name: set()})
+    layers = {name: MaterializedLayer(dsk, annotations={
+        ANNOTATION: meta.get, "resources": resources.get})}
+    dependencies = {name: set()}
+    if plain:
+        layers[f"{name}-plain"] = MaterializedLayer(
+            plain, annotations={"resources": plain_resources.get})
+        dependencies = {name: {f"{name}-plain"}, f"{name}-plain": set()}
+    return HighLevelGraph(layers, dependencies)
 
 
 def worker_name(*args):

@@ -7,11 +7,16 @@ cluster in one event loop with the scheduler's state validation switched on.
 from __future__ import annotations
 
 import dask
+import pytest
 from dask._task_spec import Task
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Worker
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, inc, slowinc
+from distributed.worker_state_machine import (ComputeTaskEvent, FreeKeysEvent,
+                                              GatherDepNetworkFailureEvent,
+                                              RemoveWorkerEvent, StealRequestEvent,
+                                              StealResponseMsg, WorkerState)
 
 from digenrl.schedulers.plugin import PARKED
 
@@ -98,3 +103,53 @@ async def test_4_restricted_tasks_bypass_queuing(c, s, a, b):
 
 def test_5_no_workers_timeout_is_unset():
     assert dask.config.get("distributed.scheduler.no-workers-timeout") is None
+
+
+@pytest.mark.parametrize("step, noise", [(2, 1), (1, 2)], ids=["step-first", "input-first"])
+def test_8_a_failed_gather_strands_an_input_when_it_is_handled_after_its_resumed_task(
+        step, noise):
+    """Dask's lost-fetch race on a worker's state machine alone (the live cluster:
+    tests/schedulers/test_progress.py). Integer keys fix the order of a gather's key
+    set: {1, 2} lists 1 first, and the worker handles a failed gather's keys from the
+    last of that set to the first."""
+    dead, spare = "127.0.0.1:2", "127.0.0.1:3"
+    ws = WorkerState(address="127.0.0.1:1", validate=True, threads={})
+    # A micro-step needs the step and its input, both on a worker that then dies: the
+    # scheduler frees the micro-step (the fetch is cancelled) and says the worker left.
+    ws.handle_stimulus(ComputeTaskEvent.dummy(
+        "grad", who_has={step: [dead], noise: [dead]}, nbytes={step: 1, noise: 1},
+        stimulus_id="compute-grad"))
+    assert ws.in_flight_workers[dead] == {step, noise}
+    ws.handle_stimulus(FreeKeysEvent(keys=["grad"], stimulus_id="free"),
+                       RemoveWorkerEvent(worker=dead, stimulus_id="remove"))
+    # The input computed again elsewhere, the step comes to this worker: it resumes the
+    # cancelled fetch as a task to compute. Then the fetch fails.
+    ws.handle_stimulus(ComputeTaskEvent.dummy(
+        step, who_has={noise: [spare]}, nbytes={noise: 1}, stimulus_id="compute-step"))
+    assert (ws.tasks[step].state, ws.tasks[noise].state) == ("resumed", "cancelled")
+    ws.handle_stimulus(GatherDepNetworkFailureEvent(worker=dead, total_nbytes=2,
+                                                    stimulus_id="failed"))
+    assert ws.tasks[step].state == "waiting" and not ws.tasks[noise].who_has
+    if list({step, noise})[-1] == noise:
+        # The input handled first is released, then asked for again by the step: with
+        # nobody known to hold it, it is missing, and the worker asks the scheduler.
+        assert ws.tasks[noise].state == "missing" and ws.tasks[noise] in ws.missing_dep_flight
+        ws.validate_state()
+        return
+    # The step handled first: the input is released after the step asked for it, and
+    # nothing will ever ask for it again -- the step waits forever. Dask's check of a
+    # worker's whole state rejects this state (its check after each transition, which
+    # the workers run with distributed.worker.validate, does not).
+    assert ws.tasks[noise].state == "released"
+    assert not ws.missing_dep_flight and not ws.data_needed and not ws.in_flight_workers
+    with pytest.raises(AssertionError, match=rf"\({noise}, 'cancelled', 'released'"):
+        ws.validate_state()
+    # A steal-request (what the progress watchdog sends) drops the step, answered
+    # 'waiting'; the step sent again fetches the input from where it is.
+    assert ws.handle_stimulus(StealRequestEvent(key=step, stimulus_id="take-back")) == [
+        StealResponseMsg(key=step, state="waiting", stimulus_id="take-back")]
+    assert step not in ws.tasks
+    ws.handle_stimulus(ComputeTaskEvent.dummy(
+        step, who_has={noise: [spare]}, nbytes={noise: 1}, stimulus_id="compute-again"))
+    assert ws.tasks[noise].state == "flight" and ws.tasks[noise].coming_from == spare
+    ws.validate_state()
