@@ -6,7 +6,9 @@ run whose CLIP preference reward rises, the model loaded once per worker that sc
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -240,7 +242,7 @@ def _loads_here(config: RewardModelConfig) -> int:
 
 @pytest.mark.slow
 def test_a_run_raises_the_clip_reward_loading_it_once_per_worker(cluster_1x1, clip_folder,
-                                                                tmp_path):
+                                                                tmp_path, caplog):
     """One prompt (so every iteration's reward compares the same thing), 4 images of
     each of its 2 groups; a seed and learning rate with which it rises (runs are
     deterministic)."""
@@ -248,6 +250,7 @@ def test_a_run_raises_the_clip_reward_loading_it_once_per_worker(cluster_1x1, cl
                           "data.prompts": ["a photo of a cat"], "data.samples_per_prompt": 4,
                           "rollout.chunk_size": 4, "reward.components": {"pick": 1.0},
                           "reward.models": {"pick": {"path": str(clip_folder)}}})
+    caplog.set_level(logging.INFO, logger="digenrl")
     Runner(cfg, str(tmp_path / "run.zarr"), cluster=cluster_1x1).run()
     ds = open_run(tmp_path / "run.zarr")
     r = ds["samples"].reward.values  # (iteration, sample)
@@ -262,3 +265,13 @@ def test_a_run_raises_the_clip_reward_loading_it_once_per_worker(cluster_1x1, cl
     assert scorers and {w: n for w, n in loads.items() if n} == {w: 1 for w in scorers}
     events = cluster_1x1.client.get_events(reward_models.EVENT_TOPIC)
     assert {e["worker"] for _, e in events if e["path"] == str(clip_folder)} == scorers
+    # The run's log says so, one line per worker's load (events arrive asynchronously).
+    def lines():
+        return [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith(f"reward model clip from {clip_folder} loaded")]
+
+    deadline = time.monotonic() + 30
+    while len(lines()) < len(scorers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(line.split("in worker ")[1] for line in lines()) == sorted(
+        f"{w})" for w in scorers), lines()

@@ -9,7 +9,8 @@ dtype -- and kept for every later task: once per worker process, not once per ta
 The same holds outside a worker (the client, a test) and in ``digenrl reward-server``.
 Models are keyed by their settings, so two names with the same settings share one.
 :func:`reward_model_loads` counts this process's loads; each load is logged and, on a
-Dask worker, recorded as a ``digenrl-reward-model`` event (``Client.get_events``).
+Dask worker, recorded as a ``digenrl-reward-model`` event (``Client.get_events``), which
+a run's log repeats.
 A model reward is a ``gpu`` reward: its tasks hold a GPU slot.
 
 Kinds (``kind``):
@@ -44,7 +45,7 @@ from digenrl.tasks.rewards import RewardSpec
 
 __all__ = ["ModelReward", "model_reward", "resident_reward_model", "reward_model_loads",
            "ClipPreference", "AestheticPredictor", "AestheticHead", "load_head",
-           "HEAD_LAYERS", "EVENT_TOPIC"]
+           "HEAD_LAYERS", "EVENT_TOPIC", "log_load_event"]
 
 logger = logging.getLogger("digenrl")
 
@@ -207,19 +208,33 @@ def resident_reward_model(config: RewardModelConfig) -> _Clip:
 
 
 def _announce(config: RewardModelConfig, device: torch.device) -> None:
-    loads = sum(_LOADS.values())
-    logger.info("reward model %s from %s loaded on %s in %s (%d reward model load%s in "
-                "this process)", config.kind, config.path, device, config.dtype, loads,
-                "" if loads == 1 else "s")
+    record = {"kind": config.kind, "path": config.path, "device": str(device),
+              "dtype": config.dtype, "loads": sum(_LOADS.values())}
     try:
         from distributed import get_worker
 
         worker = get_worker()
     except ValueError:  # not in a worker
+        logger.info("%s", _load_line(record))
         return
-    worker.log_event(EVENT_TOPIC, {"worker": worker.address, "kind": config.kind,
-                                   "path": config.path, "device": str(device),
-                                   "dtype": config.dtype, "loads": loads})
+    record["worker"] = worker.address
+    logger.info("%s", _load_line(record))
+    worker.log_event(EVENT_TOPIC, record)
+
+
+def _load_line(record: dict) -> str:
+    where = f"worker {record['worker']}" if "worker" in record else "this process"
+    n = record["loads"]
+    return (f"reward model {record['kind']} from {record['path']} loaded on {record['device']}"
+            f" in {record['dtype']} ({n} reward model load{'' if n == 1 else 's'} in "
+            f"{where})")
+
+
+def log_load_event(event: tuple[float, dict]) -> None:
+    """Log a load a worker recorded, in the process that runs the driver (the run
+    subscribes this to :data:`EVENT_TOPIC`)."""
+    _, record = event
+    logger.info("%s", _load_line(record))
 
 
 def reward_model_loads(config: RewardModelConfig | None = None) -> int:
