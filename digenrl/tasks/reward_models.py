@@ -70,10 +70,14 @@ class _Clip:
         self.model.eval().requires_grad_(False)
         self.processor_folder = config.processor if config.processor is not None else config.path
         self.image_processor = CLIPImageProcessor.from_pretrained(self.processor_folder)
+        # A worker may run two reward tasks at once; a model (and a fast tokenizer, whose
+        # padding settings are shared state) scores one batch at a time.
+        self._lock = threading.Lock()
 
     @torch.no_grad()
     def image_embeddings(self, images: np.ndarray) -> torch.Tensor:
-        pixels = self.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        pixels = self.image_processor(images=list(images), return_tensors="pt",
+                                      input_data_format="channels_last")["pixel_values"]
         out = self.model.vision_model(pixel_values=pixels.to(self.device, self.dtype))
         embeds = self.model.visual_projection(out.pooler_output)
         return embeds / embeds.norm(dim=-1, keepdim=True)
@@ -81,8 +85,9 @@ class _Clip:
     def score(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
         """One float64 score per image, in batches of at most ``batch_size``."""
         size = self.config.batch_size
-        parts = [self._score_batch(images[a:a + size], list(prompts[a:a + size]))
-                 for a in range(0, len(images), size)]
+        with self._lock:
+            parts = [self._score_batch(images[a:a + size], list(prompts[a:a + size]))
+                     for a in range(0, len(images), size)]
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
