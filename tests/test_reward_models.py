@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -199,24 +197,24 @@ def test_an_aesthetic_head_that_does_not_fit_stops_the_run_before_it_starts(
     assert "\n" not in str(e.value)
 
 
-def test_a_reward_server_serves_a_model_reward(clip_folder):
-    """The served scores equal the in-process ones; the server's model loaded once."""
-    from digenrl.reward_server import RewardServer
+def test_a_reward_server_serves_a_model_reward(clip_folder, tmp_path):
+    """``digenrl reward-server NAME --config``: the served scores equal the in-process
+    ones, and the server loaded the model once (before serving)."""
     from digenrl.tasks.remote import RemoteReward
 
-    config = RewardModelConfig(path=str(clip_folder), batch_size=3)
-    spec = model_reward("pick", config)
-    server = RewardServer(spec)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    from test_reward_server import Server
+
+    settings = {"path": str(clip_folder), "batch_size": 3}
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"reward": {"models": {"pick": settings},
+                                             "components": {"pick": 1.0}}}))
+    server = Server("pick", "--config", str(config))
     try:
-        served = RemoteReward("served", server.url, batch_size=2)(IMAGES, PROMPTS,
-                                                                   [{}] * 5)
-        with urllib.request.urlopen(server.url, timeout=10) as r:
-            stats = json.loads(r.read())
+        served = RemoteReward("served", server.url, batch_size=2)(IMAGES, PROMPTS, [{}] * 5)
+        stats = server.stats(token=None)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.kill()
+    spec = model_reward("pick", RewardModelConfig(**settings))
     np.testing.assert_array_equal(served, spec(IMAGES, PROMPTS))
     assert stats == {"reward": "pick", "requests": 3, "images": 5, "model_loads": 1}
 
