@@ -129,7 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--debug", action="store_true")
     srv = sub.add_parser("reward-server", help="serve a registered reward over HTTP (JSON; "
                                                "see docs/howto.md)")
-    srv.add_argument("reward", help="a registered reward's name")
+    srv.add_argument("reward", help="a registered reward's name, or with --config one of "
+                                    "that config's reward.models")
+    srv.add_argument("--config", help="a run config (YAML) whose reward.models names the "
+                                      "reward: the model is loaded on this machine's GPU "
+                                      "(else its CPU) before the server starts")
     srv.add_argument("--import", dest="modules", action="append", default=[],
                      metavar="MODULE", help="import a module that registers rewards first "
                                             "(repeatable)")
@@ -594,7 +598,7 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
     import importlib
 
     from digenrl.reward_server import DEFAULT_MAX_BYTES, TOKEN_ENV, serve
-    from digenrl.tasks.rewards import get_reward
+    from digenrl.tasks.rewards import REWARDS, get_reward, resolve_rewards
 
     for module in args.modules:
         try:
@@ -602,10 +606,18 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ConfigError(f"--import: expected an importable module, got {module!r} "
                               f"({e})") from None
-    try:
-        spec = get_reward(args.reward)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    models = {} if args.config is None else load_config(args.config).reward.models
+    if args.reward in models:
+        spec = resolve_rewards({args.reward: 1.0}, models=models)[0][0]
+    elif args.config is not None and args.reward not in REWARDS:
+        raise ConfigError(f"reward: expected a registered reward {sorted(REWARDS)} or one of "
+                          f"reward.models in {args.config} {sorted(models)}, got "
+                          f"{args.reward!r}")
+    else:
+        try:
+            spec = get_reward(args.reward)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0 to 65535, got {args.port}")
     max_bytes = DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes
@@ -614,6 +626,13 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if token is not None and not token.strip():
         raise ConfigError("--token: expected a non-empty token, got ''")
+    load = getattr(spec.fn, "load", None)  # a model reward's: loaded before serving
+    if load is not None:
+        try:
+            load()
+        except Exception as e:  # weights or a processor that transformers cannot read
+            raise ConfigError(f"reward.models.{args.reward}: expected a model that loads, "
+                              f"got {type(e).__name__}: {e}") from None
     try:
         serve(spec, args.host, args.port, token=token, max_bytes=max_bytes,
               allow_pickle=args.allow_pickle, announce=lambda line: print(line, flush=True))

@@ -29,6 +29,7 @@ __all__ = [
     "RolloutConfig",
     "RewardConfig",
     "RemoteRewardConfig",
+    "RewardModelConfig",
     "TrainConfig",
     "ScheduleConfig",
     "ScheduleOptions",
@@ -89,6 +90,10 @@ _SCHEDULER = re.compile(rf"^(?:(?P<scheme>{'|'.join(_SCHEMES)})://)?"
 #: A byte size as Dask's ``parse_bytes`` reads it: a number and an optional unit.
 _BYTES = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*(b|[kmgtp]i?b?)?\s*$",
                     re.IGNORECASE)
+
+
+#: The dtypes a model (the policy, its text encoders, a reward model) may compute in.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _choice(v: Any, path: str, options: typing.Iterable[str]) -> None:
@@ -154,7 +159,7 @@ class ModelConfig:
     """Seed of the initial weights; null uses the run seed."""
 
     def validate(self, p: str = "model") -> None:
-        _choice(self.dtype, f"{p}.dtype", ("float32", "bfloat16", "float16"))
+        _choice(self.dtype, f"{p}.dtype", DTYPES)
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
         if self.path is not None:
@@ -169,8 +174,7 @@ class ModelConfig:
             if self.num_frames is not None:
                 _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
-            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype",
-                    ("float32", "bfloat16", "float16"))
+            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
             from digenrl.models.registry import family
 
             family(self).check_folder()
@@ -364,6 +368,85 @@ class RemoteRewardConfig:
                 "the name of an environment variable, or null", self.token_env)
 
 
+#: Kinds of reward model: a CLIP preference score, or an aesthetic head on CLIP's image
+#: embedding (digenrl.tasks.reward_models implements each).
+REWARD_MODEL_KINDS = ("clip", "aesthetic")
+#: The files a transformers model folder keeps its weights in (any one of them).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+#: The suffixes of an aesthetic head's weights file.
+HEAD_SUFFIXES = (".safetensors", ".pth", ".pt")
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A reward that owns a torch model: loaded once per worker process (on its GPU when
+    it has one, in ``dtype``) and kept there, so a reward task only scores. Named under
+    ``reward.models`` and weighted in ``reward.components`` like a registered reward;
+    its tasks hold a GPU slot. Nothing is downloaded: download the public weights on a
+    machine with network access (e.g. ``huggingface-cli download
+    yuvalkirstain/PickScore_v1 --local-dir /models/PickScore_v1``), copy the folders where
+    every worker reads them, and point the fields at them. PickScore: ``kind: clip``,
+    ``path`` the folder of ``yuvalkirstain/PickScore_v1``, ``processor`` the folder of
+    ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``. CLIP score: ``kind: clip``, ``path`` the
+    folder of ``openai/clip-vit-large-patch14`` (its logit scale is 100, so the score is
+    100 x cosine, without CLIPScore's clipping at 0). LAION's aesthetic predictor:
+    ``kind: aesthetic``, ``path`` the folder of ``openai/clip-vit-large-patch14``,
+    ``head`` the file ``sac+logos+ava1-l14-linearMSE.pth`` of LAION's
+    improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding)."""
+
+    kind: str = "clip"
+    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor)."""
+    path: str = ""
+    """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker."""
+    processor: str | None = None
+    """A local folder holding its processor (preprocessor_config.json and, for clip, the tokenizer: tokenizer.json or vocab.json with merges.txt); null: path."""
+    head: str | None = None
+    """aesthetic: the MLP head's weights (.safetensors, or .pth/.pt read with torch.load(weights_only=True)), keys layers.0 ... layers.7 as LAION's predictor saves them; clip: null."""
+    dtype: str = "float32"
+    """dtype of the CLIP model's weights and forward pass (float32, bfloat16, float16); scores are returned as float64."""
+    batch_size: int = 32
+    """The most images one forward pass scores."""
+
+    def validate(self, p: str) -> None:
+        _choice(self.kind, f"{p}.kind", REWARD_MODEL_KINDS)
+        _choice(self.dtype, f"{p}.dtype", DTYPES)
+        _positive_int(self.batch_size, f"{p}.batch_size")
+        _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
+                 "a path to a local CLIPModel folder", self.path)
+        _check_folder(self.path, f"{p}.path", [("config.json",), _WEIGHT_FILES],
+                      "a CLIPModel folder")
+        processor = self.processor if self.processor is not None else self.path
+        where = f"{p}.processor" if self.processor is not None else f"{p}.path"
+        _require(isinstance(processor, str) and processor != "", where,
+                 "a path to a local processor folder, or null", processor)
+        needs = [("preprocessor_config.json",)]
+        if self.kind == "clip":
+            needs.append(("tokenizer.json", "vocab.json"))
+        _check_folder(processor, where, needs, "a CLIP processor folder")
+        if self.kind == "aesthetic":
+            _require(isinstance(self.head, str) and self.head != "", f"{p}.head",
+                     f"a path to the aesthetic head's weights ({', '.join(HEAD_SUFFIXES)})",
+                     self.head)
+            _require(Path(self.head).expanduser().is_file(), f"{p}.head", "an existing file",
+                     self.head)
+            _require(self.head.endswith(HEAD_SUFFIXES), f"{p}.head",
+                     f"a file ending in one of {list(HEAD_SUFFIXES)}", self.head)
+        else:
+            _require(self.head is None, f"{p}.head", "null (only an aesthetic reward has a "
+                                                     "head)", self.head)
+
+
+def _check_folder(path: str, field_path: str, needs: list[tuple[str, ...]],
+                  what: str) -> None:
+    """``path`` is a folder holding, for each entry of ``needs``, one of its files."""
+    folder = Path(path).expanduser()
+    _require(folder.is_dir(), field_path, f"an existing folder ({what})", path)
+    for names in needs:
+        if not any((folder / n).is_file() for n in names):
+            _fail(field_path, f"{what} holding {' or '.join(names)}", path)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """A weighted sum of registered rewards, e.g. ``{jpeg_compressibility: 1.0}``.
@@ -374,38 +457,46 @@ class RewardConfig:
 
     components: Mapping[str, float] = field(
         default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards). A name is a registered reward or one of reward.remote."""
+    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards). A name is a registered reward or one of reward.remote or reward.models."""
     on_error: str = "raise"
     """raise: a failing reward stops the run naming the reward and samples; drop: those samples are left out and counted."""
     remote: Mapping[str, RemoteRewardConfig] = field(default_factory=dict)
     """Name -> a reward scored by a reward server (the fields below); the name is then usable in components."""
+    models: Mapping[str, RewardModelConfig] = field(default_factory=dict)
+    """Name -> a reward that owns a model, resident on the workers (the fields below); the name is then usable in components."""
 
     def validate(self, p: str = "reward") -> None:
         from digenrl.tasks.rewards import REWARDS
 
-        _require(isinstance(self.remote, Mapping), f"{p}.remote",
-                 "a mapping of reward name to server settings", self.remote)
-        for name, remote in self.remote.items():
-            sub = _sub_path(f"{p}.remote", name)
-            # The name becomes the store's reward_NAME column.
-            _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
-                     sub, "a name of letters, digits, '_', '-' and '.'", name)
-            _require(name not in REWARDS, sub, "a name that is not a registered reward's",
-                     name)
-            _require(isinstance(remote, RemoteRewardConfig), sub,
-                     "a mapping of server settings (url, protocol, ...)", remote)
-            remote.validate(sub)
+        for group, cls, what in (("remote", RemoteRewardConfig, "server settings (url, "
+                                                                 "protocol, ...)"),
+                                 ("models", RewardModelConfig, "model settings (kind, path, "
+                                                               "...)")):
+            named = getattr(self, group)
+            _require(isinstance(named, Mapping), f"{p}.{group}",
+                     f"a mapping of reward name to {what.split(' (')[0]}", named)
+            for name, settings in named.items():
+                sub = _sub_path(f"{p}.{group}", name)
+                # The name becomes the store's reward_NAME column.
+                _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
+                         sub, "a name of letters, digits, '_', '-' and '.'", name)
+                _require(name not in REWARDS, sub, "a name that is not a registered reward's",
+                         name)
+                _require(group == "remote" or name not in self.remote, sub,
+                         "a name that is not also under reward.remote", name)
+                _require(isinstance(settings, cls), sub, f"a mapping of {what}", settings)
+                settings.validate(sub)
         _require(isinstance(self.components, Mapping) and len(self.components) > 0,
                  f"{p}.components", "a non-empty mapping of reward name to weight",
                  self.components)
         for name, weight in self.components.items():
-            _choice(name, f"{p}.components", set(REWARDS) | set(self.remote))
+            _choice(name, f"{p}.components", set(REWARDS) | set(self.remote) | set(self.models))
             _finite(weight, f"{p}.components.{name}")
         _choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
 
     def __hash__(self) -> int:
         return hash((tuple(sorted(self.components.items())), self.on_error,
-                     tuple(sorted(self.remote.items()))))
+                     tuple(sorted(self.remote.items())), tuple(sorted(self.models.items()))))
 
 
 # --------------------------------------------------------------------------- train

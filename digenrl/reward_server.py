@@ -3,7 +3,9 @@
 Speaks the protocol of :mod:`digenrl.tasks.remote` (the one the client uses): ``POST``
 any path with ``{"images", "prompts", "metadata"}``, answered ``{"scores": [...]}``.
 ``GET`` answers ``{"reward", "requests", "images"}`` (what it serves and has scored),
-which is also how to see that it is up.
+which is also how to see that it is up; for a model reward (``reward.models`` of the
+config given with ``--config``) also ``model_loads``, how many times the server loaded the
+model (once, at start).
 
 Safe by default: it binds 127.0.0.1 unless told otherwise, reads JSON and MessagePack
 (which run no code when parsed) and a pickle only when started with ``--allow-pickle``,
@@ -109,7 +111,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorised():
             return
         s = self.server
-        self._answer(200, {"reward": s.spec.name, "requests": s.requests, "images": s.images})
+        answer = {"reward": s.spec.name, "requests": s.requests, "images": s.images}
+        loads = getattr(s.spec.fn, "loads", None)  # a model reward's
+        if loads is not None:
+            answer["model_loads"] = loads
+        self._answer(200, answer)
 
     def _authorised(self) -> bool:
         token = self.server.token

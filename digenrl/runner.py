@@ -115,6 +115,11 @@ class FlowGRPOWorkload:
                                               cfg.cluster.torch_threads,
                                               max_versions=self.options.max_staleness + 3,
                                               trainable=self.ctx.rollout.trainable))
+        if cfg.reward.models:
+            from digenrl.tasks.reward_models import EVENT_TOPIC, log_load_event
+
+            # Each worker's load of a reward model, in this run's log.
+            client.subscribe_topic(EVENT_TOPIC, log_load_event)
 
     def describe(self) -> list[str]:
         cfg, d = self.config, self.config.derived()

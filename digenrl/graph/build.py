@@ -39,7 +39,8 @@ class GraphContext:
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)
-        rewards = resolve_rewards(config.reward.components, config.reward.remote)
+        rewards = resolve_rewards(config.reward.components, config.reward.remote,
+                                  config.reward.models)
         rspec = rollout.RolloutSpec(
             model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
             sigmas=sigmas, samples_per_prompt=config.data.samples_per_prompt,

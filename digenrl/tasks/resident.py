@@ -26,11 +26,17 @@ from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_pa
 from digenrl.models import Conditioning, build_vae, family
 from digenrl.tasks.types import PolicyWeights
 
-__all__ = ["ResidentModels", "ResidentPlugin", "resident", "PLUGIN_NAME"]
+__all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME"]
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "digenrl-resident"
+
+
+def compute_device() -> torch.device:
+    """Where this process computes: its GPU when it has one (dask-cuda gives each worker
+    one visible device), else the CPU. Task outputs always return to CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class ResidentModels:
@@ -43,9 +49,7 @@ class ResidentModels:
                  trainable: Trainable = Trainable()):
         self.cfg, self.seed, self.max_versions = cfg, seed, max_versions
         self.trainable = trainable
-        #: Where this worker computes: its GPU when it has one (dask-cuda gives each
-        #: worker one visible device), else the CPU. Task outputs always return to CPU.
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = compute_device()
         self._lock = threading.RLock()
         self._versions: OrderedDict[int, torch.nn.Module] = OrderedDict()
         #: With LoRA: the module whose frozen weights every version's module shares.

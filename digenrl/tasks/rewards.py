@@ -6,9 +6,10 @@ one float per image: ``fn(images, prompts)``. A function with a third parameter 
 keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in ones need no
 model weights. ``device="gpu"`` marks a reward that runs a torch module and so needs a GPU
 slot on the worker that runs it. A reward named under ``reward.remote`` is scored by a
-reward server (:mod:`digenrl.tasks.remote`); :func:`resolve_rewards` makes its spec, and
-from there on it is a reward like the others (a ``cpu`` one: it holds no GPU slot while
-it waits).
+reward server (:mod:`digenrl.tasks.remote`), one named under ``reward.models`` by a model
+resident on the worker (:mod:`digenrl.tasks.reward_models`); :func:`resolve_rewards`
+makes their specs, and from there on they are rewards like the others (a remote reward is
+a ``cpu`` one: it holds no GPU slot while it waits; a model reward is a ``gpu`` one).
 
 A reward declares what it scores: ``scores="image"`` (the default) or ``"video"``
 (batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
@@ -121,10 +122,14 @@ def get_reward(name: str) -> RewardSpec:
 
 def resolve_rewards(components: Mapping[str, float],
                     remote: Mapping[str, Any] | None = None,
+                    models: Mapping[str, Any] | None = None,
                     ) -> tuple[tuple[RewardSpec, float], ...]:
-    """Each named reward's spec with its weight, in order: a registered reward's, or for a
+    """Each named reward's spec with its weight, in order: a registered reward's, for a
     name in ``remote`` (``reward.remote``: name -> RemoteRewardConfig) a reward scored by
-    that server.
+    that server, and for a name in ``models`` (``reward.models``: name ->
+    RewardModelConfig) a reward scored by a model resident on the worker. Raises
+    ConfigError for settings found wrong only now (an unset token variable, an aesthetic
+    head that does not fit its CLIP model): call it before any work starts.
 
     The reward task carries these rather than the names: its function travels with the
     task (a module-level function by reference, so the worker imports the module that
@@ -132,12 +137,17 @@ def resolve_rewards(components: Mapping[str, float],
     restarted mid-run -- needs no registration of its own.
     """
     remote = remote or {}
+    models = models or {}
 
     def spec(name: str) -> RewardSpec:
         if name in remote:
             from digenrl.tasks.remote import remote_reward
 
             return remote_reward(name, remote[name])
+        if name in models:
+            from digenrl.tasks.reward_models import model_reward
+
+            return model_reward(name, models[name])
         return get_reward(name)
 
     return tuple((spec(name), float(weight)) for name, weight in components.items())
