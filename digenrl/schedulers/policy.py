@@ -26,8 +26,9 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   more than ``max_staleness`` versions old is rejected when it is added;
 * **background work** (held-out evaluation, ``BACKGROUND_KINDS``) comes last: a GPU
   task of it is released only to a rollout (or co-located) worker with nothing in
-  flight and nothing else it could take, rollout-assisted training included; it is never
-  held, never counted in an iteration's rollout work, and trainers never take it.
+  flight, while no rollout step is ready anywhere and no grad waits that the worker
+  might be lent; it is never held, never counted in an iteration's rollout work, and
+  trainers never take it.
 
 GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
 (one runs, the others wait on the worker and hide the scheduler round trip). Tasks that
@@ -832,6 +833,11 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
+        if self._background.peek() is not None:
+            # Background work waits: every idle worker that may take it is looked at
+            # (what held it back may have gone to another worker).
+            pool = ROLLOUT if self.options.pools else COLOCATED
+            candidates |= {a for a in self._free[pool] if not workers[a].inflight}
         lending = self._rat_on() and self._train.peek() is not None
         if lending:
             # Rollout-assisted training: idle rollout workers may take runnable grads.
@@ -871,10 +877,11 @@ class SchedulingPolicy:
     def _take_background(self, w: WorkerInfo) -> TaskInfo | None:
         """The most urgent background task (evaluation) for ``w``, which has nothing
         else to take: only while nothing is in flight on it (so a background task never
-        queues behind, or holds up, another), and never while a grad waits that ``w``
-        might be lent (rollout-assisted training comes first)."""
-        if w.inflight or (self._rat_on() and w.pool == ROLLOUT
-                          and self._train.peek() is not None):
+        queues behind another, nor a worker runs two), no rollout step is ready anywhere
+        (one waiting for its own worker included), and no grad waits that ``w`` might
+        be lent (rollout-assisted training comes first)."""
+        if (w.inflight or self._all_rollout.peek() is not None
+                or (self._rat_on() and w.pool == ROLLOUT and self._train.peek() is not None)):
             return None
         top = self._background.peek()
         return top.info if top is not None else None
