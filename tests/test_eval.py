@@ -103,3 +103,18 @@ def test_evaluation_without_held_out_prompts_is_refused():
         small_config(**{"eval.every": 2, "data.prompts": ["a cat", "a dog"]})
     assert str(e.value).startswith("eval.every: expected 0 when there are no held-out "
                                    "prompts") and "\n" not in str(e.value)
+
+
+def test_a_resumed_run_stores_each_evaluation_once(cluster_1x1, evaluated, eval_file,
+                                                    tmp_path):
+    from digenrl.runner import Runner
+    from digenrl.store import open_run
+
+    out = str(tmp_path / "resumed.zarr")
+    Runner(eval_config(eval_file, iterations=2), out, cluster=cluster_1x1).run()
+    assert open_run(out)["eval"].version.values.tolist() == [0] * 3 + [2] * 3
+    Runner(eval_config(eval_file), out, resume=True, cluster=cluster_1x1).run()
+    e, ref = open_run(out)["eval"], evaluated.ds["eval"]
+    # The same rows, bit for bit, as the run that was never stopped.
+    for name in ("version", "prompt_index", "prompt", "reward", "image"):
+        assert np.array_equal(e[name].values, ref[name].values), name
