@@ -269,7 +269,7 @@ class DataConfig:
     prompt_file: str | None = None
     """A prompt file, used instead of prompts and prompt_set: .txt (one prompt per line) or .jsonl (one {"prompt": ..., other keys} object per line; the other keys reach rewards as metadata). Each epoch visits every line once in a seeded order."""
     eval_prompt_file: str | None = None
-    """Held-out prompts, in the same formats as prompt_file (checked at start)."""
+    """Held-out prompts for evaluation (the eval section), in the same formats as prompt_file, metadata included (checked at start). Without it, a run training on a built-in prompt_set evaluates on that set's held-out prompts."""
     same_noise_in_group: bool = False
     """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
@@ -635,7 +635,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out evaluation: the policy samples every held-out prompt once, from the same noise each time, with the ODE sampler (no noise), and the configured rewards score the images. Held-out prompts come from data.eval_prompt_file or, for a built-in data.prompt_set, from that set's held-out prompts."""
+    """Held-out evaluation: the policy samples every held-out prompt once, from the same noise each time, with the ODE sampler (no noise), and the configured rewards score the images (the eval group of the store; digenrl report plots the curve and a grid per version). Held-out prompts come from data.eval_prompt_file or, when the run trains on a built-in data.prompt_set, from that set's eight held-out animals (penguin, giraffe, panda, koala, parrot, crab, peacock, swan: none of the training prompts), worded as the set words its prompts. With your own prompts and no eval_prompt_file, evaluation is refused."""
 
     every: int = 0
     """Evaluate policy version v, published by iteration v - 1, when v is a multiple of every; 0 turns evaluation off. The evaluations run in GPU slots nothing else can use."""
