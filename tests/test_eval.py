@@ -27,10 +27,11 @@ def eval_file(tmp_path_factory):
 
 
 def eval_config(eval_file, **kw):
-    # The reference run's work, evaluated before the first iteration and every 2.
+    # The reference run's work, evaluated before the first iteration and every 2, with
+    # fewer ODE steps than the sampler's 4.
     return small_config(**{"iterations": REFERENCE_ITERATIONS, "eval.every": 2,
-                           "eval.before_first": True, "data.eval_prompt_file": eval_file,
-                           **kw})
+                           "eval.before_first": True, "eval.num_steps": 3,
+                           "data.eval_prompt_file": eval_file, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +119,16 @@ def test_a_resumed_run_stores_each_evaluation_once(cluster_1x1, evaluated, eval_
     # The same rows, bit for bit, as the run that was never stopped.
     for name in ("version", "prompt_index", "prompt", "reward", "image"):
         assert np.array_equal(e[name].values, ref[name].values), name
+
+
+def test_a_video_is_kept_as_a_strip_of_frames():
+    from digenrl.runner import frame_strip
+
+    videos = np.arange(2 * 9 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 9, 4, 5, 3)
+    strip = frame_strip(videos)
+    assert strip.shape == (2, 4, 4 * 5, 3)
+    # The first, the last and two evenly spaced frames between, side by side.
+    for k, f in enumerate([0, 3, 5, 8]):
+        np.testing.assert_array_equal(strip[:, :, 5 * k:5 * (k + 1)], videos[:, f])
+    images = videos[:, 0]
+    assert frame_strip(images) is images
