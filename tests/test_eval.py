@@ -13,6 +13,7 @@ from digenrl.report import write_report
 from digenrl.vocabulary import GRAD, ROLLOUT, ROLLOUT_KINDS
 
 from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config
+from invariants import assert_schedule_invariants
 
 #: Held-out prompts (one with metadata): fewer than a chunk's worth in the last chunk.
 HELD_OUT = [{"prompt": "a red square", "colour": "red"}, {"prompt": "a blue circle"},
@@ -69,8 +70,10 @@ def test_evaluation_leaves_training_as_it_is(evaluated, reference_run):
     assert ref["eval"].sizes.get("entry", 0) == 0
 
 
-def test_evaluation_ran_only_in_slots_nothing_else_wanted(evaluated):
+def test_evaluation_ran_only_in_slots_nothing_else_wanted(evaluated, eval_file):
     t = evaluated.ds["tasks"].to_dataframe()
+    # The schedule keeps every rule of the mode, evaluation or not.
+    assert_schedule_invariants(t, eval_config(eval_file).schedule.options())
     evals = t[t.kind == "eval"]
     assert len(evals) == 3 * 2 and evals.gpu.all()  # 2 chunks per evaluation
     assert (evals.pool == ROLLOUT).all()
