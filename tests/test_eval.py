@@ -102,11 +102,20 @@ def test_report_writes_the_curve_and_a_grid_per_version(evaluated, tmp_path):
     assert len({g.size for g in grids}) == 1 and grids[0].size[0] > grids[0].size[1] > 100
 
 
-def test_evaluation_without_held_out_prompts_is_refused():
+def test_evaluation_without_held_out_prompts_is_refused(tmp_path, capsys):
+    from digenrl.cli import main
+
     with pytest.raises(ConfigError) as e:
         small_config(**{"eval.every": 2, "data.prompts": ["a cat", "a dog"]})
     assert str(e.value).startswith("eval.every: expected 0 when there are no held-out "
                                    "prompts") and "\n" not in str(e.value)
+    # The command line says so in one line, before any work (no scheduler listens).
+    out = tmp_path / "run.zarr"
+    code = main(["run", "--out", str(out), "--scheduler", "tcp://127.0.0.1:1",
+                 "--set", "data.prompts=[a cat, a dog]", "--set", "eval.every=2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and "eval.every: expected 0" in err[0]
+    assert not out.exists()
 
 
 def test_a_resumed_run_stores_each_evaluation_once(cluster_1x1, evaluated, eval_file,
