@@ -35,6 +35,7 @@ __all__ = [
     "ScheduleOptions",
     "ClusterConfig",
     "StoreConfig",
+    "EvalConfig",
     "RunConfig",
     "MODES",
     "load_config",
@@ -272,7 +273,7 @@ class DataConfig:
     prompt_file: str | None = None
     """A prompt file, used instead of prompts and prompt_set: .txt (one prompt per line) or .jsonl (one {"prompt": ..., other keys} object per line; the other keys reach rewards as metadata). Each epoch visits every line once in a seeded order."""
     eval_prompt_file: str | None = None
-    """Held-out prompts, in the same formats as prompt_file (checked at start)."""
+    """Held-out prompts for evaluation (the eval section), in the same formats as prompt_file, metadata included (checked at start). Without it, a run training on a built-in prompt_set evaluates on that set's held-out prompts."""
     same_noise_in_group: bool = False
     """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
@@ -720,6 +721,59 @@ class StoreConfig:
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
 
 
+# ---------------------------------------------------------------------------- eval
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation: the policy samples every held-out prompt once, from the same noise each time, with the ODE sampler (no noise), and the configured rewards score the images (the eval group of the store; digenrl report plots the curve and a grid per version). Held-out prompts come from data.eval_prompt_file or, when the run trains on a built-in data.prompt_set, from that set's eight held-out animals (penguin, giraffe, panda, koala, parrot, crab, peacock, swan: none of the training prompts), worded as the set words its prompts. With your own prompts and no eval_prompt_file, evaluation is refused."""
+
+    every: int = 0
+    """Evaluate policy version v, published by iteration v - 1, when v is a multiple of every; 0 turns evaluation off. The evaluations run in GPU slots nothing else can use."""
+    before_first: bool = False
+    """Also evaluate version 0 (the initial policy) before the first iteration trains."""
+    num_steps: int | None = None
+    """ODE steps of an evaluation sample; null: sampler.num_steps."""
+    guidance_scale: float | None = None
+    """Classifier-free guidance of an evaluation sample; null: sampler.guidance_scale."""
+    grid: int = 8
+    """How many held-out prompts digenrl report shows per evaluated version (the first ones)."""
+
+    def validate(self, p: str = "eval") -> None:
+        _require(_is_int(self.every) and self.every >= 0, f"{p}.every",
+                 "an integer >= 0 (0: no evaluation)", self.every)
+        _require(isinstance(self.before_first, bool), f"{p}.before_first", "true or false",
+                 self.before_first)
+        _require(not self.before_first or self.every > 0, f"{p}.before_first",
+                 f"false while {p}.every is 0 (evaluation off)", self.before_first)
+        if self.num_steps is not None:
+            _require(_is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
+                     f"{p}.num_steps", f"null or an integer from 2 to {MAX_STEPS}",
+                     self.num_steps)
+        if self.guidance_scale is not None:
+            _finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
+        _positive_int(self.grid, f"{p}.grid")
+
+    @property
+    def on(self) -> bool:
+        return self.every > 0
+
+    def evaluates(self, version: int) -> bool:
+        """Whether policy version ``version`` is evaluated."""
+        if not self.on:
+            return False
+        return version % self.every == 0 and (version > 0 or self.before_first)
+
+    def sampler(self, sampler: SamplerConfig) -> SamplerConfig:
+        """The sampler of an evaluation sample: the run's, with evaluation's own step
+        count and guidance."""
+        return dataclasses.replace(
+            sampler,
+            num_steps=sampler.num_steps if self.num_steps is None else self.num_steps,
+            guidance_scale=(sampler.guidance_scale if self.guidance_scale is None
+                            else self.guidance_scale))
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -738,6 +792,7 @@ class RunConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -747,8 +802,15 @@ class RunConfig:
                  self.seed)
         _positive_int(self.iterations, "iterations")
         for name in ("model", "sampler", "data", "rollout", "reward", "train",
-                     "schedule", "cluster", "store"):
+                     "schedule", "cluster", "store", "eval"):
             getattr(self, name).validate(name)
+        if self.eval.on:
+            from digenrl.prompts import has_held_out_prompts
+
+            _require(has_held_out_prompts(self.data), "eval.every",
+                     "0 when there are no held-out prompts (set data.eval_prompt_file: the "
+                     "built-in held-out prompts go with a built-in data.prompt_set only)",
+                     self.eval.every)
         spp = self.data.samples_per_prompt
         chunk = self.rollout.chunk_size
         _require(spp % chunk == 0 or chunk % spp == 0, "rollout.chunk_size",
@@ -779,7 +841,12 @@ class RunConfig:
         else:
             named = [(f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p)
                      for i, p in enumerate(PROMPT_SETS[d.prompt_set])]
-        if self.sampler.guidance_scale > 1.0:
+        if self.eval.on:
+            from digenrl.prompts import held_out_prompts
+
+            named += [(f"held-out prompt {i}", p)
+                      for i, p in enumerate(held_out_prompts(d).prompts)]
+        if max(self.sampler.guidance_scale, self.eval.sampler(self.sampler).guidance_scale) > 1.0:
             named.append(("model.negative_prompt", self.model.negative_prompt))
         family(self.model).check_prompts(named)
 
@@ -818,6 +885,7 @@ _SECTIONS: dict[str, type] = {
     "schedule": ScheduleConfig,
     "cluster": ClusterConfig,
     "store": StoreConfig,
+    "eval": EvalConfig,
 }
 
 

@@ -29,8 +29,9 @@ from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint_key,
-                                     init_nodes, publish_key, reduce_root_key, restore_key,
-                                     restore_nodes, rollout_nodes, tail_nodes, train_nodes)
+                                     eval_iteration, init_nodes, publish_key,
+                                     reduce_root_key, restore_key, restore_nodes,
+                                     rollout_nodes, tail_nodes, train_nodes)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
@@ -64,6 +65,8 @@ class IterationSummary:
     loss: float
     images_per_s: float
     metrics: dict[str, float]
+    #: (policy version, mean reward, prompts scored) of each evaluation stored with it
+    evaluations: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +100,10 @@ class Workload(Protocol):
     def rows(self, iteration: int, plan: IterationPlan,
              values: dict[Key, Any]) -> tuple[dict[str, dict], dict[str, float]]: ...
     def finish(self, client, store: RunStore, final_weights: Future) -> Any: ...
+
+    # Optional: ``eval_nodes(version) -> list[Node]``, the held-out evaluation of a
+    # policy version (empty when it is not evaluated); its tasks' results reach
+    # :meth:`rows` of the iteration :func:`eval_iteration` names.
 
 
 def check_store(workload: Workload, out: str, *, overwrite: bool = False,
@@ -317,6 +324,9 @@ class Driver:
             logger.info("iteration %d/%d  reward %.4f +- %.4f  loss %+.3e  %.2f images/s",
                         i + 1, w.iterations, summary.reward_mean, summary.reward_std,
                         summary.loss, summary.images_per_s)
+            for version, mean, count in summary.evaluations:
+                logger.info("evaluation of policy version %d  reward %.4f  (%d held-out "
+                            "prompts)", version, mean, count)
         result.final = w.finish(client, store, pipeline.published[w.iterations])
         store.update_attrs(finished=w.iterations)
         return result
@@ -342,6 +352,7 @@ class Driver:
         seconds = t1 - t0
         plan = self.plan(i)
         groups, metrics = w.rows(i, plan, values)
+        evaluations = _evaluations(groups.get("eval"))
         metrics.update({
             "chunk_size": plan.num_samples / len(plan.chunks),
             "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
@@ -364,7 +375,21 @@ class Driver:
         return IterationSummary(i, metrics.get("reward_mean", float("nan")),
                                 metrics.get("reward_std", float("nan")),
                                 metrics.get("loss", float("nan")), metrics["images_per_s"],
-                                metrics)
+                                metrics, evaluations)
+
+
+def _evaluations(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
+    """Each evaluation in an iteration's ``eval`` rows: its version, the mean of its
+    valid rewards, and the prompts it scored."""
+    if not rows or not len(rows["version"]):
+        return []
+    out = []
+    for v in np.unique(rows["version"]):
+        mine = rows["version"] == v
+        good = rows["reward"][mine & rows["valid"]]
+        out.append((int(v), float(good.mean()) if len(good) else float("nan"),
+                    int(mine.sum())))
+    return out
 
 
     def _weight_receipts(self) -> dict[str, float]:
@@ -394,6 +419,12 @@ class Pipeline:
     A piece passes the futures of what the driver collects to :meth:`take` and holds
     those a later piece of its iteration reads until that piece is in; published
     weights are held until :meth:`release`.
+
+    The held-out evaluation of a version (when the workload evaluates it) goes in as
+    soon as the version's publish task is, and is collected with the iteration that
+    published it (:func:`eval_iteration`). Nothing of training reads it: while only an
+    iteration's evaluation is left, the next pieces are submitted as if it were
+    collected.
     """
 
     def __init__(self, workload: Workload, client,
@@ -416,6 +447,9 @@ class Pipeline:
         self.rollouts: set[int] = set()
         self.trains: set[int] = set()
         self.tails: set[int] = set()
+        #: iteration -> the futures of the evaluations it is collected with
+        self._evals: dict[int, dict[Key, Future]] = {}
+        self.evaluated: set[int] = set()   # versions whose evaluation is in
 
     def begin(self, start: int) -> None:
         """Version 0 for a new run; for one resumed at ``start``, the weights of the
@@ -449,6 +483,27 @@ class Pipeline:
                 progress |= self._rollout(plan)
                 progress |= self._train(plan)
                 progress |= self._tail(plan)
+            progress |= self._evaluate()
+
+    def _evaluate(self) -> bool:
+        """Submit the evaluation of every published version the workload evaluates that
+        this run has to collect (a resumed run's earlier ones are stored)."""
+        nodes_of = getattr(self.w, "eval_nodes", None)
+        if nodes_of is None:
+            return False
+        progress = False
+        for v in sorted(set(self.published) - self.evaluated):
+            self.evaluated.add(v)
+            if eval_iteration(v) < self.start or v > self.w.iterations:
+                continue
+            nodes = nodes_of(v)
+            if not nodes:
+                continue
+            keys = [n.key for n in nodes]
+            futs = self._submit(nodes, keys, f"eval-{v}")
+            self._evals.setdefault(eval_iteration(v), {}).update(futs)
+            progress = True
+        return progress
 
     def _rollout(self, plan: IterationPlan) -> bool:
         j, layout = plan.iteration, self.w.layout
@@ -513,14 +568,19 @@ class Pipeline:
             self._note_checkpoints()
             self.submit_ready(i)
             futs = self._outputs.get(i, {})
-            complete = (i in self.tails and (i + 1) in self.checkpointed
-                        and all(f.done() for f in futs.values()))
-            errors = [f for f in futs.values() if f.status == "error"]
+            evals = self._evals.get(i, {})
+            trained = (i in self.tails and (i + 1) in self.checkpointed
+                       and all(f.done() for f in futs.values()))
+            errors = [f for f in [*futs.values(), *evals.values()] if f.status == "error"]
             if errors:
                 errors[0].result()  # raises the task's exception
-            if complete:
+            if trained and all(f.done() for f in evals.values()):
                 return
-            waiting = [f for f in futs.values() if not f.done()] + list(self.checkpoints.values())
+            if trained:
+                # Only the evaluation is left: training goes on without it.
+                self.submit_ready(i + 1)
+            waiting = ([f for f in [*futs.values(), *evals.values()] if not f.done()]
+                       + list(self.checkpoints.values()))
             assert waiting, (f"iteration {i}: nothing left to wait for (rollouts "
                              f"{sorted(self.rollouts)}, trains {sorted(self.trains)}, tails "
                              f"{sorted(self.tails)})")
@@ -538,8 +598,11 @@ class Pipeline:
     # ------------------------------------------------------------------ committing
 
     def take(self, i: int) -> dict[Key, Future]:
-        """The futures of complete iteration ``i``'s collected outputs, handed over."""
-        return self._outputs.pop(i)
+        """The futures of complete iteration ``i``'s collected outputs (its evaluations'
+        among them), handed over."""
+        out = self._outputs.pop(i)
+        out.update(self._evals.pop(i, {}))
+        return out
 
     def release(self, i: int) -> None:
         """Iteration ``i`` is committed: drop the weights of the versions no longer

@@ -1,5 +1,6 @@
 """PNG plots of a run: per-worker timelines by task kind, reward curve, pool utilisation,
-staleness histogram. Matplotlib with the non-interactive Agg backend."""
+staleness histogram, the held-out evaluation curve and sample grids. Matplotlib with the
+non-interactive Agg backend."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from digenrl.schedulers.palette import KIND_COLOURS  # noqa: E402
 #: on trainers (TAG) and grads on rollout workers (RAT).
 LENT_HATCHES = {"tag": "//", "rat": "xx"}
 
-__all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png"]
+__all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png",
+           "eval_png", "eval_grid_png", "CAPTION_CHARS"]
 
 
 def timeline_png(tasks, path: str | Path, *, title: str = "",
@@ -106,6 +108,66 @@ def staleness_png(samples, path: str | Path) -> Path:
     ax.set_xlabel("staleness (trained version - behaviour version)")
     ax.set_ylabel("trained samples")
     ax.set_title("staleness of trained samples")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def eval_png(evaluation, metrics, path: str | Path) -> Path:
+    """The held-out evaluation: each prompt's reward and the mean per evaluated policy
+    version, with each iteration's training reward (its SDE samples, mostly of the
+    policy version of the same number) for comparison."""
+    version = evaluation["version"].values
+    reward = evaluation["reward"].values
+    valid = evaluation["valid"].values
+    versions = np.unique(version)
+    means = [np.mean(reward[(version == v) & valid]) if ((version == v) & valid).any()
+             else np.nan for v in versions]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.scatter(version[valid], reward[valid], s=6, alpha=0.35, color="#ff7f0e",
+               label="held-out prompts")
+    ax.plot(versions, means, marker="o", color="#d62728", label="evaluation mean (ODE)")
+    if "reward_mean" in metrics and metrics.sizes.get("iteration", 0):
+        ax.plot(np.arange(metrics.sizes["iteration"]), metrics["reward_mean"].values,
+                color="#1f77b4", alpha=0.8, label="training mean (iteration = version)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("reward")
+    ax.set_title("held-out evaluation")
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+#: The characters of a prompt a grid caption shows.
+CAPTION_CHARS = 28
+
+
+def _caption(prompt: str, reward: float, valid: bool) -> str:
+    text = prompt if len(prompt) <= CAPTION_CHARS else prompt[:CAPTION_CHARS - 1] + "\u2026"
+    return f"{text}\n{reward:.4f}" if valid else f"{text}\n(no reward)"
+
+
+def eval_grid_png(evaluation, version: int, count: int, path: str | Path) -> Path:
+    """The first ``count`` held-out prompts' samples of one evaluated ``version``, each
+    captioned with its prompt (truncated) and reward; a video's sample is the strip of
+    frames the store keeps."""
+    mine = np.flatnonzero(evaluation["version"].values == version)
+    mine = mine[np.argsort(evaluation["prompt_index"].values[mine], kind="stable")][:count]
+    images = evaluation["image"].values[mine]
+    prompts = evaluation["prompt"].values[mine]
+    rewards = evaluation["reward"].values[mine]
+    valid = evaluation["valid"].values[mine]
+    cols = min(len(mine), 4)
+    rows = -(-len(mine) // cols)
+    aspect = images.shape[2] / images.shape[1]   # a frame strip is wide
+    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * aspect * cols, 2.9 * rows),
+                             squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, image, prompt, reward, ok in zip(axes.ravel(), images, prompts, rewards, valid):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(_caption(str(prompt), float(reward), bool(ok)), fontsize=8)
+    fig.suptitle(f"policy version {version}: held-out samples (ODE)", fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -22,7 +22,8 @@ import numpy as np
 from digenrl.config import ConfigError, DataConfig
 from digenrl.seeding import stable_seed
 
-__all__ = ["PROMPT_SETS", "PROMPT_FILE_SUFFIXES", "PromptFile", "PromptSource",
+__all__ = ["PROMPT_SETS", "HELD_OUT_SETS", "PROMPT_FILE_SUFFIXES", "HeldOut",
+           "has_held_out_prompts", "held_out_prompts", "PromptFile", "PromptSource",
            "load_prompt_file", "prompt_source", "prompt_pool", "draw_prompts",
            "epoch_order", "epoch_indices"]
 
@@ -38,6 +39,17 @@ _SIMPLE_ANIMALS = (
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "simple_animals": _SIMPLE_ANIMALS,
     "animal_photos": tuple(f"a photo of a {a}" for a in _SIMPLE_ANIMALS),
+}
+
+# Held out: animals none of the sets above name, so an evaluation measures how the
+# training carries over to prompts the policy never trained on.
+_HELD_OUT_ANIMALS = ("penguin", "giraffe", "panda", "koala", "parrot", "crab", "peacock",
+                     "swan")
+
+#: Each built-in prompt set's held-out prompts, worded as the set words its own.
+HELD_OUT_SETS: dict[str, tuple[str, ...]] = {
+    "simple_animals": _HELD_OUT_ANIMALS,
+    "animal_photos": tuple(f"a photo of a {a}" for a in _HELD_OUT_ANIMALS),
 }
 
 #: The prompt file formats: one prompt per line, or one JSON object per line.
@@ -200,3 +212,34 @@ def prompt_source(data: DataConfig) -> PromptSource:
     if data.prompt_file is not None:
         return PromptSource(file=load_prompt_file(data.prompt_file, "data.prompt_file"))
     return PromptSource(pool=prompt_pool(data.prompt_set, data.prompts))
+
+
+# ----------------------------------------------------------------- held-out prompts
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out prompts of an evaluation and each one's metadata as JSON text
+    (empty when it has none)."""
+
+    prompts: tuple[str, ...]
+    metadata: tuple[str, ...]
+
+
+def has_held_out_prompts(data: DataConfig) -> bool:
+    """Whether ``data`` has held-out prompts: a ``data.eval_prompt_file``, or training
+    prompts from a built-in set (whose held-out prompts are :data:`HELD_OUT_SETS`)."""
+    return data.eval_prompt_file is not None or (data.prompt_file is None
+                                                 and not data.prompts)
+
+
+def held_out_prompts(data: DataConfig) -> HeldOut:
+    """The held-out prompts ``data`` configures (see :func:`has_held_out_prompts`)."""
+    if data.eval_prompt_file is not None:
+        f = load_prompt_file(data.eval_prompt_file, "data.eval_prompt_file")
+        return HeldOut(f.prompts, tuple(json.dumps(m) if m else "" for m in f.metadata))
+    if not has_held_out_prompts(data):
+        raise ConfigError("eval.every: expected held-out prompts (data.eval_prompt_file), "
+                          "got none")
+    prompts = HELD_OUT_SETS[data.prompt_set]
+    return HeldOut(prompts, ("",) * len(prompts))

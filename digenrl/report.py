@@ -3,7 +3,9 @@
 Writes ``reward.png`` (every sample's reward and the mean per iteration),
 ``timeline.png`` (one row per worker, a bar per task coloured by kind, hatched where a
 trainer generated (TAG) and, cross-hatched, where a rollout worker trained (RAT)), ``utilisation.png`` (busy fraction of each pool over time) and
-``staleness.png`` (how many versions old the trained samples were), plus
+``staleness.png`` (how many versions old the trained samples were), for a run with
+held-out evaluation ``eval.png`` (the evaluation curve) and ``eval-v{N}.png`` per
+evaluated policy version (its first ``eval.grid`` held-out samples, captioned), plus
 ``summary.txt`` -- the summary is also returned for printing. A running store shows its
 complete iterations.
 """
@@ -64,6 +66,12 @@ def summarise(ds) -> str:
                      f"task {o['denoise_dask_ms']:.1f} ms (median "
                      f"{o['denoise_dask_median_ms']:.1f}) against a mean denoise task of "
                      f"{o['denoise_ms']:.1f} ms")
+    e = ds["eval"]
+    if e.sizes.get("entry", 0):
+        evals = [f"v{v} {np.nanmean(e.reward.values[e.version.values == v]):.4f}"
+                 for v in np.unique(e.version.values)]
+        lines.append("held-out evaluation (mean reward per policy version): "
+                     + ", ".join(evals))
     kinds = tasks.groupby("kind").size().to_dict() if len(tasks) else {}
     lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     return "\n".join(lines)
@@ -85,6 +93,13 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
         written.append(plots.utilisation_png(tasks, store_pools(attrs), out / "utilisation.png"))
     if "trained_version" in ds["samples"] and ds["samples"].sizes.get("iteration", 0):
         written.append(plots.staleness_png(ds["samples"], out / "staleness.png"))
+    evaluation = ds["eval"]
+    if evaluation.sizes.get("entry", 0):
+        written.append(plots.eval_png(evaluation, ds["metrics"], out / "eval.png"))
+        grid = int((attrs.get("config") or {}).get("eval", {}).get("grid", 8))
+        for v in np.unique(evaluation["version"].values):
+            written.append(plots.eval_grid_png(evaluation, int(v), grid,
+                                               out / f"eval-v{int(v)}.png"))
     text = summarise(ds)
     (out / "summary.txt").write_text(text + "\n")
     written.append(out / "summary.txt")

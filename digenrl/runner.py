@@ -3,7 +3,7 @@
 :class:`FlowGRPOWorkload` binds the iteration DAG to the real task functions (a
 diffusers model on every worker) and turns each iteration's decoded images, rewards,
 advantages and statistics into the ``samples``, ``steps`` and ``metrics`` rows of the
-store. :class:`Runner` runs it with the generic :class:`~digenrl.driver.Driver`.
+store, and the held-out evaluations stored with the iteration into ``eval`` rows. :class:`Runner` runs it with the generic :class:`~digenrl.driver.Driver`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from digenrl.store import RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import PolicyWeights
+from digenrl.vocabulary import EVAL, EVAL_REWARD
 
 __all__ = ["FlowGRPOWorkload", "Runner", "RunResult", "IterationSummary", "library_versions"]
 
@@ -38,7 +39,7 @@ Key = Hashable
 class FlowGRPOWorkload:
     """Flow-GRPO post-training of the configured model."""
 
-    collected = ("decode", "reward", "advantage", "stats")
+    collected = ("decode", "reward", "advantage", "stats", EVAL, EVAL_REWARD)
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -59,6 +60,10 @@ class FlowGRPOWorkload:
                                               iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
                                      chunk_size or self.config.rollout.chunk_size, metadata)
+
+    def eval_nodes(self, version: int):
+        """The held-out evaluation of policy ``version`` (none when not evaluated)."""
+        return self.ctx.eval_nodes(version)
 
     def bind(self, nodes, outputs) -> IterationGraph:
         return bind(nodes, self._binding, outputs)
@@ -213,7 +218,51 @@ class FlowGRPOWorkload:
         }
         for p in (p for r in rewards for p in r.problems):
             logger.warning("iteration %d: %s", i, p)
-        return {"samples": samples, "steps": steps}, metrics
+        groups = {"samples": samples, "steps": steps}
+        evaluated = self._eval_rows(i, values)
+        if self.config.eval.on:
+            # NaN for an iteration stored without an evaluation
+            metrics["eval_reward_mean"] = metrics["eval_version"] = float("nan")
+        if evaluated is not None:
+            groups["eval"] = evaluated
+            newest = evaluated["version"] == evaluated["version"].max()
+            good = evaluated["reward"][newest & evaluated["valid"]]
+            metrics["eval_reward_mean"] = float(good.mean()) if len(good) else float("nan")
+            metrics["eval_version"] = float(evaluated["version"].max())
+        return groups, metrics
+
+    def _eval_rows(self, i: int, values: dict[Key, Any]) -> dict[str, np.ndarray] | None:
+        """The ``eval`` rows of the evaluations stored with iteration ``i``: one per
+        evaluated version and held-out prompt, by version then prompt."""
+        keys = sorted((k for k in values if k[0] == EVAL), key=lambda k: (k[1], k[2]))
+        if not keys:
+            return None
+        held_out = self.ctx.held_out
+        version, index, reward, valid, images = [], [], [], [], []
+        components: dict[str, list] = {name: [] for name in self.config.reward.components}
+        for key in keys:
+            decoded, scored = values[key], values[(EVAL_REWARD,) + key[1:]]
+            version += [key[1]] * len(decoded.sample_ids)
+            index += list(decoded.sample_ids)
+            reward.append(scored.rewards)
+            valid.append(scored.valid)
+            for name in components:
+                components[name].append(scored.components.get(
+                    name, np.full(len(decoded.sample_ids), np.nan)))
+            images.append(frame_strip(decoded.images))
+            for p in scored.problems:
+                logger.warning("evaluation of policy version %d: %s", key[1], p)
+        rows = {
+            "version": np.asarray(version, np.int32),
+            "prompt_index": np.asarray(index, np.int32),
+            "prompt": np.array([held_out.prompts[j] for j in index]),
+            "reward": np.concatenate(reward).astype(np.float64),
+            "valid": np.concatenate(valid).astype(bool),
+        }
+        for name, parts in components.items():
+            rows[f"reward_{name}"] = np.concatenate(parts).astype(np.float64)
+        rows["image"] = np.concatenate(images).astype(np.uint8)
+        return rows
 
     def finish(self, client, store: RunStore, final_weights) -> PolicyWeights:
         weights = final_weights.result()
@@ -226,6 +275,21 @@ class FlowGRPOWorkload:
         grp.attrs["policy_version"] = weights.version
         store.commit()
         return weights
+
+
+#: The frames of an evaluated video the store keeps, side by side.
+STRIP_FRAMES = 4
+
+
+def frame_strip(images: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
+    """Images as they are; videos ``(n, F, H, W, 3)`` as a strip of ``frames`` evenly
+    spaced frames side by side, ``(n, H, frames x W, 3)`` (first and last included):
+    what an evaluation keeps of a video."""
+    if images.ndim == 4:
+        return images
+    picks = np.unique(np.linspace(0, images.shape[1] - 1, min(frames, images.shape[1]))
+                      .round().astype(int))
+    return np.concatenate([images[:, f] for f in picks], axis=2)
 
 
 class Runner:

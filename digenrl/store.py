@@ -1,7 +1,8 @@
 """The output store: one Zarr (v3) store per run, readable with ``xarray.open_zarr``.
 
 Groups (README.md, "Output store"): ``samples`` (iteration, sample), ``steps`` (iteration,
-sample, step), ``metrics`` (iteration) and ``tasks`` (task). The run appends one iteration
+sample, step), ``metrics`` (iteration), ``tasks`` (task) and ``eval`` (entry: one per
+evaluated policy version and held-out prompt). The run appends one iteration
 at a time. Each append first writes the new rows (beyond the arrays' committed shapes)
 and then commits by rewriting the consolidated metadata at the root -- a single atomic
 file replacement. Readers that use the consolidated metadata (xarray and zarr do by
@@ -26,7 +27,7 @@ import zarr
 __all__ = ["RunStore", "open_run", "read_attrs", "committed_iterations", "GROUPS",
            "StoreError"]
 
-GROUPS = ("samples", "steps", "metrics", "tasks")
+GROUPS = ("samples", "steps", "metrics", "tasks", "eval")
 FORMAT_VERSION = 1
 
 _DIMS = {
@@ -34,14 +35,18 @@ _DIMS = {
     "steps": ("iteration", "sample", "step"),
     "metrics": ("iteration",),
     "tasks": ("task",),
+    "eval": ("entry",),
 }
+#: The groups whose rows are not iterations: each iteration appends any number of rows,
+#: chunked this many at a time.
+_ROW_CHUNKS = {"tasks": 4096, "eval": 16}
 # Extra trailing dimensions of some variables.
 _EXTRA_DIMS = {
     ("samples", "image"): ("y", "x", "rgb"),
     ("samples", "video"): ("frame", "y", "x", "rgb"),
     ("steps", "latent"): ("channel", "latent_y", "latent_x"),
+    ("eval", "image"): ("y", "x", "rgb"),
 }
-_TASK_CHUNK = 4096
 
 
 class StoreError(ValueError):
@@ -90,13 +95,15 @@ class RunStore:
         committed = _open_committed(p)
         shapes = {}
         for g in GROUPS:
+            if g not in committed:
+                continue  # a group new to this version (created below)
             grp = committed[g]
             for name, arr in grp.arrays():
                 shapes[(g, name)] = arr.shape
         root = zarr.open_group(str(p), mode="r+", zarr_format=3, use_consolidated=False)
         store = cls(p, root)
         for g in GROUPS:
-            grp = root[g]
+            grp = root.require_group(g)
             for name, arr in list(grp.arrays()):
                 shape = shapes.get((g, name))
                 if shape is None:
@@ -142,7 +149,8 @@ class RunStore:
 
     def _append(self, group: str, name: str, values: np.ndarray, rows: int = 0) -> None:
         """Append ``values`` to ``group.name``; ``rows``: the rows a column new to the
-        group starts with (the ``tasks`` group's length before this commit, else 0)."""
+        group starts with (a ``tasks`` or ``eval`` group's length before this commit,
+        else 0)."""
         grp = self.root[group]
         dims = _DIMS[group]
         extra = _EXTRA_DIMS.get((group, name), ())
@@ -152,18 +160,20 @@ class RunStore:
             dtype: Any = str
         else:
             dtype = values.dtype
-        lead = 1 if group != "tasks" else len(values)
-        if group != "tasks":
+        by_rows = group in _ROW_CHUNKS
+        lead = len(values) if by_rows else 1
+        if not by_rows:
             values = values[None]
         ndim_expected = len(dims) + len(extra)
         if values.ndim != ndim_expected:
             raise StoreError(f"{group}.{name}: expected {ndim_expected} dimensions "
                              f"{dims + extra}, got shape {values.shape}")
         if name not in grp:
-            chunks = (1 if group != "tasks" else _TASK_CHUNK,) + tuple(max(1, s) for s in values.shape[1:])
+            chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in values.shape[1:])
             fill = np.nan if values.dtype.kind == "f" else None
-            # A task column new to this version, appended to an older run's store: its
-            # earlier rows hold the fill value (NaN), so every column keeps one length.
+            # A column new to this version, appended to an older run's store (or an
+            # evaluation's column first written after some were stored): its earlier
+            # rows hold the fill value (NaN), so every column keeps one length.
             grp.create_array(name, shape=(rows,) + values.shape[1:],
                              chunks=chunks, dtype=dtype, dimension_names=dims + extra,
                              fill_value=fill)
@@ -188,7 +198,8 @@ class RunStore:
         for group, variables in groups.items():
             if group not in _DIMS:
                 raise StoreError(f"group: expected one of {list(_DIMS)}, got {group!r}")
-            rows = _length(self.root[group], "task") if group == "tasks" else 0
+            rows = (_length(self.root[group], _DIMS[group][0]) if group in _ROW_CHUNKS
+                    else 0)
             for name, values in variables.items():
                 self._append(group, name, values, rows)
         self.commit()
@@ -238,8 +249,9 @@ def read_attrs(path: str | Path) -> dict[str, Any]:
     return dict(_open_committed(path).attrs["digenrl"])
 
 
-def _committed_lengths(root: zarr.Group) -> tuple[int, int]:
-    return _length(root["metrics"], "iteration"), _length(root["tasks"], "task")
+def _committed_lengths(root: zarr.Group) -> tuple[int, int, int]:
+    evals = _length(root["eval"], "entry") if "eval" in root else 0
+    return _length(root["metrics"], "iteration"), _length(root["tasks"], "task"), evals
 
 
 def committed_iterations(path: str | Path) -> int:
@@ -256,7 +268,10 @@ def open_run(path: str | Path, *, attempts: int = 20) -> dict[str, xr.Dataset]:
     p = str(path)
     before = _committed_lengths(_open_committed(p))
     for _ in range(attempts):
-        out = {g: xr.open_zarr(p, group=g, chunks=None) for g in GROUPS}
+        root = _open_committed(p)
+        # (A store written before a group existed has none: an empty Dataset stands in.)
+        out = {g: xr.open_zarr(p, group=g, chunks=None) if g in root else xr.Dataset()
+               for g in GROUPS}
         root = _open_committed(p)
         after = _committed_lengths(root)
         if after == before:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 __all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
            "INIT", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD", "REDUCE",
-           "OPTIMIZE", "PUBLISH", "STATS", "CHECKPOINT", "RESTORE",
+           "OPTIMIZE", "PUBLISH", "STATS", "CHECKPOINT", "RESTORE", "EVAL", "EVAL_REWARD",
            "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
-           "stage_of"]
+           "BACKGROUND_KINDS", "stage_of"]
 
 # ----------------------------------------------------------------------- pools
 
@@ -43,20 +43,31 @@ PUBLISH = "publish"
 STATS = "stats"              # an iteration's statistics: the iteration is complete
 CHECKPOINT = "checkpoint"    # a version's trainer state written to the store
 RESTORE = "restore"          # a version's trainer state read back from the store
+#: Held-out evaluation of a policy version: a chunk of held-out prompts sampled with the
+#: ODE sampler from fixed noise and decoded, then (``eval_reward``) scored.
+EVAL = "eval"
+EVAL_REWARD = "eval_reward"
 
 #: The pool each kind belongs to in the modes that use pools.
 KIND_POOL = {
     INIT: TRAINER, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT, REWARD: ROLLOUT,
     ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
     PUBLISH: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
+    EVAL: ROLLOUT, EVAL_REWARD: ROLLOUT,
 }
 KINDS = tuple(KIND_POOL)
 
-#: Kinds that hold a GPU slot (a ``reward`` does too when its reward needs the GPU).
-GPU_KINDS = frozenset({DENOISE, DECODE, GRAD, OPTIMIZE})
+#: Kinds that hold a GPU slot (a ``reward`` or ``eval_reward`` does too when its reward
+#: needs the GPU).
+GPU_KINDS = frozenset({DENOISE, DECODE, GRAD, OPTIMIZE, EVAL})
 
-#: A chunk's generation: the kinds of the rollout pool.
-ROLLOUT_KINDS = frozenset(k for k, pool in KIND_POOL.items() if pool == ROLLOUT)
+#: Work that runs only in GPU slots nothing else can use: never part of an iteration's
+#: rollout or training, never counted towards its staleness or its barrier.
+BACKGROUND_KINDS = frozenset({EVAL, EVAL_REWARD})
+
+#: A chunk's generation: the kinds of the rollout pool (held-out evaluation aside).
+ROLLOUT_KINDS = frozenset(k for k, pool in KIND_POOL.items()
+                          if pool == ROLLOUT and k not in BACKGROUND_KINDS)
 #: The training phase: the trainer-pool kinds that work on samples and the trainer
 #: state (the others are bookkeeping: versions, statistics, checkpoints).
 TRAINING_KINDS = frozenset({ADVANTAGE, GRAD, REDUCE, OPTIMIZE})

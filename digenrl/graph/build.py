@@ -6,6 +6,7 @@ Each node's operation maps to a task function and the run-wide specs it takes fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -13,9 +14,11 @@ from typing import Callable
 from digenrl.config import ConfigError, RunConfig
 from digenrl.graph.dask_graph import IterationGraph, bind, init_outputs, iteration_outputs
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, Node, init_nodes, iteration_nodes
+from digenrl.graph.structure import (GraphLayout, Node, eval_nodes, init_nodes,
+                                     iteration_nodes)
 from digenrl.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
+from digenrl.prompts import HeldOut, held_out_prompts
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.rewards import RewardSpec, resolve_rewards, rewards_need_gpu
@@ -33,6 +36,10 @@ class GraphContext:
     train: train.TrainSpec
     #: The reward functions with their weights (the reward tasks carry them).
     rewards: tuple[tuple[RewardSpec, float], ...] = ()
+    #: Held-out evaluation: its sampler (its own steps and guidance) and prompts; None
+    #: while evaluation is off.
+    evaluation: rollout.RolloutSpec | None = None
+    held_out: HeldOut | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
@@ -60,8 +67,23 @@ class GraphContext:
             reward_gpu=rewards_need_gpu(rewards),
             version_lag=config.schedule.options().max_staleness,
             stale_groups=config.schedule.stale_groups)
+        evaluation = held_out = None
+        if config.eval.on:
+            esampler = config.eval.sampler(config.sampler)
+            esigmas = flow_sigmas(esampler, config.model)
+            _check_sigmas(esigmas, config, "eval.num_steps")
+            evaluation = dataclasses.replace(rspec, sampler=esampler, sigmas=esigmas,
+                                             save_latents=False)
+            held_out = held_out_prompts(config.data)
         return cls(config=config, layout=layout, rollout=rspec, train=tspec,
-                   rewards=rewards)
+                   rewards=rewards, evaluation=evaluation, held_out=held_out)
+
+    def eval_nodes(self, version: int) -> list[Node]:
+        """The evaluation of policy ``version`` (none when it is not evaluated)."""
+        if self.held_out is None or not self.config.eval.evaluates(version):
+            return []
+        return eval_nodes(self.layout, version, self.held_out.prompts,
+                          self.held_out.metadata, self.config.rollout.chunk_size)
 
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""
@@ -72,6 +94,8 @@ class GraphContext:
             "denoise": (rollout.denoise, (self.rollout,)),
             "decode": (rollout.decode, (self.rollout,)),
             "reward": (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
+            "eval": (rollout.evaluate, (self.evaluation,)),
+            "eval_reward": (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
             "advantage": (adv_tasks.advantage, ()),
             "grad": (train.grad, (self.train,)),
             "reduce": (train.reduce, ()),
@@ -81,15 +105,16 @@ class GraphContext:
         }[node.op]
 
 
-def _check_sigmas(sigmas: tuple[float, ...], config: RunConfig) -> None:
+def _check_sigmas(sigmas: tuple[float, ...], config: RunConfig,
+                  steps_field: str = "sampler.num_steps") -> None:
     """Every step must move: finite noise levels, strictly decreasing (in float32, as the
     scheduler computes them). An extreme shift collapses them to 1 or to NaN."""
     if all(math.isfinite(s) for s in sigmas) and all(
             a > b for a, b in zip(sigmas, sigmas[1:])):
         return
     raise ConfigError(
-        f"sampler.shift: expected a shift giving {config.sampler.num_steps} distinct noise "
-        f"levels (sampler.num_steps), got {config.sampler.shift!r} (levels "
+        f"sampler.shift: expected a shift giving {len(sigmas) - 1} distinct noise "
+        f"levels ({steps_field}), got {config.sampler.shift!r} (levels "
         f"{[round(s, 6) for s in sigmas[:4]]}...)")
 
 

@@ -24,12 +24,12 @@ from typing import Any, Hashable
 
 from digenrl.graph.keys import task_meta
 from digenrl.graph.plan import IterationPlan
-from digenrl.vocabulary import PUBLISH
+from digenrl.vocabulary import EVAL, EVAL_REWARD, PUBLISH
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "publish_key", "optimize_key",
            "restore_key", "checkpoint_key", "rollout_version", "reduce_root_key", "INIT_KEY",
-           "iteration_shape"]
+           "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
 
 Key = Hashable
 INIT_KEY: Key = ("init",)
@@ -311,4 +311,42 @@ def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
     if checkpoint:
         out.append(Node(checkpoint_key(i + 1), "checkpoint",
                         task_meta("checkpoint", i, i + 1), (i + 1, Dep(("optimize", i)))))
+    return out
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def eval_iteration(version: int) -> int:
+    """The iteration an evaluation of policy ``version`` belongs to (and is stored
+    with): the one that published the version; version 0's is iteration 0."""
+    return max(version - 1, 0)
+
+
+def eval_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The held-out prompts ``0 .. count-1`` in consecutive ``[start, stop)`` chunks of
+    ``chunk_size`` (the last one may hold fewer)."""
+    return [(a, min(a + chunk_size, count)) for a in range(0, count, chunk_size)]
+
+
+def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
+               metadata: tuple[str, ...], chunk_size: int) -> list[Node]:
+    """The evaluation of policy ``version`` on the held-out ``prompts``: per chunk an
+    ``eval`` task (the whole ODE sampling loop from each prompt's fixed noise, then
+    decoding) and an ``eval_reward`` task scoring its images. ``metadata``: each
+    prompt's metadata as JSON text, or () when none has any. External input: the
+    published weights of ``version``. Nothing of an iteration reads them."""
+    i = eval_iteration(version)
+    weights = publish_key(version)
+    out = []
+    for c, (a, b) in enumerate(eval_chunks(len(prompts), chunk_size)):
+        ids = tuple(range(a, b))
+        chunk_prompts = tuple(prompts[a:b])
+        common = dict(chunk=c, samples=len(ids))
+        key = (EVAL, version, c)
+        out.append(Node(key, EVAL, task_meta(EVAL, i, version, **common),
+                        (Dep(weights), ids, chunk_prompts)))
+        out.append(Node((EVAL_REWARD, version, c), EVAL_REWARD,
+                        task_meta(EVAL_REWARD, i, version, gpu=layout.reward_gpu, **common),
+                        (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else ())))
     return out

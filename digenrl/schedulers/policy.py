@@ -23,7 +23,12 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   becomes runnable comes first again at the worker's next release;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
   ``i - max_staleness`` has been published; a training task that would consume samples
-  more than ``max_staleness`` versions old is rejected when it is added.
+  more than ``max_staleness`` versions old is rejected when it is added;
+* **background work** (held-out evaluation, ``BACKGROUND_KINDS``) comes last: a GPU
+  task of it is released only to a rollout (or co-located) worker with nothing in
+  flight, while no rollout step is ready anywhere and no grad waits that the worker
+  might be lent; it is never held, never counted in an iteration's rollout work, and
+  trainers never take it.
 
 GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
 (one runs, the others wait on the worker and hide the scheduler round trip). Tasks that
@@ -54,8 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (COLOCATED, DENOISE, GRAD, NOISE, POOLS, PUBLISH, ROLLOUT,
-                                TRAINER, stage_of)
+from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, POOLS,
+                                PUBLISH, ROLLOUT, TRAINER, stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -223,7 +228,7 @@ class SchedulingPolicy:
 
     __slots__ = ("options", "clock",
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "_shared",
-                 "_affine", "_all_rollout", "_train", "_pinned",
+                 "_affine", "_all_rollout", "_train", "_pinned", "_background",
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
@@ -246,6 +251,8 @@ class SchedulingPolicy:
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
         self._train = ReadyHeap()
         self._pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        # Ready GPU background tasks (evaluation): taken only by idle workers.
+        self._background = ReadyHeap()
         # Ready tasks needing no GPU slot, with their input locality.
         self._cpu_ready: dict[Key, Mapping[str, int]] = {}
         # Held tasks by iteration.
@@ -350,7 +357,7 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
-            if info.pool == ROLLOUT:
+            if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 info.pending = True
                 pending[info.iteration] += 1
         return rejected
@@ -387,7 +394,9 @@ class SchedulingPolicy:
         # Held while the staleness bound keeps its iteration's rollout back, or, without
         # GAP, until its iteration's rollout work is done (training).
         it = info.iteration
-        if info.pool == ROLLOUT:
+        if info.kind in BACKGROUND_KINDS:
+            pass  # reads a published version and feeds no training: never held
+        elif info.pool == ROLLOUT:
             if it - self.options.max_staleness > self.version:
                 info.state = HELD
                 self._held_stale[it].add(key)
@@ -410,7 +419,10 @@ class SchedulingPolicy:
             self._cpu_ready[info.key] = loc
             return
         entry = self._entry(info, next(self._seq))
-        if info.pool == ROLLOUT:
+        if info.kind in BACKGROUND_KINDS:
+            self._background.push(entry)
+            self._new_rollout = True   # (the free rollout workers are who may take it)
+        elif info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == DENOISE:
                 aff = self._first_step_home(info)
             else:
@@ -821,6 +833,11 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
+        if self._background.peek() is not None:
+            # Background work waits: every idle worker that may take it is looked at
+            # (what held it back may have gone to another worker).
+            pool = ROLLOUT if self.options.pools else COLOCATED
+            candidates |= {a for a in self._free[pool] if not workers[a].inflight}
         lending = self._rat_on() and self._train.peek() is not None
         if lending:
             # Rollout-assisted training: idle rollout workers may take runnable grads.
@@ -857,6 +874,18 @@ class SchedulingPolicy:
                     out.append(self._release(info, w, now, rat=True))
         return out
 
+    def _take_background(self, w: WorkerInfo) -> TaskInfo | None:
+        """The most urgent background task (evaluation) for ``w``, which has nothing
+        else to take: only while nothing is in flight on it (so a background task never
+        queues behind another, nor a worker runs two), no rollout step is ready anywhere
+        (one waiting for its own worker included), and no grad waits that ``w`` might
+        be lent (rollout-assisted training comes first)."""
+        if (w.inflight or self._all_rollout.peek() is not None
+                or (self._rat_on() and w.pool == ROLLOUT and self._train.peek() is not None)):
+            return None
+        top = self._background.peek()
+        return top.info if top is not None else None
+
     def _rat_on(self) -> bool:
         """Rollout-assisted training applies: RAT on, with pools and the TSP queue."""
         o = self.options
@@ -872,7 +901,8 @@ class SchedulingPolicy:
             info, stolen = self._take_rollout(w, now)
             if info is not None:
                 return self._release(info, w, now, stolen=stolen)
-            return None
+            info = self._take_background(w)
+            return self._release(info, w, now) if info is not None else None
         # A trainer with no runnable training work: trainer-assisted generation.
         if self.options.tag and not w.inflight and not self._runnable_training(w):
             info, stolen = self._take_rollout(w, now)

@@ -2,7 +2,8 @@
 chunk, decoding.
 
 Random draws are per sample: sample ``s`` of iteration ``i`` draws its starting noise
-from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``.
+from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``;
+held-out prompt ``j`` starts every evaluation from ``(seed, "eval-noise", j)``.
 How samples are chunked into tasks, or which worker runs a task, never changes a draw.
 """
 
@@ -23,7 +24,7 @@ from digenrl.tasks.sde import sde_step
 from digenrl.tasks.slowdown import stretch
 from digenrl.tasks.types import DecodeOut, Latents, PolicyWeights, StepOut
 
-__all__ = ["RolloutSpec", "draw_normal", "noise", "denoise", "decode"]
+__all__ = ["RolloutSpec", "draw_normal", "noise", "denoise", "decode", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,29 @@ def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
     assert len(versions) == 1, f"a trajectory mixed policy versions {versions}"
     return DecodeOut(sample_ids=start.sample_ids, images=images, log_probs=log_probs,
                      behaviour_version=versions.pop(), latents=latents)
+
+
+def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, ...],
+             prompts: tuple[str, ...]) -> DecodeOut:
+    """An evaluation chunk: held-out prompts ``prompt_ids`` sampled by policy ``weights``
+    with the ODE sampler (noise level 0: deterministic), each from its own fixed noise so
+    every version is compared on the same starting points, then decoded. ``spec``: the
+    evaluation's sampler (its own step count and guidance) and sigmas."""
+    started = time.perf_counter()
+    models = resident(spec.model, spec.model_seed, spec.trainable)
+    dev = models.device
+    shape = latent_shape(spec.model)
+    x = torch.stack([draw_normal(shape, spec.seed, "eval-noise", j) for j in prompt_ids])
+    x = x.to(dev)
+    guidance = spec.sampler.guidance_scale
+    cond = models.conditioning(tuple(prompts), guidance).to(dev)
+    with torch.no_grad():
+        model = models.policy(weights)
+        for sigma, sigma_next in zip(spec.sigmas, spec.sigmas[1:]):
+            v = predict_velocity(spec.model, model, x, sigma, cond, guidance)
+            x = sde_step(x, v, sigma, sigma_next, 0.0).next_latent
+    images = decode_latents(spec.model, models.vae, x)
+    stretch(started)
+    return DecodeOut(sample_ids=tuple(prompt_ids), images=images,
+                     log_probs=np.zeros((len(prompt_ids), 0), np.float32),
+                     behaviour_version=weights.version)

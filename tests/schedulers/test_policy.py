@@ -12,8 +12,8 @@ from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
 from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
-from digenrl.vocabulary import (ADVANTAGE, DENOISE, GPU_KINDS, GRAD, KIND_POOL, KINDS, NOISE,
-                                PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER)
+from digenrl.vocabulary import (ADVANTAGE, DENOISE, EVAL, GPU_KINDS, GRAD, KIND_POOL, KINDS,
+                                NOISE, PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER)
 
 #: The training kinds that hold a GPU slot.
 TRAIN_GPU = frozenset(k for k in GPU_KINDS if KIND_POOL[k] == TRAINER)
@@ -384,3 +384,38 @@ def test_every_schedule_completes_and_keeps_the_rules(scenario):
         "a task never ran, or ran twice (liveness)"
     assert sorted(result.completed) == list(range(len(plans)))
     check_trace(result, options, layout, workers)
+
+
+def test_evaluation_takes_only_a_slot_nothing_else_wants():
+    """An eval task waits while rollout work is runnable, goes to an idle rollout worker
+    only (never a trainer), is not held by the staleness bound, and counts as no
+    iteration's rollout work (the barrier without GAP opens without it)."""
+    p = policy_with(opts("digenrl", tag=True, rat=False, max_staleness=0))
+    p.add_tasks([info("e", EVAL, iteration=5, version=0, chunk=0),
+                 info("d", DENOISE, chunk=0, timestep=0)])
+    p.task_ready("e")
+    p.task_ready("d")
+    # The rollout worker takes the denoise step; the idle trainer never takes the eval.
+    assert [(d.key, d.worker) for d in p.decide()] == [("d", "r0")]
+    assert p.decide() == []          # nothing taken behind the step in flight
+    p.task_done("d", "r0")
+    assert [(d.key, d.worker) for d in p.decide()] == [("e", "r0")]
+    # Released while version 0 is the newest: no staleness hold for iteration 5.
+    assert p._rollout_pending.get(5) is None
+
+
+def test_evaluation_waits_for_a_grad_an_idle_rollout_worker_may_be_lent():
+    p = policy_with(opts("digenrl", rat=True, slots_per_worker=1))
+    p.add_tasks([info("g", GRAD, chunk=0, behaviour_version=0),
+                 info("busy", GRAD, chunk=1, behaviour_version=0),
+                 info("e", EVAL, chunk=0)])
+    p.task_ready("busy")
+    assert [d.key for d in p.decide()] == ["busy"]   # the trainer is full now
+    p.task_ready("g")
+    p.task_ready("e")
+    # A grad waits that the idle rollout worker might be lent: no evaluation yet.
+    assert p.decide() == []
+    p.task_done("busy", "t0")
+    assert [(d.key, d.worker) for d in p.decide()] == [("g", "t0")]
+    # No grad waits any more: the idle rollout worker is looked at again.
+    assert [(d.key, d.worker) for d in p.decide()] == [("e", "r0")]
