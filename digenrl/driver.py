@@ -42,7 +42,7 @@ from digenrl.vocabulary import DENOISE, TRAINER
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
-           "check_store", "library_versions"]
+           "check_store", "library_versions", "evaluation_means"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -352,7 +352,7 @@ class Driver:
         seconds = t1 - t0
         plan = self.plan(i)
         groups, metrics = w.rows(i, plan, values)
-        evaluations = _evaluations(groups.get("eval"))
+        evaluations = evaluation_means(groups.get("eval"))
         metrics.update({
             "chunk_size": plan.num_samples / len(plan.chunks),
             "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
@@ -377,8 +377,17 @@ class Driver:
                                 metrics.get("loss", float("nan")), metrics["images_per_s"],
                                 metrics, evaluations)
 
+    def _weight_receipts(self) -> dict[str, float]:
+        """The seconds workers spent receiving policy weights since the last iteration
+        was committed, summed over workers, and how many versions they received (a
+        worker lost meanwhile takes its figures with it)."""
+        client = self.handle.client
+        got = client.run(drain_weight_receipts, on_error="ignore").values()
+        return {"weight_sync_seconds": float(sum(s for s, _ in got)),
+                "weight_sync_transfers": float(sum(n for _, n in got))}
 
-def _evaluations(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
+
+def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
     """Each evaluation in an iteration's ``eval`` rows: its version, the mean of its
     valid rewards, and the prompts it scored."""
     if not rows or not len(rows["version"]):
@@ -390,16 +399,6 @@ def _evaluations(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, i
         out.append((int(v), float(good.mean()) if len(good) else float("nan"),
                     int(mine.sum())))
     return out
-
-
-    def _weight_receipts(self) -> dict[str, float]:
-        """The seconds workers spent receiving policy weights since the last iteration
-        was committed, summed over workers, and how many versions they received (a
-        worker lost meanwhile takes its figures with it)."""
-        client = self.handle.client
-        got = client.run(drain_weight_receipts, on_error="ignore").values()
-        return {"weight_sync_seconds": float(sum(s for s, _ in got)),
-                "weight_sync_transfers": float(sum(n for _, n in got))}
 
 
 class Pipeline:

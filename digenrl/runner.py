@@ -17,7 +17,7 @@ import numpy as np
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
 from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
-                            library_versions)
+                            evaluation_means, library_versions)
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
@@ -225,10 +225,8 @@ class FlowGRPOWorkload:
             metrics["eval_reward_mean"] = metrics["eval_version"] = float("nan")
         if evaluated is not None:
             groups["eval"] = evaluated
-            newest = evaluated["version"] == evaluated["version"].max()
-            good = evaluated["reward"][newest & evaluated["valid"]]
-            metrics["eval_reward_mean"] = float(good.mean()) if len(good) else float("nan")
-            metrics["eval_version"] = float(evaluated["version"].max())
+            version, mean, _ = evaluation_means(evaluated)[-1]  # the newest
+            metrics["eval_reward_mean"], metrics["eval_version"] = mean, float(version)
         return groups, metrics
 
     def _eval_rows(self, i: int, values: dict[Key, Any]) -> dict[str, np.ndarray] | None:
