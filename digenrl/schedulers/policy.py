@@ -16,11 +16,16 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   once training work is runnable no rollout task is released to a trainer;
 * **RAT** (rollout-assisted training): a rollout worker with nothing in flight and no
   runnable rollout work takes one ``grad`` micro-step at a time (of the TSP queue) when
-  every trainer is busy and it is expected to finish the step no later than the trainers
-  would: the transfer of the inputs it lacks (the trained version's weights among them)
-  plus the step at its pace, against the trainers' released work plus the step at
-  theirs. Reductions, optimizer steps and the rest stay on trainers; rollout work that
-  becomes runnable comes first again at the worker's next release;
+  it would otherwise idle and the step delays no generation: no chunk that the
+  staleness bound already lets start is waiting for it (each such chunk keeps one idle
+  rollout worker for itself), every trainer is busy, and it is expected to finish the
+  step no later than the trainers would: the transfer of the inputs it lacks (the
+  trained version's weights among them) plus the step at its pace, against the
+  trainers' released work plus the step at theirs. The generation it would next run
+  waits for a version that the trainers cannot publish before they would have run the
+  step, so the step ends before that generation can start. Reductions, optimizer steps
+  and the rest stay on trainers; rollout work that becomes runnable comes first again
+  at the worker's next release;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
   ``i - max_staleness`` has been published; a training task that would consume samples
   more than ``max_staleness`` versions old is rejected when it is added;
@@ -207,6 +212,11 @@ class Decision:
     info: TaskInfo | None = field(default=None, compare=False, repr=False)  # the task
 
 
+def _first_step(info: TaskInfo) -> bool:
+    """Whether ``info`` is the first denoising step of a rollout chunk."""
+    return info.kind == DENOISE and info.timestep == 0 and info.pool == ROLLOUT
+
+
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
     if info.pool not in POOLS:
@@ -232,7 +242,7 @@ class SchedulingPolicy:
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
-                 "_counts", "_released", "_ranked")
+                 "_unstarted", "_counts", "_released", "_ranked")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -273,8 +283,10 @@ class SchedulingPolicy:
         self._new_training = False
         # Rebalancing: speed-1 seconds per sample-step, averaged over every worker.
         self._ref_step: float | None = None
-        # Rollout-assisted training: speed-1 seconds of a grad micro-step, measured.
+        # Rollout-assisted training: speed-1 seconds of a grad micro-step, measured;
+        # and the first steps of chunks not released yet, by (iteration, version read).
         self._ref_grad: float | None = None
+        self._unstarted: dict[tuple[int, int], set] = defaultdict(set)
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
         # Telemetry (releases are counted apart: one is counted per task).
@@ -360,6 +372,8 @@ class SchedulingPolicy:
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 info.pending = True
                 pending[info.iteration] += 1
+                if _first_step(info):
+                    self._unstarted[info.iteration, info.policy_version].add(key)
         return rejected
 
     def _entry(self, info: TaskInfo, tie: int) -> ReadyEntry:
@@ -535,6 +549,8 @@ class SchedulingPolicy:
             self._unrelease(info)
             info.state = ADDED
             self._cpu_ready.pop(key, None)
+            if _first_step(info):
+                self._unstarted[info.iteration, info.policy_version].add(key)
             info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
@@ -563,6 +579,8 @@ class SchedulingPolicy:
             self.rejected.pop(key, None)
         if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
+        elif _first_step(info):
+            self._chunk_started(info)
         if info.pending:
             info.pending = False
             self._rollout_pending[info.iteration] -= 1
@@ -732,13 +750,35 @@ class SchedulingPolicy:
             return None
         return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
 
-    def _lend(self, w: WorkerInfo, theirs: float | None) -> TaskInfo | None:
+    def _chunk_started(self, info: TaskInfo) -> None:
+        """``info``, a chunk's first step, was released (or forgotten)."""
+        at = (info.iteration, info.policy_version)
+        waiting = self._unstarted.get(at)
+        if waiting is not None:
+            waiting.discard(info.key)
+            if not waiting:
+                del self._unstarted[at]
+
+    def _owed_chunks(self) -> int:
+        """Chunks that may start now or at any moment: their first step has not been
+        released, the staleness bound no longer holds their iteration back and the
+        version they read has been published. Their first steps become ready as soon as
+        the last inputs exist (the noise, the version's weights), a few milliseconds
+        after the publish that let them start, so a rollout worker idle now is not idle
+        for long. (A chunk waiting for a version not yet published is not owed: the
+        trainers publish it only after the grads they have queued.)"""
+        version, limit = self.version, self.version + self.options.max_staleness
+        return sum(len(keys) for (it, read), keys in self._unstarted.items()
+                   if it <= limit and read <= version)
+
+    def _lend(self, w: WorkerInfo, theirs: float) -> TaskInfo | None:
         """The grad an idle rollout worker ``w`` takes (RAT), or None: the most urgent
         one of the TSP queue, when every trainer is busy and ``w`` is expected to finish
         it, its missing inputs moved, no later than a trainer would (``theirs``: see
-        :meth:`_trainers_reach`)."""
+        :meth:`_trainers_reach`). (Whether generation is owed to ``w`` is decided by
+        the caller.)"""
         top = self._train.peek()
-        if theirs is None or top is None or top.info.kind != GRAD:
+        if top is None or top.info.kind != GRAD:
             return None
         mine = self._transfer_seconds(w, top.info) + self._ref_grad / w.speed
         if mine > theirs:
@@ -758,6 +798,8 @@ class SchedulingPolicy:
                 self._free[w.pool].discard(w.address)
             if info.kind == DENOISE:
                 w.step_samples += info.sample_steps
+                if info.timestep == 0:
+                    self._chunk_started(info)
             if self.options.rebalance:
                 # (Only denoise steps are expected to take time.)
                 w.busy_until = max(now, w.busy_until) + self._expected(w, info)
@@ -864,10 +906,15 @@ class SchedulingPolicy:
                         still.append(w)
             active = still
         # Rollout-assisted training, once every other worker has taken its share: a
-        # rollout worker still idle takes one grad.
+        # rollout worker still idle takes one grad, but each chunk that may start now
+        # keeps one idle rollout worker free for it (the generation it owes).
         idle_rollout = [w for w in idle_rollout if not w.inflight]
-        if idle_rollout:
-            theirs = self._trainers_reach()
+        theirs = self._trainers_reach() if idle_rollout else None
+        if theirs is not None:
+            owed = self._owed_chunks()
+            if owed:
+                self._counts["rat_declined"] += min(owed, len(idle_rollout))
+                idle_rollout = idle_rollout[owed:]
             for w in idle_rollout:
                 info = self._lend(w, theirs)
                 if info is not None:
@@ -917,7 +964,8 @@ class SchedulingPolicy:
         """Telemetry: tasks ``released`` (of them ``tag_released`` to trainers and
         ``stolen`` from another worker's affinity, ``rat_released`` grads to rollout
         workers), steps ``kept`` on a slower worker, grads a rollout worker declined
-        (``rat_declined``) because a trainer would finish them sooner."""
+        (``rat_declined``) because a trainer would finish them sooner or a chunk that
+        may start was waiting for it."""
         counts = defaultdict(int, self._counts)
         counts["released"] = self._released
         return counts

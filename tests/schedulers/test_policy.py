@@ -131,6 +131,32 @@ def test_rat_lends_an_idle_rollout_worker_one_grad_while_every_trainer_is_busy()
     assert [(d.key, d.worker) for d in p.decide()] == [("d", "r0")]
 
 
+def test_rat_leaves_a_rollout_worker_to_the_generation_it_owes():
+    p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=1)
+    grads = _grads(6)
+    # Iteration 1's chunk reads version 0, which is published: it starts as soon as its
+    # noise exists. Iteration 2's reads version 1, which the trainers have yet to publish.
+    owed = info(("d", 1, 0, 0), DENOISE, iteration=1, version=0, chunk=0, timestep=0)
+    later = info(("d", 2, 0, 0), DENOISE, iteration=2, version=1, chunk=0, timestep=0)
+    p.add_tasks(grads + [owed, later])
+    p.task_ready(grads[0].key)
+    [first] = p.decide()
+    for g in grads[1:]:
+        p.task_ready(g.key)
+    p.decide()
+    p.task_done(first.key, "t0", 1.0)
+    # The trainer is busy and a grad is measured, but the chunk about to start would
+    # wait behind a lent grad: the rollout worker stays free for it.
+    assert [d.worker for d in p.decide()] == ["t0"]
+    assert not p.counters["rat_released"] and p.counters["rat_declined"] == 1
+    p.task_ready(owed.key)
+    assert [(d.key, d.worker, d.rat) for d in p.decide()] == [(owed.key, "r0", False)]
+    # Once the chunk has run, the next generation waits for version 1: the worker lends.
+    p.task_done(owed.key, "r0", 0.1)
+    [lent] = p.decide()
+    assert lent.worker == "r0" and lent.rat and lent.info.kind == GRAD
+
+
 def test_rat_declines_when_a_trainer_would_finish_the_grad_sooner_or_when_off():
     for options, loc in ((opts("digenrl", tag=False, rat=False), {}),
                          # Moving 10 GB at 1 GB/s costs more than waiting for the trainer.
