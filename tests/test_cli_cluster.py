@@ -42,9 +42,10 @@ class CliCluster(NamedTuple):
     scheduler: subprocess.Popen  #: the `dask scheduler` process
 
 
-@pytest.fixture
-def cli_cluster(tmp_path):
-    sched_file = tmp_path / "scheduler.json"
+def start_cli_cluster(folder: Path) -> tuple[CliCluster, list[subprocess.Popen]]:
+    """A scheduler and a rollout and a trainer worker, each started with ``dask``.
+    Returns the cluster and its processes (the scheduler first)."""
+    sched_file = folder / "scheduler.json"
     env = {**os.environ, "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning"}
     procs = [subprocess.Popen(
         [str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", "0",
@@ -65,19 +66,46 @@ def cli_cluster(tmp_path):
         with Client(address) as c:
             c.wait_for_workers(2, timeout=60)
             assert "digenrl" in c.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
-        yield CliCluster(address, procs[0])
-    finally:
-        # The workers first, while their scheduler still answers (a worker whose
-        # scheduler is gone waits for it before it exits), then the scheduler.
-        for group in (procs[1:], procs[:1]):
-            for p in group:
-                p.terminate()
-            for p in group:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+    except BaseException:
+        stop(procs)
+        raise
+    return CliCluster(address, procs[0]), procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """The workers first, while their scheduler still answers (a worker whose scheduler
+    is gone waits for it before it exits), then the scheduler."""
+    for group in (procs[1:], procs[:1]):
+        for p in group:
+            p.terminate()
+        for p in group:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def cli_clusters(tmp_path_factory):
+    """``get()``: this module's command-line cluster, started on first use and started
+    again once a test has killed its scheduler (the tests share it: each run releases
+    all it holds when it ends)."""
+    started: list[tuple[CliCluster, list[subprocess.Popen]]] = []
+
+    def get() -> CliCluster:
+        if not started or started[-1][0].scheduler.poll() is not None:
+            started.append(start_cli_cluster(tmp_path_factory.mktemp("cli-cluster")))
+        return started[-1][0]
+
+    yield get
+    for _, procs in started:
+        stop(procs)
+
+
+@pytest.fixture
+def cli_cluster(cli_clusters):
+    return cli_clusters()
 
 
 @pytest.mark.slow
