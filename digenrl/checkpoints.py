@@ -6,8 +6,9 @@ tensors of ``params``, ``exp_avg`` and ``exp_avg_sq``, chunked in runs of at mos
 ``_CHECKPOINT_CHUNK`` elements. Its attributes give the layout (tensor names, shapes), the
 ``version``, the optimizer ``step`` and ``complete`` (set last). One array per version
 keeps writes and the store's metadata commit cheap however many tensors the model has.
-A trainer task writes it (:mod:`digenrl.tasks.checkpoint`); the next optimizer step and
-a resumed run read it back. The driver drops versions no pipeline stage can read any
+A trainer task writes it (:mod:`digenrl.tasks.checkpoint`); a ``restore`` task reads it
+back, which the version is published from and the next optimizer step starts from (a
+resumed run's too). The driver drops versions no pipeline stage can read or recompute any
 more (:meth:`digenrl.graph.structure.GraphLayout.retains`).
 """
 

@@ -2,7 +2,7 @@
 
 It keeps the iterations the schedule may run at once in the scheduler (the oldest
 unfinished one plus ``max_staleness + 1`` more), collects each iteration once its
-optimizer step has published the next version, appends it to the store with the task
+optimizer step has checkpointed the next version, appends it to the store with the task
 records and utilisation of its window, and submits the next. A :class:`Workload` says
 what the graph's tasks are and what of their results goes into the store: the real
 Flow-GRPO workload (:mod:`digenrl.runner`) or an emulated one (:mod:`digenrl.sim.emulate`).
@@ -159,10 +159,12 @@ class Driver:
     Each iteration is submitted in three pieces, each as soon as what it reads exists
     (:class:`Pipeline`): its *rollout*, its *train* part (advantages, micro-steps and the
     reduction) and its *tail* (the optimizer step, from the previous state read back from
-    its checkpoint, which publishes and checkpoints version i + 1); once complete it is
-    committed to the store (:meth:`_commit`). Because every optimizer step starts
-    from a checkpoint, no result ever needs more than about two iterations of lineage to
-    be recomputed, the scheduler forgets finished iterations, and ``resume`` continues a
+    its checkpoint, which checkpoints version i + 1); version i + 1 is published from its
+    checkpoint read back once it is written. Once complete an iteration is committed to
+    the store (:meth:`_commit`). Because every optimizer step starts from a checkpoint
+    and every version is published from one, no result ever needs more than about one
+    iteration of lineage to be recomputed (published weights: none past their own
+    checkpoint), the scheduler forgets finished iterations, and ``resume`` continues a
     run from its last complete iteration bit for bit.
     """
 
@@ -365,8 +367,8 @@ class Driver:
         groups["metrics"] = {k: np.asarray(v, np.float64) for k, v in metrics.items()}
         groups["tasks"] = task_columns(records)
         store.append_iteration(groups)
-        # Keep what a resume at i + 1, or a recomputation, may read.
-        drop_checkpoints(self.out, lambda v: not w.layout.retains(v, i))
+        # Keep what the run, now at i + 1, may read, recompute or resume from.
+        drop_checkpoints(self.out, lambda v: not w.layout.retains(v, i + 1))
         store.commit()
         pipeline.release(i)
         client.sync(client.scheduler.digenrl_metrics, run=self.run_id, iteration=i,
@@ -411,9 +413,14 @@ class Pipeline:
       its chunks read is published;
     * its *train* piece (advantages, micro-steps, the reduction) once its rollout is in
       and version ``j`` -- with the KL term, version 0 too -- is published;
-    * its *tail* (the optimizer step from version ``j``'s checkpoint, which publishes and
-      checkpoints version ``j + 1``) once its train piece is in and checkpoint ``j`` is
-      written.
+    * its *tail* (the optimizer step from version ``j``'s checkpoint read back, which
+      checkpoints version ``j + 1``) once its train piece is in and that read is.
+
+    Once checkpoint ``v`` is written, a *restore* piece reads it back and publishes
+    version ``v`` from it (version 0 is published from the initial state, which has no
+    inputs either): a version's weights, lost with every worker holding them, are
+    recomputed from their checkpoint alone. The read-back state is held until the tail
+    of iteration ``v`` is in, which starts from it.
 
     A piece passes the futures of what the driver collects to :meth:`take` and holds
     those a later piece of its iteration reads until that piece is in; published
@@ -439,6 +446,11 @@ class Pipeline:
         #: version -> its checkpoint future, until the checkpoint is written
         self.checkpoints: dict[int, Future] = {}
         self.checkpointed: set[int] = set()
+        #: versions whose restore piece is in
+        self.restores: set[int] = set()
+        #: version -> its state read back from its checkpoint, until the tail that
+        #: starts from it is in
+        self.restored: dict[int, Future] = {}
         #: iteration -> the futures of its outputs the driver collects
         self._outputs: dict[int, dict[Key, Future]] = {}
         #: iteration -> the futures of its pieces a later piece reads
@@ -460,10 +472,12 @@ class Pipeline:
             self.published[0] = futs[publish_key(0)]
             self.checkpoints[0] = futs[checkpoint_key(0)]
             return
-        for v in self.w.layout.retained_versions(start):
+        # The earlier versions it retains here; version ``start`` by :meth:`_restore`.
+        for v in self.w.layout.retained_versions(start)[:-1]:
             futs = self._submit(restore_nodes(v, publish=True), [publish_key(v)],
                                 f"restore-{v}")
             self.published[v] = futs[publish_key(v)]
+            self.restores.add(v)
         self.checkpointed.add(start)
 
     # ------------------------------------------------------------------ submitting
@@ -474,7 +488,7 @@ class Pipeline:
         window = self.w.options.max_staleness + 1
         progress = True
         while progress:
-            progress = False
+            progress = self._restore()
             for j in range(self.start, self.w.iterations):
                 if j not in self.rollouts and j > oldest + window:
                     break  # not yet: its plan is fixed when it can be submitted
@@ -501,6 +515,24 @@ class Pipeline:
             keys = [n.key for n in nodes]
             futs = self._submit(nodes, keys, f"eval-{v}")
             self._evals.setdefault(eval_iteration(v), {}).update(futs)
+            progress = True
+        return progress
+
+    def _restore(self) -> bool:
+        """Read back every version checkpointed since, publishing it (unless it is
+        published already: version 0 of a new run) and, for a version a tail starts
+        from, holding the state read."""
+        progress = False
+        for v in sorted(self.checkpointed - self.restores):
+            publish = v not in self.published
+            keys = ([restore_key(v)] if v < self.w.iterations else []) + (
+                [publish_key(v)] if publish else [])
+            futs = self._submit(restore_nodes(v, publish=publish), keys, f"restore-{v}")
+            if publish:
+                self.published[v] = futs[publish_key(v)]
+            if restore_key(v) in futs:
+                self.restored[v] = futs[restore_key(v)]
+            self.restores.add(v)
             progress = True
         return progress
 
@@ -535,15 +567,15 @@ class Pipeline:
 
     def _tail(self, plan: IterationPlan) -> bool:
         j = plan.iteration
-        if j not in self.trains or j in self.tails or j not in self.checkpointed:
+        if j not in self.trains or j in self.tails or j not in self.restored:
             return False
         stats = iteration_outputs(plan)["stats"]
         futs = self._submit(tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
-                            stats + [publish_key(j + 1), checkpoint_key(j + 1)], f"tail-{j}")
+                            stats + [checkpoint_key(j + 1)], f"tail-{j}")
         self._outputs[j].update({k: futs[k] for k in stats})
-        self.published[j + 1] = futs[publish_key(j + 1)]
         self.checkpoints[j + 1] = futs[checkpoint_key(j + 1)]
         self._held.pop(j, None)
+        del self.restored[j]  # the optimizer step reads it now
         self.tails.add(j)
         return True
 
@@ -604,9 +636,9 @@ class Pipeline:
         return out
 
     def release(self, i: int) -> None:
-        """Iteration ``i`` is committed: drop the weights of the versions no longer
-        retained."""
-        for v in [v for v in self.published if not self.w.layout.retains(v, i)]:
+        """Iteration ``i`` is committed: drop the weights of the versions the run, now at
+        iteration ``i + 1``, no longer retains."""
+        for v in [v for v in self.published if not self.w.layout.retains(v, i + 1)]:
             del self.published[v]
 
 

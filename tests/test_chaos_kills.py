@@ -6,7 +6,7 @@ killed in the middle of a task each time the run has completed a few more tasks 
 the last kill's replacement joined, all through a 20-iteration run in mode ``digenrl``.
 The run must complete, and every stored array -- samples, rewards, log-probs, metrics,
 the checkpoints it keeps and its final weights -- equal the undisturbed run's, bit for
-bit. It does not yet (``KNOWN_FAILURE``), so the test is skipped.
+bit.
 """
 
 from __future__ import annotations
@@ -38,15 +38,6 @@ SEED = 7
 EVERY = 12
 #: Kills the run must survive (both pools among them).
 MIN_KILLS = 5
-
-
-#: Why the test is skipped (docs/reliability.md, "A worker dies"): it fails within a few
-#: iterations, every time so far.
-KNOWN_FAILURE = (
-    "the weights of a version still in use, lost with the only worker holding them, "
-    "are recomputed from their lineage, which reads the previous version's checkpoint, "
-    "already dropped: the run stops with StoreError 'expected a complete checkpoint of "
-    "policy version N'")
 
 
 def chaos_config():
@@ -124,7 +115,6 @@ def stored_arrays(path, group: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason=KNOWN_FAILURE)
 def test_repeated_worker_kills_change_no_bit(cluster_1x1, shared_runs, tmp_path):
     reference = shared_runs(cluster_1x1, chaos_config())
     path = tmp_path / "chaos.zarr"

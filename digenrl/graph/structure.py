@@ -3,7 +3,8 @@
 ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
 (chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
 ``reduce`` (a fixed tree) -> ``optimize`` -> ``publish`` (the weights of version v+1,
-which later ``denoise`` and ``grad`` tasks read) and ``stats``.
+which later ``denoise`` and ``grad`` tasks read) and ``stats``. A run on Dask checkpoints
+each version and publishes it from the checkpoint read back (:func:`tail_nodes`).
 
 Each :class:`Node` names its operation, its annotation, and its arguments -- literals
 and :class:`Dep` references to other keys. :mod:`digenrl.graph.build` binds operations
@@ -294,23 +295,25 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
 
 def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
                checkpoint: bool = False) -> list[Node]:
-    """The optimizer step from trainer state ``state`` (the previous optimize, or its
-    checkpoint read back) and the reduced gradient; it publishes version i + 1."""
+    """The optimizer step from trainer state ``state`` and the reduced gradient.
+
+    Without ``checkpoint`` (the simulator's whole-iteration graph) it publishes version
+    i + 1 from the optimizer step itself. With it (the driver's pieces, ``state`` being
+    :func:`restore_key` ``(i)``, submitted apart) it writes checkpoint i + 1 instead, and
+    version i + 1 is published from that checkpoint read back
+    (:func:`restore_nodes` ``(i + 1, publish=True)``, once it is written): published
+    weights then never need more than their own checkpoint to be recomputed."""
     i = plan.iteration
     root = reduce_root_key(i, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
-    out = []
-    if state == restore_key(i):
-        out += restore_nodes(i)
-    out += [
-        Node(("optimize", i), "optimize", task_meta("optimize", i, i),
-             (Dep(state), Dep(root), i)),
-        Node(publish_key(i + 1), "publish", task_meta(PUBLISH, i, i + 1),
-             (Dep(("optimize", i)),)),
-        Node(("stats", i), "stats", task_meta("stats", i, i), (Dep(("optimize", i)),)),
-    ]
+    out = [Node(("optimize", i), "optimize", task_meta("optimize", i, i),
+                (Dep(state), Dep(root), i))]
     if checkpoint:
         out.append(Node(checkpoint_key(i + 1), "checkpoint",
                         task_meta("checkpoint", i, i + 1), (i + 1, Dep(("optimize", i)))))
+    else:
+        out.append(Node(publish_key(i + 1), "publish", task_meta(PUBLISH, i, i + 1),
+                        (Dep(("optimize", i)),)))
+    out.append(Node(("stats", i), "stats", task_meta("stats", i, i), (Dep(("optimize", i)),)))
     return out
 
 
