@@ -35,7 +35,7 @@ ITERATIONS = 20
 CHAOS = {"data.prompts_per_iteration": 1, "sampler.num_steps": 2}
 SEED = 7
 #: Tasks the run completes between a replacement joining and the next kill.
-EVERY = 12
+EVERY = 30
 #: Kills the run must survive (both pools among them).
 MIN_KILLS = 5
 
