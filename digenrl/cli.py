@@ -331,10 +331,11 @@ def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
     return f"{e} ({hint})"
 
 
-def _lost_scheduler(e: BaseException) -> bool:
+def _lost_scheduler(e: BaseException, address: str | None = None) -> bool:
     """Whether ``e`` (or an exception it was raised from) says the Dask scheduler went
-    away: the connection closed under a request, or the client cancelled the run's
-    futures because it lost the scheduler."""
+    away: the connection closed under a request, the client cancelled the run's futures
+    because it lost the scheduler, or a new connection to the scheduler at ``address``
+    (when the run was given one) timed out."""
     from distributed.client import FutureCancelledError
     from distributed.comm.core import CommClosedError
 
@@ -343,6 +344,10 @@ def _lost_scheduler(e: BaseException) -> bool:
         seen.add(id(e))
         if isinstance(e, CommClosedError) or (
                 isinstance(e, FutureCancelledError) and e.reason == "scheduler-connection-lost"):
+            return True
+        if (address and isinstance(e, OSError)
+                and str(e).startswith("Timed out trying to connect to ")
+                and address.split("://")[-1] in str(e)):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -678,7 +683,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"digenrl {args.command}: error: {_one_line(str(e))}{hint}", file=sys.stderr)
         return 1
     except Exception as e:
-        if args.command != "run" or getattr(args, "debug", False) or not _lost_scheduler(e):
+        if (args.command != "run" or getattr(args, "debug", False)
+                or not _lost_scheduler(e, getattr(args, "scheduler", None))):
             raise
         print(_scheduler_loss(args, e), file=sys.stderr)
         return 1

@@ -51,3 +51,22 @@ def test_an_unreachable_scheduler_is_a_clear_error(tmp_path, capsys):
                  "--set", "cluster.connect_timeout=1"])
     err = capsys.readouterr().err
     assert code == 2 and "cluster.scheduler: expected a reachable Dask scheduler" in err
+
+
+def test_a_timed_out_connection_to_the_runs_scheduler_is_a_lost_scheduler():
+    from digenrl.cli import _lost_scheduler
+
+    timed_out = OSError("Timed out trying to connect to tcp://127.0.0.1:8786 after 10 s")
+    try:  # as the driver meets it: raised while handling another error
+        try:
+            raise RuntimeError("commit")
+        except RuntimeError:
+            raise timed_out
+    except OSError as e:
+        chained = RuntimeError("outer")
+        chained.__cause__ = e
+    assert _lost_scheduler(chained, "tcp://127.0.0.1:8786")
+    assert _lost_scheduler(timed_out, "127.0.0.1:8786")
+    # Another address (a reward server, a worker), or no scheduler given: not the loss.
+    assert not _lost_scheduler(timed_out, "tcp://127.0.0.1:9999")
+    assert not _lost_scheduler(timed_out)

@@ -23,7 +23,6 @@ from test_signals import committed, wait_for_commits
 
 
 BIN = Path(sys.executable).parent
-TINY = Path(__file__).resolve().parents[1] / "workflows" / "configs" / "tiny.yaml"
 #: Where digenrl's own code is: no traceback may pass through it.
 PACKAGE = Path(digenrl.__file__).parent
 
@@ -110,11 +109,15 @@ def cli_cluster(cli_clusters):
 
 @pytest.mark.slow
 def test_digenrl_run_on_a_command_line_cluster(cli_cluster, tmp_path):
-    # The default workflow (README.md), shortened to two iterations.
+    # The small config of the reliability tests (the default workflow's model is
+    # exercised by tests/test_end_to_end.py), two iterations.
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
     out = tmp_path / "run.zarr"
     proc = subprocess.run(
-        [str(BIN / "digenrl"), "run", str(TINY), "--out", str(out), "--scheduler", cli_cluster.address,
-         "--iterations", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
+        [str(BIN / "digenrl"), "run", str(config), "--out", str(out), "--scheduler",
+         cli_cluster.address, "--iterations", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "iteration 2/2" in proc.stderr
     t = open_run(out)["tasks"].to_dataframe()
