@@ -58,9 +58,11 @@ def _started(dask_worker) -> bool:
 def ready(client, pools) -> bool:
     """One worker in each pool, each with its nanny done starting it. (A worker joins the
     scheduler before its nanny has heard it started; killed in between, it is never
-    started again: distributed 2026.7.1.)"""
+    started again: distributed 2026.7.1.) A nanny that cannot be reached yet (the
+    scheduler may still list a worker just killed) is not ready."""
     return (all(len(pools[p]) == 1 for p in pools)
-            and all(client.run(_started, nanny=True).values()))
+            and all(v is True for v in client.run(_started, nanny=True,
+                                                   on_error="return").values()))
 
 
 def records(client) -> int | None:
