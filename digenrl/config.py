@@ -469,13 +469,12 @@ class RewardConfig:
     def validate(self, p: str = "reward") -> None:
         from digenrl.tasks.rewards import REWARDS
 
-        for group, cls, what in (("remote", RemoteRewardConfig, "server settings (url, "
-                                                                 "protocol, ...)"),
-                                 ("models", RewardModelConfig, "model settings (kind, path, "
-                                                               "...)")):
+        for group, cls, what, fields in (
+                ("remote", RemoteRewardConfig, "server settings", "url, protocol, ..."),
+                ("models", RewardModelConfig, "model settings", "kind, path, ...")):
             named = getattr(self, group)
             _require(isinstance(named, Mapping), f"{p}.{group}",
-                     f"a mapping of reward name to {what.split(' (')[0]}", named)
+                     f"a mapping of reward name to {what}", named)
             for name, settings in named.items():
                 sub = _sub_path(f"{p}.{group}", name)
                 # The name becomes the store's reward_NAME column.
@@ -485,7 +484,8 @@ class RewardConfig:
                          name)
                 _require(group == "remote" or name not in self.remote, sub,
                          "a name that is not also under reward.remote", name)
-                _require(isinstance(settings, cls), sub, f"a mapping of {what}", settings)
+                _require(isinstance(settings, cls), sub, f"a mapping of {what} ({fields})",
+                         settings)
                 settings.validate(sub)
         _require(isinstance(self.components, Mapping) and len(self.components) > 0,
                  f"{p}.components", "a non-empty mapping of reward name to weight",

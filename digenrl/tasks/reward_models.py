@@ -91,7 +91,9 @@ class _Clip:
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
-        raise NotImplementedError
+        """One batch's float64 scores: what each kind (a subclass) computes."""
+        raise NotImplementedError(f"{type(self).__name__} scores no batch: a reward-model "
+                                  f"kind defines _score_batch")
 
 
 class ClipPreference(_Clip):
