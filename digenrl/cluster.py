@@ -30,8 +30,13 @@ __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_cou
 
 logger = logging.getLogger(__name__)
 
-#: Dask settings a run relies on (see digenrl.schedulers.plugin for why).
-DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None}
+#: Dask settings a run relies on. Parked tasks never time out (see
+#: digenrl.schedulers.plugin for why). A cluster started here keeps every nanny however
+#: often its worker dies: Dask closes a nanny for good when its worker has not joined
+#: again ``lost-worker-timeout`` (15 s) after a loss, which a worker killed again while
+#: it restarts has not, and its pool would then lose the worker for the rest of the run.
+DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None,
+               "distributed.deploy.lost-worker-timeout": "1000 days"}
 
 #: Errors the driver reports itself, in one line naming what failed.
 REPORTED_BY_DRIVER = ("RewardError(",)
@@ -245,6 +250,7 @@ def start_emulated_cluster(rollout: int, trainer: int, speeds: dict[str, float],
                            dashboard_address: str | None = ":8787") -> ClusterHandle:
     """Dozens of worker processes on one machine for emulated GPUs (tasks only sleep, so
     no worker imports torch), the scheduler in its own process."""
+    dask.config.set(DASK_CONFIG)
     cluster = PooledSpecCluster(rollout, trainer, speeds=speeds,
                                 dashboard_address=dashboard_address,
                                 worker_config=EMULATED_WORKER_CONFIG)
