@@ -17,7 +17,7 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable, Iterable, Protocol
 
 import numpy as np
 from distributed import Future, wait
@@ -348,6 +348,7 @@ class Driver:
         futs = pipeline.take(i)
         wanted = {k: f for k, f in futs.items() if k[0] in w.collected}
         values = dict(zip(wanted, client.gather(list(wanted.values()))))
+        let_go(futs.values())  # (before the checkpoints they were computed from go)
         records, t1 = window.close(client, i)
         self._measure(records)
         t0 = window.opened
@@ -387,6 +388,16 @@ class Driver:
         got = client.run(drain_weight_receipts, on_error="ignore").values()
         return {"weight_sync_seconds": float(sum(s for s, _ in got)),
                 "weight_sync_transfers": float(sum(n for _, n in got))}
+
+
+def let_go(futures: Iterable[Future]) -> None:
+    """Release futures the run is done with now, not when their last reference goes: a
+    reference cycle (the traceback of a ``wait`` that timed out keeps its frame and the
+    futures it waited on) would hold them until the garbage collector runs, and a worker
+    lost meanwhile would have Dask recompute them -- outputs of iterations already
+    committed, through checkpoints already dropped, or a checkpoint written again."""
+    for f in futures:
+        f.release()
 
 
 def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
@@ -561,7 +572,8 @@ class Pipeline:
         keys = iteration_outputs(plan)["advantage"]
         futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
         self._outputs[j].update({k: futs[k] for k in keys})
-        self._held[j] = {root: futs[root]}  # the chain latents are read now
+        let_go(self._held.pop(j, {}).values())  # the chain latents are read now
+        self._held[j] = {root: futs[root]}
         self.trains.add(j)
         return True
 
@@ -574,8 +586,8 @@ class Pipeline:
                             stats + [checkpoint_key(j + 1)], f"tail-{j}")
         self._outputs[j].update({k: futs[k] for k in stats})
         self.checkpoints[j + 1] = futs[checkpoint_key(j + 1)]
-        self._held.pop(j, None)
-        del self.restored[j]  # the optimizer step reads it now
+        let_go(self._held.pop(j, {}).values())
+        let_go([self.restored.pop(j)])  # the optimizer step reads it now
         self.tails.add(j)
         return True
 
@@ -587,7 +599,7 @@ class Pipeline:
                 f.result()  # raises: a checkpoint that cannot be written stops the run
             if f.done():
                 self.checkpointed.add(v)
-                del self.checkpoints[v]
+                let_go([self.checkpoints.pop(v)])
 
     def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
@@ -639,7 +651,7 @@ class Pipeline:
         """Iteration ``i`` is committed: drop the weights of the versions the run, now at
         iteration ``i + 1``, no longer retains."""
         for v in [v for v in self.published if not self.w.layout.retains(v, i + 1)]:
-            del self.published[v]
+            let_go([self.published.pop(v)])
 
 
 class _Window:

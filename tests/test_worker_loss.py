@@ -181,3 +181,47 @@ def test_every_model_task_reads_its_weights_as_an_input():
                 assert Dep(publish_key(n.meta["policy_version"])) in n.args, n.key
                 if n.op == "grad" and kl:
                     assert Dep(publish_key(0)) in n.args, n.key
+
+
+#: The kinds of an iteration's work, keyed ``(kind, iteration, ...)``.
+_ITERATION_KINDS = ("noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
+                    "optimize", "stats")
+
+
+def _wanted_iterations(dask_scheduler) -> list[tuple]:
+    """The keys of an iteration's work some client still holds."""
+    return [ts.key for ts in dask_scheduler.tasks.values()
+            if ts.who_wants and isinstance(ts.key, tuple) and ts.key[0] in _ITERATION_KINDS]
+
+
+def test_the_driver_holds_nothing_of_a_committed_iteration(cluster_1x1, monkeypatch,
+                                                            tmp_path):
+    """Once an iteration is committed, no client holds any of its work, so a worker lost
+    later never has Dask recompute it (through checkpoints already dropped). Every wait
+    of the driver here times out (a 1 ms poll) and the garbage collector is off, so
+    futures kept only by the reference cycles of those timeouts would stay held."""
+    import gc
+
+    import digenrl.driver
+
+    monkeypatch.setattr(digenrl.driver, "STALL_POLL", 0.001)
+    client = cluster_1x1.client
+    held: dict[int, list] = {}
+
+    def committed(summary) -> None:
+        deadline = time.monotonic() + 10  # releases reach the scheduler in milliseconds
+        while True:
+            old = [k for k in client.run_on_scheduler(_wanted_iterations)
+                   if k[1] <= summary.iteration]
+            if not old or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        held[summary.iteration] = old
+
+    gc.disable()
+    try:
+        Runner(small_config(), str(tmp_path / "run.zarr"), cluster=cluster_1x1,
+               on_iteration=committed).run()
+    finally:
+        gc.enable()
+    assert sorted(held) == [0, 1, 2] and not any(held.values()), held
