@@ -117,10 +117,6 @@ def stored_arrays(path, group: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="intermittent: in one of four runs, after a kill, the next "
-                  "version's restore stayed 'no-worker' and the run stopped progressing "
-                  "(at iteration 18 of 20), while Dask recomputed an already committed "
-                  "iteration and logged a transition error (docs/reliability.md)")
 def test_repeated_worker_kills_change_no_bit(cluster_1x1, shared_runs, tmp_path):
     reference = shared_runs(cluster_1x1, chaos_config())
     path = tmp_path / "chaos.zarr"
