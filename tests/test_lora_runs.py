@@ -36,6 +36,11 @@ def test_a_version_ships_only_the_adapters(cluster_1x1, shared_runs):
     sent = ds["metrics"].weight_sync_bytes.values
     assert (sent == adapter_bytes).all(), (sent, adapter_bytes)
     assert adapter_bytes < full_bytes / 10, (adapter_bytes, full_bytes)
+    # Dask sizes a published version by the tensors it carries (the scheduler plugin's
+    # locality and transfer estimates read those sizes).
+    t = ds["tasks"]
+    published = t["nbytes"].values[t.kind.values == "publish"]
+    assert published.size and (published == adapter_bytes).all(), (published, adapter_bytes)
     # Every worker received each version it computed with from the trainer that
     # published it, and the time that took was measured.
     t = ds["tasks"]

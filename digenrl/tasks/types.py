@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import numpy as np
 import torch
+from dask.sizeof import sizeof
 
 from digenrl.models.base import Conditioning
 
@@ -133,3 +134,27 @@ class IterationStats:
     micro: MicroStats
     grad_norm: float
     weight_bytes: int = 0         # bytes of the published version (what travels to workers)
+
+
+def payload_bytes(value) -> int:
+    """The bytes of the tensors and arrays ``value`` carries (in dataclasses, mappings and
+    sequences, exactly: no sampling). What Dask counts as the size of a result of these
+    types -- its memory, its transfer cost, the scheduler plugin's input locality and
+    the ``tasks`` records' ``nbytes`` -- rather than the few dozen bytes of the Python
+    object holding them."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if is_dataclass(value) and not isinstance(value, type):
+        return sum(payload_bytes(getattr(value, f.name)) for f in fields(value))
+    if isinstance(value, dict):
+        return sum(payload_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(v) for v in value)
+    return 0  # a number, a string, None: nothing next to the tensors
+
+
+for _cls in (PolicyWeights, TrainerState, Latents, StepOut, DecodeOut, RewardOut,
+             AdvantageOut, GradOut, IterationStats, Conditioning):
+    sizeof.register(_cls)(payload_bytes)
