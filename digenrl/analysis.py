@@ -196,7 +196,7 @@ class SplitAdvice:
                 f"{self.bound(self.rollout_s, self.training_s, self.current):.2f} of the ideal "
                 f"bound, {br} + {bt} (the split the bound favours) "
                 f"{self.bound(self.rollout_s, self.training_s, self.best):.2f}; TAG and RAT "
-                f"lend the difference (check a split with digenrl simulate --splits)")
+                f"lend the difference")
 
 
 def split_advice(tasks, pools: Mapping[str, Iterable[str]],

@@ -3,7 +3,8 @@
 Writes ``reward.png`` (every sample's reward and the mean per iteration),
 ``timeline.png`` (one row per worker, a bar per task coloured by kind, hatched where a
 trainer generated (TAG) and, cross-hatched, where a rollout worker trained (RAT)), ``utilisation.png`` (busy fraction of each pool over time) and
-``staleness.png`` (how many versions old the trained samples were), for a run with
+``staleness.png`` (how many versions old the trained samples were), ``profile.yaml`` (the
+run's measured cost profile, for ``digenrl simulate``: :mod:`digenrl.sim.measured`), for a run with
 held-out evaluation ``eval.png`` (the evaluation curve) and ``eval-v{N}.png`` per
 evaluated policy version (its first ``eval.grid`` held-out samples, captioned), plus
 ``summary.txt`` -- the summary is also returned for printing. A running store shows its
@@ -15,14 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from digenrl.analysis import dispatch_overhead, split_advice, store_pools, window_stats
+from digenrl.sim.measured import measured_profile
 from digenrl.store import open_run
 
 __all__ = ["write_report", "summarise"]
 
 
-def summarise(ds) -> str:
+def summarise(ds, profile: Path | None = None) -> str:
+    """The summary's lines; ``profile``: where the run's measured cost profile was
+    written (named with the command that simulates other splits on it)."""
     attrs = ds["metrics"].attrs["digenrl"]
     m = ds["metrics"]
     n = m.sizes.get("iteration", 0)
@@ -60,6 +65,14 @@ def summarise(ds) -> str:
         advice = split_advice(tasks, pools)
         if advice is not None:
             lines.append(advice.text())
+        if profile is not None:
+            best = f"{advice.best[0]}:{advice.best[1]}," if advice is not None else ""
+            current = ":".join(str(max(1, len(attrs["cluster"]["pools"].get(p, []))))
+                               for p in ("rollout", "trainer"))
+            lines.append(f"measured costs: {profile} (other splits, modes and scales on "
+                         f"this workload: digenrl simulate {profile} --splits "
+                         f"{best}{current} --variants digenrl,digenrl-no-rat,"
+                         f"digenrl-no-tag,disaggregated)")
         o = dispatch_overhead(tasks)
         lines.append(f"GPU idle before a GPU task that could run: {o['overhead_ms']:.1f} ms, "
                      f"{o['dask_ms']:.1f} ms without fetching inputs; Dask's cost per denoise "
@@ -100,7 +113,14 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
         for v in np.unique(evaluation["version"].values):
             written.append(plots.eval_grid_png(evaluation, int(v), grid,
                                                out / f"eval-v{int(v)}.png"))
-    text = summarise(ds)
+    profile = None
+    if ds["metrics"].sizes.get("iteration", 0) >= 2 and len(tasks):
+        profile = out / "profile.yaml"
+        profile.write_text(yaml.safe_dump(
+            measured_profile(tasks, ds["metrics"], attrs, name=Path(str(store)).stem),
+            sort_keys=False))
+        written.append(profile)
+    text = summarise(ds, profile)
     (out / "summary.txt").write_text(text + "\n")
     written.append(out / "summary.txt")
     return written, text
