@@ -66,12 +66,13 @@ def summarise(ds, profile: Path | None = None) -> str:
         if advice is not None:
             lines.append(advice.text())
         if profile is not None:
-            best = f"{advice.best[0]}:{advice.best[1]}," if advice is not None else ""
             current = ":".join(str(max(1, len(attrs["cluster"]["pools"].get(p, []))))
                                for p in ("rollout", "trainer"))
+            splits = [current] if advice is None else sorted(
+                {current, f"{advice.best[0]}:{advice.best[1]}"})
             lines.append(f"measured costs: {profile} (other splits, modes and scales on "
                          f"this workload: digenrl simulate {profile} --splits "
-                         f"{best}{current} --variants digenrl,digenrl-no-rat,"
+                         f"{','.join(splits)} --variants digenrl,digenrl-no-rat,"
                          f"digenrl-no-tag,disaggregated)")
         o = dispatch_overhead(tasks)
         lines.append(f"GPU idle before a GPU task that could run: {o['overhead_ms']:.1f} ms, "
