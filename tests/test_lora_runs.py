@@ -43,7 +43,6 @@ def test_a_version_ships_only_the_adapters(cluster_1x1, shared_runs):
     assert published.size and (published == adapter_bytes).all(), (published, adapter_bytes)
     # Every worker received each version it computed with from the trainer that
     # published it, and the time that took was measured.
-    t = ds["tasks"]
     kind, worker, version = t.kind.values, t.worker.values, t.policy_version.values
     publisher = {v: w for k, w, v in zip(kind, worker, version) if k == "publish"}
     reads = {(w, v) for k, w, v in zip(kind, worker, version)

@@ -26,6 +26,7 @@ from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload, Runner
 from digenrl.store import open_run
 from digenrl.tasks.resident import PLUGIN_NAME
+from digenrl.vocabulary import ROLLOUT_KINDS, STATS, TRAINING_KINDS
 
 from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config
 from invariants import assert_schedule_invariants
@@ -184,8 +185,7 @@ def test_every_model_task_reads_its_weights_as_an_input():
 
 
 #: The kinds of an iteration's work, keyed ``(kind, iteration, ...)``.
-_ITERATION_KINDS = ("noise", "denoise", "decode", "reward", "advantage", "grad", "reduce",
-                    "optimize", "stats")
+_ITERATION_KINDS = ROLLOUT_KINDS | TRAINING_KINDS | {STATS}
 
 
 def _wanted_iterations(dask_scheduler) -> list[tuple]:

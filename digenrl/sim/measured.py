@@ -52,10 +52,11 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
         raise ValueError("profile: expected denoise tasks after the run's first iteration "
                          f"to measure, got none in {len(chunk)} complete iterations")
     reward_gpu = bool(t.loc[kind == REWARD, "gpu"].any()) if "gpu" in t else False
-    size = int(cfg["rollout"]["chunk_size"])
+    # The chunk size the run used on average (adaptive chunking varies it), as the
+    # largest divisor of an iteration's images not above it (a profile's chunks are equal).
     images = int(derived["images_per_iteration"])
-    if images % size:
-        size = int(images // derived["chunks_per_iteration"])
+    size = max(d for d in range(1, images + 1)
+               if images % d == 0 and d <= max(1, round(float(np.mean(chunk)))))
     latent = mean(DENOISE, "nbytes") / max(float(np.mean(chunk)), 1.0)
     return {
         "name": name,
