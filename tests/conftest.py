@@ -45,8 +45,8 @@ class _Errors(logging.Handler):
             self.records.append(record)
 
 
-_SCHEDULER_ERRORS = _Errors()
-logging.getLogger("distributed.scheduler").addHandler(_SCHEDULER_ERRORS)
+SCHEDULER_ERRORS = _Errors()
+logging.getLogger("distributed.scheduler").addHandler(SCHEDULER_ERRORS)
 
 
 @pytest.fixture(autouse=True)
@@ -54,9 +54,9 @@ def no_scheduler_error():
     """A test fails if a scheduler logged an error while it ran: under validation, an
     invalid transition (the plugin's included) is logged and raised there, where the
     test would not see it."""
-    start = len(_SCHEDULER_ERRORS.records)
+    start = len(SCHEDULER_ERRORS.records)
     yield
-    new = _SCHEDULER_ERRORS.records[start:]
+    new = SCHEDULER_ERRORS.records[start:]
     assert not new, "a scheduler logged errors: " + "; ".join(
         r.getMessage()[:300] for r in new)
 

@@ -8,7 +8,8 @@ worker, as work stealing does: a ``steal-request`` asks the worker to drop the t
 only when it answers that it had not started it (or never knew it) does the scheduler
 reschedule it -- the plugin then parks it again and the policy decides it afresh.
 (``Scheduler._reschedule`` alone is not enough: it assumes the worker has dropped the
-task already.) Every take-back is logged with the task, the worker and why, and counted
+task already -- which holds for an orphan, a task left processing on a worker the
+scheduler has removed, taken back that way at once.) Every take-back is logged with the task, the worker and why, and counted
 (``counters.watchdog_taken_back`` of ``digenrl_state``).
 
 The stall check (``digenrl_stalled``): the driver asks it while it waits; once no GPU
@@ -128,15 +129,27 @@ class ProgressGuard(SchedulerPlugin):
                 del self._requests[sid]
         if not self.enabled:
             return
+        s = self.scheduler
+        for address in [a for a in plugin.policy.workers if a not in s.workers]:
+            # (Left behind like an orphan task: its removal never reached the policy.)
+            logger.warning("watchdog: worker %s is gone; the policy no longer counts it",
+                           address)
+            plugin.remove_worker(s, address, stimulus_id=f"{TAKE_BACK}-{next(self._ids)}")
         asked = {(k, w) for k, w, _ in self._requests.values()}
         for t in self._look(now):
-            if (t.key, t.worker) in asked or t.worker not in self.scheduler.stream_comms:
+            if t.orphan:
+                logger.warning("watchdog: took task %r back from worker %s: %s; the policy "
+                               "decides it again", t.key, t.worker, t.why)
+                self.counters["watchdog_taken_back"] += 1
+                s._reschedule(t.key, t.worker, stimulus_id=f"{TAKE_BACK}-{next(self._ids)}")
+                continue
+            if (t.key, t.worker) in asked or t.worker not in s.stream_comms:
                 continue
             sid = f"{TAKE_BACK}-{next(self._ids)}"
             self._requests[sid] = (t.key, t.worker, now)
             logger.warning("watchdog: asking worker %s to give back task %r: %s",
                            t.worker, t.key, t.why)
-            self.scheduler.stream_comms[t.worker].send(
+            s.stream_comms[t.worker].send(
                 {"op": "steal-request", "key": t.key, "stimulus_id": sid})
 
     def _on_response(self, key=None, state=None, stimulus_id: str = "", worker=None,

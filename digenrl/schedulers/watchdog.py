@@ -13,7 +13,11 @@ A task is taken back when it has been processing on a running worker for longer 
 its *grace* -- ``GRACE_FACTOR`` times its expected seconds, at least the floor -- and its
 worker has executed nothing for longer than that grace as well. A worker that executes
 something is making progress (a task released to it waits for a slot there); a paused
-worker is explained, not lost, and is left alone (the run's stall check names it).
+worker is explained, not lost, and is left alone (the run's stall check names it). A
+task still processing on a worker the scheduler no longer lists is an *orphan*: a
+worker's removal moves every task it processed back at once, so one left behind (a
+transition failed in the middle of the removal) waits for a worker that will never
+answer, and it is taken back at once, without asking that worker.
 
 The run's *stall timeout* is the other bound: when no GPU task has finished for that
 long and the watchdog has nothing left to try, the run stops and says what it waits for.
@@ -63,6 +67,7 @@ class TakeBack:
     key: Hashable
     worker: str
     why: str
+    orphan: bool = False   # its worker is gone: take it back without asking it
 
 
 class Watchdog:
@@ -93,9 +98,14 @@ class Watchdog:
     def overdue(self, now: float, tasks: Iterable[Processing],
                 running: Mapping[str, bool]) -> list[TakeBack]:
         """The tasks to take back now: processing for longer than their grace on a
-        running worker that has executed nothing for longer than that grace."""
+        running worker that has executed nothing for longer than that grace, or on a
+        worker absent from ``running`` (every worker the scheduler lists) at all."""
         out = []
         for t in tasks:
+            if t.worker not in running:
+                out.append(TakeBack(t.key, t.worker, "processing on a worker the scheduler "
+                                    "no longer lists", orphan=True))
+                continue
             idle_since = self._idle_since.get(t.worker)
             if idle_since is None or not running.get(t.worker, False):
                 continue

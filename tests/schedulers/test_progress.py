@@ -177,6 +177,50 @@ async def test_a_task_its_worker_runs_is_left_alone(c, s, r, t):
     assert (await c.scheduler.digenrl_state())["counters"].get("watchdog_taken_back", 0) == 0
 
 
+@pooled_cluster(POOLED)
+async def test_a_task_left_on_a_removed_worker_is_taken_back(c, s, r, t):
+    """A transition that fails in the middle of a worker's removal (as Dask's own did
+    under validation, on a dependency that had erred) leaves the worker's task
+    processing on a worker the scheduler no longer lists, and the worker counted by the
+    policy. The watchdog takes the task back at once and the policy forgets the worker
+    (which shuts down when the scheduler no longer knows its heartbeat); the trainer
+    runs the task instead (trainer-assisted generation)."""
+    from distributed import Event
+
+    from conftest import SCHEDULER_ERRORS
+    from plugin_helpers import wait_for_event
+
+    plugin = await install(s)
+    key = ("denoise", 0, 0, 0)
+    tasks = {key: (wait_for_event, ("held",), task_meta("denoise", 0, 0, chunk=0, timestep=0))}
+    fut = c.get(annotated(tasks), list(tasks), sync=False)[0]
+    await async_poll_for(lambda: s.workers[r.address].executing, timeout=10)
+    ws = s.workers[r.address]
+
+    transitions = s.transitions
+
+    def failing(recommendations, stimulus_id):
+        s.transitions = transitions   # once
+        raise RuntimeError("a transition failed")
+
+    s.transitions = failing
+    logged = len(SCHEDULER_ERRORS.records)
+    with pytest.raises(RuntimeError, match="a transition failed"):
+        await s.remove_worker(r.address, stimulus_id="test-removal", close=False)
+    # (The failure this test makes is the one error the scheduler may log.)
+    assert [e.getMessage() for e in SCHEDULER_ERRORS.records[logged:]] == [
+        "a transition failed"]
+    del SCHEDULER_ERRORS.records[logged:]
+    assert s.tasks[key].processing_on is ws and r.address not in s.workers
+    assert r.address in plugin.policy.workers
+    await async_poll_for(lambda: s.tasks[key].processing_on is not ws, timeout=10)
+    assert r.address not in plugin.policy.workers
+    assert (await c.scheduler.digenrl_state())["counters"]["watchdog_taken_back"] == 1
+    await Event("held").set()
+    assert await asyncio.wait_for(fut, 30) == "held"
+    assert s.tasks[key].who_has == {s.workers[t.address]}
+
+
 # (The memory monitor would resume a worker paused with its memory low.)
 @pooled_cluster(POOLED, config={"distributed.worker.memory.pause": False})
 async def test_a_run_whose_workers_are_all_paused_says_what_it_waits_for(c, s, r, t):

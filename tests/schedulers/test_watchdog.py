@@ -21,6 +21,15 @@ def test_a_task_on_a_worker_that_runs_nothing_is_taken_back_after_its_grace():
     assert "executed nothing for 21 s" in t.why
 
 
+def test_a_task_on_a_worker_the_scheduler_no_longer_lists_is_taken_back_at_once():
+    dog = Watchdog(floor=5.0)
+    dog.observe(0.0, {B: False})
+    orphan, waiting = Processing("t", A, since=0.0), Processing("u", B, since=0.0)
+    [t] = dog.overdue(0.1, [orphan, waiting], {B: True})
+    assert (t.key, t.worker, t.orphan) == ("t", A, True)
+    assert "no longer lists" in t.why
+
+
 def test_the_floor_applies_when_nothing_was_measured():
     dog = Watchdog(floor=5.0)
     dog.observe(0.0, {A: False})
