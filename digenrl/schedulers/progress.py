@@ -134,18 +134,15 @@ class ProgressGuard(SchedulerPlugin):
             # (Left behind like an orphan task: its removal never reached the policy.)
             logger.warning("watchdog: worker %s is gone; the policy no longer counts it",
                            address)
-            plugin.remove_worker(s, address, stimulus_id=f"{TAKE_BACK}-{next(self._ids)}")
+            plugin.remove_worker(s, address, stimulus_id=self._stimulus())
         asked = {(k, w) for k, w, _ in self._requests.values()}
         for t in self._look(now):
             if t.orphan:
-                logger.warning("watchdog: took task %r back from worker %s: %s; the policy "
-                               "decides it again", t.key, t.worker, t.why)
-                self.counters["watchdog_taken_back"] += 1
-                s._reschedule(t.key, t.worker, stimulus_id=f"{TAKE_BACK}-{next(self._ids)}")
+                self._take_back(t.key, t.worker, t.why, self._stimulus())
                 continue
             if (t.key, t.worker) in asked or t.worker not in s.stream_comms:
                 continue
-            sid = f"{TAKE_BACK}-{next(self._ids)}"
+            sid = self._stimulus()
             self._requests[sid] = (t.key, t.worker, now)
             logger.warning("watchdog: asking worker %s to give back task %r: %s",
                            t.worker, t.key, t.why)
@@ -169,8 +166,17 @@ class ProgressGuard(SchedulerPlugin):
                         key, state)
             self.counters["watchdog_declined"] += 1
             return
-        logger.warning("watchdog: took task %r back from worker %s (it held it as %r); "
-                       "the policy decides it again", key, address, state)
+        self._take_back(key, address, f"it held it as {state!r}", stimulus_id)
+
+    def _stimulus(self) -> str:
+        """A new take-back's stimulus id (its answer is told apart from work stealing's)."""
+        return f"{TAKE_BACK}-{next(self._ids)}"
+
+    def _take_back(self, key, address: str, why: str, stimulus_id: str) -> None:
+        """Reschedule ``key``, which ``address`` has dropped or will never run: the
+        plugin parks it again and the policy decides it afresh."""
+        logger.warning("watchdog: took task %r back from worker %s (%s); the policy "
+                       "decides it again", key, address, why)
         self.counters["watchdog_taken_back"] += 1
         self.scheduler._reschedule(key, address, stimulus_id=stimulus_id)
 
