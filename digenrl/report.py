@@ -66,14 +66,12 @@ def summarise(ds, profile: Path | None = None) -> str:
         if advice is not None:
             lines.append(advice.text())
         if profile is not None:
-            current = ":".join(str(max(1, len(attrs["cluster"]["pools"].get(p, []))))
-                               for p in ("rollout", "trainer"))
-            splits = [current] if advice is None else sorted(
-                {current, f"{advice.best[0]}:{advice.best[1]}"})
+            # (Without --splits the simulator runs the profile's own split: the run's.)
+            splits = "" if advice is None else " --splits " + ",".join(
+                sorted({f"{r}:{t}" for r, t in (advice.current, advice.best)}))
             lines.append(f"measured costs: {profile} (other splits, modes and scales on "
-                         f"this workload: digenrl simulate {profile} --splits "
-                         f"{','.join(splits)} --variants digenrl,digenrl-no-rat,"
-                         f"digenrl-no-tag,disaggregated)")
+                         f"this workload: digenrl simulate {profile}{splits} --variants "
+                         f"digenrl,digenrl-no-rat,digenrl-no-tag,disaggregated)")
         o = dispatch_overhead(tasks)
         lines.append(f"GPU idle before a GPU task that could run: {o['overhead_ms']:.1f} ms, "
                      f"{o['dask_ms']:.1f} ms without fetching inputs; Dask's cost per denoise "

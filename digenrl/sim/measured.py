@@ -42,10 +42,11 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
         m = kind == k
         return float(np.mean(seconds[m] / samples[m])) if m.any() else None
 
-    def mean(k: str, column: str = "seconds") -> float:
+    nbytes = t["nbytes"].to_numpy()
+
+    def mean(values: np.ndarray, k: str) -> float:
         m = kind == k
-        values = seconds[m] if column == "seconds" else t[column].to_numpy()[m]
-        return float(np.mean(values)) if m.any() else 0.0
+        return float(np.mean(values[m])) if m.any() else 0.0
 
     denoise = per_sample(DENOISE)
     if denoise is None:
@@ -57,7 +58,7 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
     images = int(derived["images_per_iteration"])
     size = max(d for d in range(1, images + 1)
                if images % d == 0 and d <= max(1, round(float(np.mean(chunk)))))
-    latent = mean(DENOISE, "nbytes") / max(float(np.mean(chunk)), 1.0)
+    latent = mean(nbytes, DENOISE) / max(float(np.mean(chunk)), 1.0)
     return {
         "name": name,
         "description": f"measured from run {attrs.get('run')} ({len(chunk)} complete "
@@ -83,9 +84,9 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
             "decode_per_sample": per_sample(DECODE) or 0.0,
             "reward_per_sample": per_sample(REWARD) or 0.0,
             "reward_on": "gpu" if reward_gpu else "remote",
-            "optimizer_step": mean(OPTIMIZE),
-            "weight_bytes": mean(PUBLISH, "nbytes"),
-            "grad_bytes": mean(GRAD, "nbytes"),
+            "optimizer_step": mean(seconds, OPTIMIZE),
+            "weight_bytes": mean(nbytes, PUBLISH),
+            "grad_bytes": mean(nbytes, GRAD),
             "latent_bytes_per_sample": latent,
         },
         "network": {"bandwidth": float(attrs["schedule"].get("transfer_bandwidth") or 50e9)},
