@@ -158,9 +158,11 @@ class Driver:
 
     Each iteration is submitted in three pieces, each as soon as what it reads exists
     (:class:`Pipeline`): its *rollout*, its *train* part (advantages, micro-steps and the
-    reduction) and its *tail* (the optimizer step, from the previous state read back from
-    its checkpoint, which checkpoints version i + 1); version i + 1 is published from its
-    checkpoint read back once it is written. Once complete an iteration is committed to
+    reduction) and its *tail* (the optimizer step, from the previous state read back,
+    which checkpoints version i + 1); version i + 1 is published from its state read
+    back, a task without inputs that takes the state from the memory of the worker that
+    made it while the checkpoint is written (and from the checkpoint when recomputed).
+    Once complete an iteration is committed to
     the store (:meth:`_commit`). Because every optimizer step starts from a checkpoint
     and every version is published from one, no result ever needs more than about one
     iteration of lineage to be recomputed (published weights: none past their own
@@ -424,14 +426,17 @@ class Pipeline:
       its chunks read is published;
     * its *train* piece (advantages, micro-steps, the reduction) once its rollout is in
       and version ``j`` -- with the KL term, version 0 too -- is published;
-    * its *tail* (the optimizer step from version ``j``'s checkpoint read back, which
+    * its *tail* (the optimizer step from version ``j``'s state read back, which
       checkpoints version ``j + 1``) once its train piece is in and that read is.
 
-    Once checkpoint ``v`` is written, a *restore* piece reads it back and publishes
-    version ``v`` from it (version 0 is published from the initial state, which has no
-    inputs either): a version's weights, lost with every worker holding them, are
-    recomputed from their checkpoint alone. The read-back state is held until the tail
-    of iteration ``v`` is in, which starts from it.
+    With the tail (and with the initial state) goes the read-back of the version it
+    makes, which publishes the version (version 0 is published from the initial state,
+    which has no inputs either). The read-back is a task without inputs: the scheduler
+    sends it to the worker holding the new state in memory, so the version is published
+    while its checkpoint is still being written, and a version's weights lost with
+    every worker holding them are recomputed from its checkpoint alone. The read-back
+    state is held until the tail of iteration ``v`` is in, which starts from it. A
+    resumed run reads back the version it starts from in a piece of its own.
 
     A piece passes the futures of what the driver collects to :meth:`take` and holds
     those a later piece of its iteration reads until that piece is in; published
@@ -478,10 +483,7 @@ class Pipeline:
         versions it retains, restored from their checkpoints."""
         self.start = start
         if start == 0:
-            futs = self._submit(init_nodes(checkpoint=True),
-                                [publish_key(0), checkpoint_key(0)], "init")
-            self.published[0] = futs[publish_key(0)]
-            self.checkpoints[0] = futs[checkpoint_key(0)]
+            self._submit_made(0, init_nodes(checkpoint=True), [], "init")
             return
         # The earlier versions it retains here; version ``start`` by :meth:`_restore`.
         for v in self.w.layout.retained_versions(start)[:-1]:
@@ -530,22 +532,34 @@ class Pipeline:
         return progress
 
     def _restore(self) -> bool:
-        """Read back every version checkpointed since, publishing it (unless it is
-        published already: version 0 of a new run) and, for a version a tail starts
-        from, holding the state read."""
+        """Read back the version a resumed run starts from, publishing it."""
         progress = False
         for v in sorted(self.checkpointed - self.restores):
-            publish = v not in self.published
-            keys = ([restore_key(v)] if v < self.w.iterations else []) + (
-                [publish_key(v)] if publish else [])
-            futs = self._submit(restore_nodes(v, publish=publish), keys, f"restore-{v}")
-            if publish:
-                self.published[v] = futs[publish_key(v)]
-            if restore_key(v) in futs:
-                self.restored[v] = futs[restore_key(v)]
-            self.restores.add(v)
+            self._submit_read_back(v, restore_nodes(v, publish=True), [], f"restore-{v}")
             progress = True
         return progress
+
+    def _submit_made(self, v: int, nodes: list, keys: list[Key], name: str) -> dict[Key, Future]:
+        """Submit ``nodes``, which make version ``v``'s trainer state and checkpoint it,
+        with the read-back of that state (handed over in memory while the checkpoint is
+        written) and, past version 0 (published from the initial state), its publish."""
+        futs = self._submit_read_back(
+            v, nodes + restore_nodes(v, publish=v > 0, handoff=True),
+            keys + [checkpoint_key(v)], name)
+        self.checkpoints[v] = futs[checkpoint_key(v)]
+        return futs
+
+    def _submit_read_back(self, v: int, nodes: list, keys: list[Key],
+                          name: str) -> dict[Key, Future]:
+        """Submit ``nodes``, which read back version ``v``'s state, holding the state
+        when a tail starts from it and the published weights."""
+        read = [restore_key(v)] if v < self.w.iterations else []
+        futs = self._submit(nodes, keys + read + [publish_key(v)], name)
+        self.published[v] = futs[publish_key(v)]
+        if read:
+            self.restored[v] = futs[restore_key(v)]
+        self.restores.add(v)
+        return futs
 
     def _rollout(self, plan: IterationPlan) -> bool:
         j, layout = plan.iteration, self.w.layout
@@ -582,10 +596,10 @@ class Pipeline:
         if j not in self.trains or j in self.tails or j not in self.restored:
             return False
         stats = iteration_outputs(plan)["stats"]
-        futs = self._submit(tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
-                            stats + [checkpoint_key(j + 1)], f"tail-{j}")
+        futs = self._submit_made(
+            j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
+            stats, f"tail-{j}")
         self._outputs[j].update({k: futs[k] for k in stats})
-        self.checkpoints[j + 1] = futs[checkpoint_key(j + 1)]
         let_go(self._held.pop(j, {}).values())
         let_go([self.restored.pop(j)])  # the optimizer step reads it now
         self.tails.add(j)

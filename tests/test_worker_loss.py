@@ -18,10 +18,15 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+import torch
 import zarr
 from distributed import Client
 
 from digenrl.checkpoints import complete_checkpoints, read_checkpoint
+from digenrl.store import StoreError
+from digenrl.tasks.checkpoint import CheckpointSpec, load_state
+from digenrl.tasks.train import OptimizeOut
+from digenrl.tasks.types import TrainerState
 from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload, Runner
 from digenrl.store import open_run
@@ -182,6 +187,52 @@ def test_every_model_task_reads_its_weights_as_an_input():
                 assert Dep(publish_key(n.meta["policy_version"])) in n.args, n.key
                 if n.op == "grad" and kl:
                     assert Dep(publish_key(0)) in n.args, n.key
+
+
+def test_each_version_is_read_back_on_the_worker_that_made_its_state(reference_run):
+    """The scheduler sends the read-back of version ``v`` (what ``v`` is published from)
+    to the worker whose optimizer step (version 0: the initial state) made it, which
+    takes the state from its memory rather than waiting for the checkpoint."""
+    _, ds = reference_run
+    t = ds["tasks"].to_dataframe()
+    where = dict(zip(t.key, t.worker))
+    reads = t[t.kind == "restore"]
+    assert len(reads) == REFERENCE_ITERATIONS + 1  # versions 0 .. n
+    for key, worker in zip(reads.key, reads.worker):
+        version = int(key.strip("()").split(",")[1])
+        maker = "('init',)" if version == 0 else f"('optimize', {version - 1})"
+        assert worker == where[maker], (key, worker, where[maker])
+
+
+def _made_state(version: int) -> OptimizeOut:
+    g = torch.Generator().manual_seed(version)
+    params = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)}
+    return OptimizeOut(TrainerState(version=version, params=params,
+                                    exp_avg={k: v * 0.5 for k, v in params.items()},
+                                    exp_avg_sq={k: v * v for k, v in params.items()},
+                                    step=version), None)
+
+
+def test_a_read_back_takes_the_state_from_its_makers_memory_else_the_checkpoint(
+        cluster_1x1, tmp_path):
+    """On the worker holding the maker's result the read-back returns that state, bit
+    for bit, without a checkpoint; on another worker it reads the checkpoint, and
+    without one it fails naming what it expected."""
+    client = cluster_1x1.client
+    trainer, rollout = (_pool_worker(client, pool) for pool in ("trainer", "rollout"))
+    spec = CheckpointSpec(str(tmp_path / "no-checkpoints.zarr"))
+    zarr.open_group(spec.store, mode="w").require_group("checkpoints")
+    made = client.submit(_made_state, 3, key=("made", 3), workers=[trainer])
+    want = made.result()  # (the read-back names its maker but does not wait for it)
+    got = client.submit(load_state, spec, 3, made.key, workers=[trainer], pure=False).result()
+    for part in ("params", "exp_avg", "exp_avg_sq"):
+        mine, theirs = getattr(got.state, part), getattr(want.state, part)
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert (got.state.version, got.state.step) == (3, 3)
+    elsewhere = client.submit(load_state, spec, 3, made.key, workers=[rollout], pure=False)
+    with pytest.raises(StoreError, match="complete checkpoint of policy version 3"):
+        elsewhere.result()
 
 
 #: The kinds of an iteration's work, keyed ``(kind, iteration, ...)``.

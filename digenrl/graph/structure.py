@@ -155,11 +155,17 @@ def init_nodes(checkpoint: bool = False) -> list[Node]:
     return nodes
 
 
-def restore_nodes(version: int, publish: bool = False) -> list[Node]:
+def restore_nodes(version: int, publish: bool = False, handoff: bool = False) -> list[Node]:
     """Read version ``version``'s state back from its checkpoint (a task with no inputs:
-    lineage ends there), and optionally publish its weights from it (resuming a run)."""
+    lineage ends there), and optionally publish its weights from it.
+
+    With ``handoff`` (the version is made in this run: by the optimizer step before it,
+    or as the initial state) the read-back takes the state from the memory of the
+    worker that made it when it runs there, which the scheduler arranges while the
+    checkpoint is being written; the maker's key is a plain argument, not an input."""
+    args = (version, optimize_key(version - 1)) if handoff else (version,)
     nodes = [Node(restore_key(version), "restore",
-                  task_meta("restore", version - 1, version), (version,))]
+                  task_meta("restore", version - 1, version), args)]
     if publish:
         nodes.append(Node(publish_key(version), "publish",
                           task_meta(PUBLISH, version - 1, version),

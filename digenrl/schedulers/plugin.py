@@ -264,6 +264,11 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 failed.append(key)
         for key in failed:
             self.policy.release_failed(key)
+        for key, address in self.policy.take_copies():
+            ts, ws = s.tasks.get(key), s.workers.get(address)
+            if ts is not None and ts.state == "memory" and ws is not None \
+                    and ws not in ts.who_has:
+                s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
 
     # ----------------------------------------------------------------- telemetry

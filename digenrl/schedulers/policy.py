@@ -24,7 +24,9 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   trainers' released work plus the step at theirs. The generation it would next run
   waits for a version that the trainers cannot publish before they would have run the
   step, so the step ends before that generation can start. Reductions, optimizer steps
-  and the rest stay on trainers; rollout work that becomes runnable comes first again
+  and the rest stay on trainers: a lent step's gradient is copied to a trainer as soon
+  as it is computed (:meth:`SchedulingPolicy.take_copies`), so the reduction summing it
+  does not wait for that transfer. Rollout work that becomes runnable comes first again
   at the worker's next release;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
   ``i - max_staleness`` has been published; a training task that would consume samples
@@ -33,7 +35,13 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   task of it is released only to a rollout (or co-located) worker with nothing in
   flight, while no rollout step is ready anywhere and no grad waits that the worker
   might be lent; it is never held, never counted in an iteration's rollout work, and
-  trainers never take it.
+  trainers never take it;
+* **hand-off of the trainer state**: the read-back of a policy version's state
+  (``restore``, what the version is published from) goes to the worker that made the
+  state (its optimizer step, or the initial state), whose memory still holds it while
+  the checkpoint is being written: the version is published without waiting for the
+  checkpoint's write and read. With that worker gone it waits until the checkpoint is
+  written, then goes to any worker of its pool and reads the checkpoint.
 
 GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
 (one runs, the others wait on the worker and hide the scheduler round trip). Tasks that
@@ -64,8 +72,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, POOLS,
-                                PUBLISH, ROLLOUT, TRAINER, stage_of)
+from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DENOISE, GRAD, INIT,
+                                NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT, TRAINER,
+                                stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -75,6 +84,9 @@ Key = Hashable
 # Task states inside the policy.
 ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "released",
                                                  "done", "forgotten")
+
+#: The kinds whose result is a trainer state: version ``iteration + 1``'s.
+_MAKERS = frozenset({INIT, OPTIMIZE})
 
 #: The states in which a task is already ready, held or running.
 _QUEUED = frozenset({READY, HELD, RELEASED})
@@ -242,7 +254,8 @@ class SchedulingPolicy:
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
-                 "_unstarted", "_counts", "_released", "_ranked")
+                 "_unstarted", "_counts", "_released", "_ranked", "_made_on", "_checkpoints",
+                 "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -289,6 +302,13 @@ class SchedulingPolicy:
         self._unstarted: dict[tuple[int, int], set] = defaultdict(set)
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
+        # Hand-off: policy version -> the worker whose optimizer step (or initial state)
+        # made its trainer state, while that task's result is known; and the checkpoint
+        # task of each version.
+        self._made_on: dict[int, str] = {}
+        self._checkpoints: dict[int, TaskInfo] = {}
+        # Results to copy to a worker ahead of need (see take_copies).
+        self._copies: list[tuple[Key, str]] = []
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
@@ -324,6 +344,8 @@ class SchedulingPolicy:
         if w is None:
             return []
         self._free[w.pool].discard(address)
+        for v in [v for v, a in self._made_on.items() if a == address]:
+            del self._made_on[v]
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
             info = self.tasks.get(key)
@@ -369,6 +391,8 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
+            if info.kind == CHECKPOINT:
+                self._checkpoints[info.policy_version] = info
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 info.pending = True
                 pending[info.iteration] += 1
@@ -525,6 +549,10 @@ class SchedulingPolicy:
                 ref = duration * w.speed
                 a = self.STEP_EWMA
                 self._ref_grad = ref if self._ref_grad is None else (1 - a) * self._ref_grad + a * ref
+                if w.pool == ROLLOUT and self.options.pools:
+                    self._send_to_trainer(info)
+        elif kind in _MAKERS and worker is not None:
+            self._made_on[info.iteration + 1] = worker
         self._unrelease(info)
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
@@ -549,6 +577,7 @@ class SchedulingPolicy:
             self._unrelease(info)
             info.state = ADDED
             self._cpu_ready.pop(key, None)
+            self._forget_maker(info)
             if _first_step(info):
                 self._unstarted[info.iteration, info.policy_version].add(key)
             info.locality = info.ready_since = info.eligible_since = None
@@ -577,6 +606,9 @@ class SchedulingPolicy:
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
+        self._forget_maker(info)
+        if info.kind == CHECKPOINT and self._checkpoints.get(info.policy_version) is info:
+            del self._checkpoints[info.policy_version]
         if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
         elif _first_step(info):
@@ -584,6 +616,28 @@ class SchedulingPolicy:
         if info.pending:
             info.pending = False
             self._rollout_pending[info.iteration] -= 1
+
+    def _send_to_trainer(self, info: TaskInfo) -> None:
+        """``info``, a grad lent to a rollout worker, finished: a trainer (the least
+        loaded) copies its gradient now, while the trainers still compute, rather than
+        when the reduction that sums it becomes ready (which a trainer runs)."""
+        trainers = self._trainers()
+        if trainers:
+            to = min(trainers, key=lambda t: (len(t.inflight) + len(t.cpu_inflight), t.name))
+            self._copies.append((info.key, to.address))
+
+    def take_copies(self) -> list[tuple[Key, str]]:
+        """The results to copy ahead of need, each to a worker (in the order decided),
+        handed over: the caller asks each worker to fetch its results, where they are
+        still in memory and the worker is still there."""
+        out, self._copies = self._copies, []
+        return out
+
+    def _forget_maker(self, info: TaskInfo) -> None:
+        """``info``'s result is gone (lost or forgotten): if it made a trainer state, no
+        worker's memory holds that state for its read-back any more."""
+        if info.kind in _MAKERS:
+            self._made_on.pop(info.iteration + 1, None)
 
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
@@ -841,6 +895,20 @@ class SchedulingPolicy:
         self._round_robin[key] = i + 1
         return pool[i]
 
+    def _place_restore(self, info: TaskInfo) -> WorkerInfo | None:
+        """Where the read-back of a version's trainer state goes: to the worker that
+        made the state, whose memory holds it (the task takes it from there); with that
+        worker gone or unknown, to any worker of the pool once the version's checkpoint
+        is written (or when no checkpoint task is known: a resumed run reads one written
+        before), and nowhere yet while it is being written."""
+        maker = self.workers.get(self._made_on.get(info.policy_version, ""))
+        if maker is not None:
+            return maker
+        writing = self._checkpoints.get(info.policy_version)
+        if writing is not None and writing.state is not DONE:
+            return None
+        return self._place_cpu(info, {})
+
     def decide(self) -> list[Decision]:
         """Releases to make now (each is final: the task goes to that worker).
 
@@ -852,7 +920,9 @@ class SchedulingPolicy:
         out: list[Decision] = []
         if self._cpu_ready:
             for key in sorted(self._cpu_ready, key=self._sort_key):
-                w = self._place_cpu(self.tasks[key], self._cpu_ready[key])
+                info = self.tasks[key]
+                w = (self._place_restore(info) if info.kind == RESTORE
+                     else self._place_cpu(info, self._cpu_ready[key]))
                 if w is not None:
                     del self._cpu_ready[key]
                     out.append(self._release(self.tasks[key], w, now))

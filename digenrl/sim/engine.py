@@ -285,6 +285,9 @@ class Simulator:
         starts ``queued_latency`` after a GPU frees (the worker's own hand-over)."""
         now, workers = self.clock.now, self._workers
         start = now + self.latency
+        # (Copies ahead of need move a lent grad's gradient to a trainer: the engine
+        # charges no transfer for a reduction's inputs, so it has nothing to move.)
+        self.policy.take_copies()
         for d in self.policy.decide():
             t = d.info          # (the engine's task: the policy holds the same objects)
             w = workers[d.worker]

@@ -1,12 +1,20 @@
 """Checkpoint and restore tasks: the trainer state of a policy version to and from the
 run's store. Restoring is a task without inputs, so a result recomputed after a worker
-loss never needs more history than the newest checkpoint."""
+loss never needs more history than the newest checkpoint.
+
+A restore first looks for the state in the memory of the worker running it: the
+scheduler sends it to the worker whose optimizer step made the state while the
+checkpoint is being written, so a version is published without waiting for that write
+and the read after it. The state taken from memory is the one the checkpoint holds, bit
+for bit."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
 import torch
+from distributed import get_worker
 
 from digenrl.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
@@ -31,11 +39,30 @@ def save_state(spec: CheckpointSpec, version: int, out: OptimizeOut) -> int:
     return version
 
 
-def load_state(spec: CheckpointSpec, version: int) -> OptimizeOut:
-    """Version ``version``'s trainer state, bit for bit as it was written."""
+def load_state(spec: CheckpointSpec, version: int,
+               maker: Hashable | None = None) -> OptimizeOut:
+    """Version ``version``'s trainer state, bit for bit as it was written: the result of
+    ``maker`` (the key of the task that made the state) when this worker holds it, else
+    read from the checkpoint."""
+    held = _in_memory(maker) if maker is not None else None
+    if held is not None:
+        assert held.state.version == version, (held.state.version, version)
+        return OptimizeOut(held.state, None)
     parts, step = read_checkpoint(spec.store, version)
     tensors = {name: {k: torch.from_numpy(a.copy()) for k, a in arrays.items()}
                for name, arrays in parts.items()}
     return OptimizeOut(TrainerState(version=version, params=tensors["params"],
                                     exp_avg=tensors["exp_avg"],
                                     exp_avg_sq=tensors["exp_avg_sq"], step=step), None)
+
+
+def _in_memory(key: Hashable) -> OptimizeOut | None:
+    """The result of ``key`` if the Dask worker running this task holds it."""
+    try:
+        data = get_worker().data
+    except ValueError:
+        return None  # not on a worker
+    try:
+        return data[key]
+    except KeyError:
+        return None

@@ -12,8 +12,9 @@ from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
 from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
-from digenrl.vocabulary import (ADVANTAGE, DENOISE, EVAL, GPU_KINDS, GRAD, KIND_POOL, KINDS,
-                                NOISE, PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER)
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DENOISE, EVAL, GPU_KINDS, GRAD,
+                                KIND_POOL, KINDS, NOISE, OPTIMIZE, PUBLISH, RESTORE, ROLLOUT,
+                                ROLLOUT_KINDS, TRAINER)
 
 #: The training kinds that hold a GPU slot.
 TRAIN_GPU = frozenset(k for k in GPU_KINDS if KIND_POOL[k] == TRAINER)
@@ -129,6 +130,86 @@ def test_rat_lends_an_idle_rollout_worker_one_grad_while_every_trainer_is_busy()
     p.add_tasks([info("d", DENOISE, chunk=0, timestep=0)])
     p.task_ready("d")
     assert [(d.key, d.worker) for d in p.decide()] == [("d", "r0")]
+
+
+def test_a_lent_grads_gradient_is_copied_to_a_trainer_as_soon_as_it_is_computed():
+    p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=2)
+    grads = _grads(7)
+    p.add_tasks(grads)
+    for g in grads:
+        p.task_ready(g.key)
+    out = p.decide()
+    assert {d.worker for d in out} == {"t0", "t1"}   # nothing measured: nothing lent
+    p.task_done(out[0].key, out[0].worker, 1.0)
+    lent = [d for d in p.decide() if d.rat]
+    assert [d.worker for d in lent] == ["r0"]
+    assert p.take_copies() == []          # a trainer's own gradient stays where it is
+    p.task_done(lent[0].key, "r0", 1.0)
+    # The trainer that copies it is the least loaded one: out[0]'s trainer took one
+    # grad back for the one it finished, so both hold two, and the first by name copies.
+    assert p.take_copies() == [(lent[0].key, "t0")]
+    assert p.take_copies() == []          # handed over once
+
+
+def _handoff(p, version=1):
+    """Version ``version``'s optimizer step, its checkpoint and its read-back, added."""
+    made = info(("optimize", version - 1), OPTIMIZE, iteration=version - 1,
+                version=version - 1)
+    ckpt = info(("checkpoint", version), CHECKPOINT, iteration=version - 1, version=version,
+                gpu=False)
+    read = info(("restore", version), RESTORE, iteration=version - 1, version=version,
+                gpu=False)
+    p.add_tasks([made, ckpt, read])
+    p.task_ready(read.key)   # it has no inputs: ready at once
+    return made, ckpt, read
+
+
+def test_a_state_is_read_back_on_the_worker_that_made_it_before_its_checkpoint_is_written():
+    p = policy_with(opts("digenrl"), trainer=3)
+    made, ckpt, read = _handoff(p)
+    assert p.decide() == []               # the state does not exist yet
+    p.task_ready(made.key)
+    [d] = p.decide()
+    p.task_done(made.key, d.worker, 0.1)
+    p.task_ready(ckpt.key, {d.worker: 100})
+    out = {x.key: x.worker for x in p.decide()}
+    assert out == {read.key: d.worker, ckpt.key: d.worker}
+
+
+def test_with_its_maker_gone_a_state_is_read_back_only_once_its_checkpoint_is_written():
+    p = policy_with(opts("digenrl"), trainer=2)
+    made, ckpt, read = _handoff(p)
+    p.task_ready(made.key)
+    [d] = p.decide()
+    p.task_done(made.key, d.worker, 0.1)
+    p.task_ready(ckpt.key, {d.worker: 100})
+    assert {x.worker for x in p.decide()} == {d.worker}
+    # The maker dies with the read-back and the checkpoint on it: both come back.
+    p.remove_worker(d.worker)
+    p.task_lost(read.key)
+    p.task_lost(ckpt.key)
+    p.task_lost(made.key)
+    p.task_ready(read.key)
+    assert p.decide() == []           # nobody holds the state, nothing has written it
+    p.task_ready(made.key)
+    [again] = p.decide()
+    other = again.worker
+    p.task_done(made.key, other, 0.1)
+    p.remove_worker(other)            # gone again before the read-back was placed
+    p.add_worker("t9", "trainer-9", TRAINER, 1)
+    assert p.decide() == []
+    p.task_ready(ckpt.key, {})
+    [w] = p.decide()
+    p.task_done(ckpt.key, w.worker)
+    assert [(x.key, x.worker) for x in p.decide()] == [(read.key, "t9")]
+
+
+def test_a_resumed_runs_state_is_read_back_anywhere():
+    p = policy_with(opts("digenrl"), trainer=1)
+    read = info(("restore", 4), RESTORE, iteration=3, version=4, gpu=False)
+    p.add_tasks([read])
+    p.task_ready(read.key)
+    assert [(x.key, x.worker) for x in p.decide()] == [(read.key, "t0")]
 
 
 def test_rat_leaves_a_rollout_worker_to_the_generation_it_owes():
