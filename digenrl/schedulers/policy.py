@@ -29,7 +29,8 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   does not wait for that transfer. Rollout work that becomes runnable comes first again
   at the worker's next release;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
-  ``i - max_staleness`` has been published; a training task that would consume samples
+  ``i - max_staleness`` has been published (whose weights every rollout worker starts
+  fetching as soon as it is); a training task that would consume samples
   more than ``max_staleness`` versions old is rejected when it is added;
 * **background work** (held-out evaluation, ``BACKGROUND_KINDS``) comes last: a GPU
   task of it is released only to a rollout (or co-located) worker with nothing in
@@ -568,6 +569,12 @@ class SchedulingPolicy:
         if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
             self._release_stale_holds()
+            # The rollout workers generate with it next: they fetch it now, while the
+            # chunks it lets start draw their noise, not once their first steps are
+            # released.
+            pool = ROLLOUT if self.options.pools else COLOCATED
+            self._copies.extend((info.key, w.address) for w in self._pool_workers(pool)
+                                if w.address != worker)
 
     def task_lost(self, key: Key) -> None:
         """A released or ready task went back to waiting (its worker died, or an input
@@ -629,7 +636,9 @@ class SchedulingPolicy:
     def take_copies(self) -> list[tuple[Key, str]]:
         """The results to copy ahead of need, each to a worker (in the order decided),
         handed over: the caller asks each worker to fetch its results, where they are
-        still in memory and the worker is still there."""
+        still in memory and the worker is still there. They are a lent grad's gradient
+        (to a trainer) and a newly published version's weights (to every rollout
+        worker, or every worker without pools)."""
         out, self._copies = self._copies, []
         return out
 

@@ -151,6 +151,17 @@ def test_a_lent_grads_gradient_is_copied_to_a_trainer_as_soon_as_it_is_computed(
     assert p.take_copies() == []          # handed over once
 
 
+def test_every_rollout_worker_fetches_a_version_as_soon_as_it_is_published():
+    p = policy_with(opts("digenrl"), rollout=2, trainer=1)
+    pub = info(("publish", 1), PUBLISH, iteration=0, version=1, gpu=False)
+    p.add_tasks([pub])
+    p.task_ready(pub.key)
+    p.decide()
+    p.task_done(pub.key, "t0")
+    assert p.version == 1
+    assert p.take_copies() == [(pub.key, "r0"), (pub.key, "r1")]
+
+
 def _handoff(p, version=1):
     """Version ``version``'s optimizer step, its checkpoint and its read-back, added."""
     made = info(("optimize", version - 1), OPTIMIZE, iteration=version - 1,
