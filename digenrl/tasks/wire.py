@@ -145,6 +145,8 @@ def _decode(node: Any, frames: list, where: str) -> Any:
     if tag == "tensor" and isinstance(body, dict):
         dtype = _lookup(TORCH_DTYPES, body.get("dtype"), f"{where}: tensor dtype")
         raw = _buffer(body, frames, dtype.itemsize, where)
+        if not raw.size:  # nothing to view as the dtype
+            return torch.empty(tuple(body["shape"]), dtype=dtype)
         return torch.from_numpy(raw).view(dtype).reshape(tuple(body["shape"]))
     if tag == "array" and isinstance(body, dict):
         dtype = _numpy_dtype(body.get("dtype"), where)
