@@ -64,6 +64,8 @@ def examples() -> dict[str, object]:
                                       cond=latents.cond.to_dtype(torch.float16)),
         "DecodeOut": decoded,
         "DecodeOut without latents": replace(decoded, latents=None),
+        "DecodeOut of an evaluation": replace(decoded, log_probs=np.zeros((2, 0), np.float32),
+                                              latents=None),
         "RewardOut": rewards,
         "AdvantageOut": advantage(0, IDS, "group", 5.0, rewards),
         "GradOut": reduced,

@@ -121,7 +121,8 @@ def decode(header: dict, frames: list, expected: type | None = None) -> Any:
     for a header this module did not write or one naming an unregistered class."""
     where = expected.__name__ if expected is not None else "value"
     if not isinstance(header, dict) or "value" not in header:
-        raise ValueError(f"wire: expected a header with a 'value', got {_brief(header)}")
+        raise ValueError(f"wire: {where}: expected a header with a 'value', got "
+                         f"{_brief(header)}")
     value = _decode(header["value"], frames, where)
     if expected is not None and type(value) is not expected:
         raise ValueError(f"wire: expected a {expected.__name__}, got a header holding a "
@@ -160,7 +161,7 @@ def _decode_object(name: Any, values: Any, frames: list, where: str) -> Any:
     cls = _lookup(_CLASSES, name, f"{where}: class")
     names = {f.name for f in fields(cls)}
     if not isinstance(values, dict) or set(values) != names:
-        got = sorted(values) if isinstance(values, dict) else _brief(values)
+        got = sorted(values, key=str) if isinstance(values, dict) else _brief(values)
         raise ValueError(f"wire: {where}: expected the fields {sorted(names)} of {name}, "
                          f"got {got}")
     return cls(**{k: _decode(v, frames, f"{where}.{k}") for k, v in values.items()})
