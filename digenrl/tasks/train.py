@@ -28,6 +28,7 @@ import torch
 from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
 from digenrl.lora import Trainable, build_policy, trainable_parameters
 from digenrl.models import predict_velocity
+from digenrl.tasks import wire
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import chunk_conditioning
 from digenrl.tasks.sde import sde_step
@@ -53,6 +54,9 @@ class TrainSpec:
 class OptimizeOut:
     state: TrainerState
     stats: IterationStats | None
+
+
+wire.register(OptimizeOut)  # travels to the checkpoint, stats and publish tasks
 
 
 def init_state(spec: TrainSpec) -> OptimizeOut:

@@ -9,6 +9,7 @@ import torch
 from dask.sizeof import sizeof
 
 from digenrl.models.base import Conditioning
+from digenrl.tasks import wire
 
 __all__ = ["PolicyWeights", "TrainerState", "Latents", "StepOut", "DecodeOut", "RewardOut",
            "AdvantageOut", "MicroStats", "GradOut", "IterationStats", "Conditioning"]
@@ -155,6 +156,11 @@ def payload_bytes(value) -> int:
     return 0  # a number, a string, None: nothing next to the tensors
 
 
-for _cls in (PolicyWeights, TrainerState, Latents, StepOut, DecodeOut, RewardOut,
-             AdvantageOut, GradOut, IterationStats, Conditioning):
+#: The results that travel between workers. Dask sizes each by the tensors it carries and
+#: sends it as those tensors' bytes plus a plain-data header (``wire.py``), never pickled.
+TRAVELLING = (PolicyWeights, TrainerState, Latents, StepOut, DecodeOut, RewardOut,
+              AdvantageOut, GradOut, IterationStats, Conditioning)
+
+for _cls in TRAVELLING:
     sizeof.register(_cls)(payload_bytes)
+wire.register(*TRAVELLING, MicroStats)  # MicroStats travels inside GradOut, IterationStats
