@@ -69,6 +69,7 @@ def examples() -> dict[str, object]:
         "RewardOut": rewards,
         "AdvantageOut": advantage(0, IDS, "group", 5.0, rewards),
         "GradOut": reduced,
+        "MicroStats": reduced.stats,
         "IterationStats": IterationStats(2, 3, reduced.stats, 0.75, weights.nbytes),
         "Conditioning": latents.cond,
         "Conditioning in bfloat16 without a negative prompt": bf16,

@@ -28,12 +28,11 @@ import torch
 from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
 from digenrl.lora import Trainable, build_policy, trainable_parameters
 from digenrl.models import predict_velocity
-from digenrl.tasks import wire
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import chunk_conditioning
 from digenrl.tasks.sde import sde_step
 from digenrl.tasks.types import (AdvantageOut, GradOut, IterationStats, Latents, MicroStats,
-                                 PolicyWeights, StepOut, TrainerState)
+                                 PolicyWeights, StepOut, TrainerState, travels)
 
 __all__ = ["TrainSpec", "OptimizeOut", "init_state", "publish", "iteration_stats",
            "grad", "reduce", "optimize", "adamw_update", "policy_loss"]
@@ -56,7 +55,7 @@ class OptimizeOut:
     stats: IterationStats | None
 
 
-wire.register(OptimizeOut)  # travels to the checkpoint, stats and publish tasks
+travels(OptimizeOut)  # to the checkpoint, statistics and read-back tasks
 
 
 def init_state(spec: TrainSpec) -> OptimizeOut:

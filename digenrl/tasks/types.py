@@ -156,11 +156,17 @@ def payload_bytes(value) -> int:
     return 0  # a number, a string, None: nothing next to the tensors
 
 
-#: The results that travel between workers. Dask sizes each by the tensors it carries and
-#: sends it as those tensors' bytes plus a plain-data header (``wire.py``), never pickled.
-TRAVELLING = (PolicyWeights, TrainerState, Latents, StepOut, DecodeOut, RewardOut,
-              AdvantageOut, GradOut, IterationStats, Conditioning)
+def travels(*classes: type) -> None:
+    """``classes`` are results that travel between workers: Dask sizes each by the
+    tensors it carries and sends it as those tensors' bytes plus a plain-data header
+    (``wire.py``), never pickled."""
+    for cls in classes:
+        sizeof.register(cls)(payload_bytes)
+    wire.register(*classes)
 
-for _cls in TRAVELLING:
-    sizeof.register(_cls)(payload_bytes)
-wire.register(*TRAVELLING, MicroStats)  # MicroStats travels inside GradOut, IterationStats
+
+#: The results of these types that travel (the optimizer step's, in ``train.py``, too).
+TRAVELLING = (PolicyWeights, TrainerState, Latents, StepOut, DecodeOut, RewardOut,
+              AdvantageOut, GradOut, IterationStats, Conditioning, MicroStats)
+
+travels(*TRAVELLING)
