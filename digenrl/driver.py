@@ -607,10 +607,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ waiting
 
-    def _note_checkpoints(self) -> None:
+    def _note_checkpoints(self, i: int) -> None:
+        """Note the checkpoints written; raise the error of checkpoint ``i + 1`` (what
+        iteration ``i`` waits for), which stops the run. A later checkpoint's error (a
+        later iteration failed) is raised once that iteration is waited for, after the
+        iterations before it are committed."""
         for v, f in list(self.checkpoints.items()):
             if f.status == "error":
-                f.result()  # raises: a checkpoint that cannot be written stops the run
+                if v <= i + 1:
+                    f.result()  # raises
+                continue
             if f.done():
                 self.checkpointed.add(v)
                 let_go([self.checkpoints.pop(v)])
@@ -622,7 +628,7 @@ class Pipeline:
         ``stalled()`` says why the run can no longer progress (None while it can), and
         :class:`RunStalled` is raised with that."""
         while True:
-            self._note_checkpoints()
+            self._note_checkpoints(i)
             self.submit_ready(i)
             futs = self._outputs.get(i, {})
             evals = self._evals.get(i, {})
@@ -636,8 +642,8 @@ class Pipeline:
             if trained:
                 # Only the evaluation is left: training goes on without it.
                 self.submit_ready(i + 1)
-            waiting = ([f for f in [*futs.values(), *evals.values()] if not f.done()]
-                       + list(self.checkpoints.values()))
+            waiting = [f for f in [*futs.values(), *evals.values(),
+                                   *self.checkpoints.values()] if not f.done()]
             assert waiting, (f"iteration {i}: nothing left to wait for (rollouts "
                              f"{sorted(self.rollouts)}, trains {sorted(self.trains)}, tails "
                              f"{sorted(self.tails)})")

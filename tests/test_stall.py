@@ -16,7 +16,9 @@ from test_signals import start_run, wait_for_commits
 #: Short, so the test is quick; long enough for a tiny model's slowest step on a
 #: loaded machine.
 STALL = 6.0
-ITERATIONS = 3
+#: More than the driver keeps in the scheduler at once (the oldest uncommitted iteration
+#: and two more, with one-step staleness), so that work is left when the workers pause.
+ITERATIONS = 5
 
 
 def _pause(dask_worker, paused: bool) -> None:
