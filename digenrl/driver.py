@@ -162,12 +162,12 @@ class Driver:
     which checkpoints version i + 1); version i + 1 is published from its state read
     back, a task without inputs that takes the state from the memory of the worker that
     made it while the checkpoint is written (and from the checkpoint when recomputed).
-    Once complete an iteration is committed to
-    the store (:meth:`_commit`). Because every optimizer step starts from a checkpoint
-    and every version is published from one, no result ever needs more than about one
-    iteration of lineage to be recomputed (published weights: none past their own
-    checkpoint), the scheduler forgets finished iterations, and ``resume`` continues a
-    run from its last complete iteration bit for bit.
+    Once complete an iteration is committed to the store (:meth:`_commit`). Because
+    every optimizer step starts from, and every version is published from, a state read
+    back by a task without inputs, no result ever needs more than about one iteration of
+    lineage to be recomputed (published weights: none past their own checkpoint), the
+    scheduler forgets finished iterations, and ``resume`` continues a run from its last
+    complete iteration bit for bit.
     """
 
     def __init__(self, workload: Workload, out: str, cluster: ClusterHandle, *,
@@ -688,10 +688,11 @@ class _Window:
         """Read the records of the tasks finished since the last call, and close
         iteration ``i``'s window when its optimizer step stopped (now, if they lack it).
         Returns those records and that time; :attr:`recent` then holds every record
-        that may overlap the window."""
+        that may overlap the window. (The optimizer step may have been read in an
+        earlier call: the pipeline runs up to two iterations ahead of the commits.)"""
         batch = client.sync(client.scheduler.digenrl_tasks, start=self.cursor)
         self.cursor = batch["next"]
         records = list(batch["records"])
-        closes = optimize_stop(records, i) or time.time()
         self.recent = [r for r in self.recent if (r["stop"] or 0.0) > self.opened] + records
+        closes = optimize_stop(self.recent, i) or time.time()
         return records, closes
