@@ -18,7 +18,7 @@ from test_signals import start_run, wait_for_commits
 STALL = 6.0
 #: More than the driver keeps in the scheduler at once (the oldest uncommitted iteration
 #: and two more, with one-step staleness), so that work is left when the workers pause.
-ITERATIONS = 5
+ITERATIONS = 4
 
 
 def _pause(dask_worker, paused: bool) -> None:
