@@ -16,9 +16,10 @@ from test_signals import start_run, wait_for_commits
 #: Short, so the test is quick; long enough for a tiny model's slowest step on a
 #: loaded machine.
 STALL = 6.0
-#: More than the driver keeps in the scheduler at once (the oldest uncommitted iteration
-#: and two more, with one-step staleness), so that work is left when the workers pause.
-ITERATIONS = 4
+#: Two more than the driver keeps in the scheduler at once (the oldest uncommitted
+#: iteration and two more, with one-step staleness), so that work is left when the
+#: workers pause however far the pipeline has run ahead of the first commit.
+ITERATIONS = 5
 
 
 def _pause(dask_worker, paused: bool) -> None:
