@@ -23,13 +23,12 @@ import zarr
 from distributed import Client
 
 from digenrl.checkpoints import complete_checkpoints, read_checkpoint
-from digenrl.store import StoreError
+from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
+from digenrl.runner import FlowGRPOWorkload, Runner
+from digenrl.store import StoreError, open_run
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
-from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
-from digenrl.runner import FlowGRPOWorkload, Runner
-from digenrl.store import open_run
 from digenrl.tasks.resident import PLUGIN_NAME
 from digenrl.vocabulary import ROLLOUT_KINDS, STATS, TRAINING_KINDS
 
