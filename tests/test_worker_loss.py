@@ -27,9 +27,9 @@ from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload, Runner
 from digenrl.store import StoreError, open_run
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state
+from digenrl.tasks.resident import PLUGIN_NAME
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
-from digenrl.tasks.resident import PLUGIN_NAME
 from digenrl.vocabulary import ROLLOUT_KINDS, STATS, TRAINING_KINDS
 
 from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config
