@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from digenrl.store import StoreError, committed_iterations, open_run
+from digenrl.store import committed_iterations, open_run
 
 from conftest import REFERENCE_ITERATIONS, SMALL, assert_complete, assert_same_results
-from test_driver_loss import resume, stored_weights
+from test_driver_loss import committed, resume, stored_weights
 
 BIN = Path(sys.executable).parent
 
@@ -32,14 +32,6 @@ def start_run(tmp_path, cluster, overrides=None, iterations=REFERENCE_ITERATIONS
         [str(BIN / "digenrl"), "run", str(config), "--out", str(out), "--scheduler", address,
          "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return proc, out, address
-
-
-def committed(out) -> int:
-    """Iterations committed to ``out`` so far (0 while the run has not created it whole)."""
-    try:
-        return committed_iterations(out) if (out / "zarr.json").is_file() else 0
-    except StoreError:  # created, its run attributes not written yet
-        return 0
 
 
 def wait_for_commits(proc, out, n: int, timeout: float = 300.0) -> None:
