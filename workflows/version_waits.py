@@ -29,15 +29,11 @@ import argparse
 
 import numpy as np
 
-from digenrl.analysis import store_pools
+from digenrl.analysis import busy_seconds, store_pools
 from digenrl.store import open_run
 from digenrl.vocabulary import GRAD, OPTIMIZE, PUBLISH, ROLLOUT_KINDS
 
 PARTS = ("training", "reduction", "optimizer", "publish", "start")
-
-
-def _busy(starts: np.ndarray, stops: np.ndarray, t0: float, t1: float) -> float:
-    return float(np.clip(np.minimum(stops, t1) - np.maximum(starts, t0), 0.0, None).sum())
 
 
 def version_waits(store: str) -> tuple[dict[str, dict[str, float]], float, int]:
@@ -68,7 +64,7 @@ def version_waits(store: str) -> tuple[dict[str, dict[str, float]], float, int]:
             for part, lo, hi in zip(PARTS, edges[:-1], edges[1:]):
                 lo, hi = max(lo, edges[0]), min(max(hi, edges[0]), edges[-1])
                 span = max(hi - lo, 0.0)
-                parts[part].append(span - _busy(mine.start.values, mine.stop.values, lo, hi))
+                parts[part].append(span - busy_seconds(mine, lo, hi).get(worker, 0.0))
     stops = np.sort(t[t.kind == OPTIMIZE].stop.values)
     period = float(np.mean(np.diff(stops[1:-1]))) if len(stops) > 3 else float("nan")
     means = {pool: {p: float(np.sum(v)) / max(len(v), 1) for p, v in parts.items()}

@@ -35,23 +35,19 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
     t = t[t["iteration"] < len(chunk)]
     seconds = ((t["stop"] - t["start"]).to_numpy()
                * t["worker_name"].astype(str).map(lambda w: speeds.get(w, 1.0)).to_numpy())
-    samples = chunk[t["iteration"].to_numpy().astype(int)]
+    per_sample = seconds / chunk[t["iteration"].to_numpy().astype(int)]
     kind = t["kind"].to_numpy()
-
-    def per_sample(k: str) -> float | None:
-        m = kind == k
-        return float(np.mean(seconds[m] / samples[m])) if m.any() else None
-
     nbytes = t["nbytes"].to_numpy()
 
     def mean(values: np.ndarray, k: str) -> float:
+        """The mean of ``values`` over the tasks of kind ``k`` (0 without any)."""
         m = kind == k
         return float(np.mean(values[m])) if m.any() else 0.0
 
-    denoise = per_sample(DENOISE)
-    if denoise is None:
+    if not (kind == DENOISE).any():
         raise ValueError("profile: expected denoise tasks after the run's first iteration "
                          f"to measure, got none in {len(chunk)} complete iterations")
+    denoise = mean(per_sample, DENOISE)
     reward_gpu = bool(t.loc[kind == REWARD, "gpu"].any()) if "gpu" in t else False
     # The chunk size the run used on average (adaptive chunking varies it), as the
     # largest divisor of an iteration's images not above it (a profile's chunks are equal).
@@ -80,9 +76,9 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
         "costs": {
             "denoise_per_sample": denoise,
             "cfg_factor": 1.0,   # (the measured steps include guidance's extra batch)
-            "train_factor": (per_sample(GRAD) or 0.0) / denoise,
-            "decode_per_sample": per_sample(DECODE) or 0.0,
-            "reward_per_sample": per_sample(REWARD) or 0.0,
+            "train_factor": mean(per_sample, GRAD) / denoise,
+            "decode_per_sample": mean(per_sample, DECODE),
+            "reward_per_sample": mean(per_sample, REWARD),
             "reward_on": "gpu" if reward_gpu else "remote",
             "optimizer_step": mean(seconds, OPTIMIZE),
             "weight_bytes": mean(nbytes, PUBLISH),
