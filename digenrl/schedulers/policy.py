@@ -13,7 +13,9 @@ release to which worker. Every rule of docs/scheduling.md lives here:
 * **TSP**: any trainer takes any micro-step. Without TSP a chunk's micro-steps all run
   on the one trainer the chunk maps to (data-parallel training);
 * **TAG**: a trainer with no runnable training work takes one rollout task at a time;
-  once training work is runnable no rollout task is released to a trainer;
+  once training work is runnable no rollout task is released to a trainer, nor a task
+  that can wait for the version change (below) once every grad of the iteration is
+  released and no other trainer is idle for the optimizer step;
 * **RAT** (rollout-assisted training): a rollout worker with nothing in flight and no
   runnable rollout work takes one ``grad`` micro-step at a time (of the TSP queue) when
   it would otherwise idle and the step delays no generation: no chunk that the
@@ -27,7 +29,11 @@ release to which worker. Every rule of docs/scheduling.md lives here:
   and the rest stay on trainers: a lent step's gradient is copied to a trainer as soon
   as it is computed (:meth:`SchedulingPolicy.take_copies`), so the reduction summing it
   does not wait for that transfer. Rollout work that becomes runnable comes first again
-  at the worker's next release;
+  at the worker's next release, except work that can wait for the version change: a
+  chunk's decode or reward whose generation has released every denoise step and whose
+  training reads a version not yet published. A rollout worker takes a grad before it
+  (by the same cost rule, counting its released tasks), so the version change those
+  grads lead to comes sooner and the finishing work fills the wait for its weights;
 * **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
   ``i - max_staleness`` has been published (whose weights every rollout worker starts
   fetching as soon as it is); a training task that would consume samples
@@ -230,6 +236,12 @@ def _first_step(info: TaskInfo) -> bool:
     return info.kind == DENOISE and info.timestep == 0 and info.pool == ROLLOUT
 
 
+def _tracked(info: TaskInfo) -> bool:
+    """Whether the policy follows ``info`` until its release: a generation's denoise
+    step or a training micro-step."""
+    return (info.kind == DENOISE and info.pool == ROLLOUT) or info.kind == GRAD
+
+
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
     if info.pool not in POOLS:
@@ -255,7 +267,7 @@ class SchedulingPolicy:
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
-                 "_unstarted", "_counts", "_released", "_ranked", "_made_on", "_checkpoints",
+                 "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked", "_made_on", "_checkpoints",
                  "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
@@ -301,6 +313,11 @@ class SchedulingPolicy:
         # and the first steps of chunks not released yet, by (iteration, version read).
         self._ref_grad: float | None = None
         self._unstarted: dict[tuple[int, int], set] = defaultdict(set)
+        # Denoise steps and grads not released yet, by (kind, iteration): whether an
+        # iteration's generation has steps left to run, and its training grads.
+        self._unreleased: dict[tuple[str, int], set] = defaultdict(set)
+        # The newest iteration a grad has been released of (None before the first).
+        self._grads_from: int | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
         # Hand-off: policy version -> the worker whose optimizer step (or initial state)
@@ -399,6 +416,8 @@ class SchedulingPolicy:
                 pending[info.iteration] += 1
                 if _first_step(info):
                     self._unstarted[info.iteration, info.policy_version].add(key)
+            if _tracked(info):
+                self._unreleased[info.kind, info.iteration].add(key)
         return rejected
 
     def _entry(self, info: TaskInfo, tie: int) -> ReadyEntry:
@@ -585,8 +604,7 @@ class SchedulingPolicy:
             info.state = ADDED
             self._cpu_ready.pop(key, None)
             self._forget_maker(info)
-            if _first_step(info):
-                self._unstarted[info.iteration, info.policy_version].add(key)
+            self._not_released(info)
             info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
@@ -618,8 +636,8 @@ class SchedulingPolicy:
             del self._checkpoints[info.policy_version]
         if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
-        elif _first_step(info):
-            self._chunk_started(info)
+        else:
+            self._released_now(info)
         if info.pending:
             info.pending = False
             self._rollout_pending[info.iteration] -= 1
@@ -654,6 +672,7 @@ class SchedulingPolicy:
         if info is None or info.state is not RELEASED:
             return
         self._unrelease(info)
+        self._not_released(info)
         self._enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
@@ -794,8 +813,6 @@ class SchedulingPolicy:
         own = affine.peek() if affine is not None else None
         pick = _more_urgent(own, self._shared.peek())
         if pick is not None:
-            if pick is own:
-                self._all_rollout.one_dead()   # its entry among the stealable ones
             return pick.info, False
         steal = self._all_rollout.peek()
         if steal is None or not self._may_steal(w, steal.info, now):
@@ -813,14 +830,30 @@ class SchedulingPolicy:
             return None
         return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
 
-    def _chunk_started(self, info: TaskInfo) -> None:
-        """``info``, a chunk's first step, was released (or forgotten)."""
-        at = (info.iteration, info.policy_version)
-        waiting = self._unstarted.get(at)
-        if waiting is not None:
-            waiting.discard(info.key)
-            if not waiting:
-                del self._unstarted[at]
+    def _released_now(self, info: TaskInfo) -> None:
+        """``info`` was released (or forgotten): a chunk's first step no longer waits to
+        start it, a step or grad no longer waits to be released."""
+        for table, at, counts in ((self._unstarted, (info.iteration, info.policy_version),
+                                   _first_step(info)),
+                                  (self._unreleased, (info.kind, info.iteration),
+                                   _tracked(info))):
+            waiting = table.get(at) if counts else None
+            if waiting is not None:
+                waiting.discard(info.key)
+                if not waiting:
+                    del table[at]
+
+    def _not_released(self, info: TaskInfo) -> None:
+        """``info`` went back to waiting (lost, or its release failed)."""
+        if _first_step(info):
+            self._unstarted[info.iteration, info.policy_version].add(info.key)
+        if _tracked(info):
+            self._unreleased[info.kind, info.iteration].add(info.key)
+
+    def _left(self, kind: str, iteration: int) -> bool:
+        """Whether a ``kind`` task (``denoise`` or ``grad``) of ``iteration`` is yet to
+        be released."""
+        return (kind, iteration) in self._unreleased
 
     def _owed_chunks(self) -> int:
         """Chunks that may start now or at any moment: their first step has not been
@@ -835,24 +868,61 @@ class SchedulingPolicy:
                    if it <= limit and read <= version)
 
     def _lend(self, w: WorkerInfo, theirs: float) -> TaskInfo | None:
-        """The grad an idle rollout worker ``w`` takes (RAT), or None: the most urgent
-        one of the TSP queue, when every trainer is busy and ``w`` is expected to finish
-        it, its missing inputs moved, no later than a trainer would (``theirs``: see
+        """The grad a rollout worker ``w`` takes (RAT), or None: the most urgent one of
+        the TSP queue, when every trainer is busy and ``w`` is expected to finish it,
+        after the GPU tasks released to it (each counted as a grad) and with its missing
+        inputs moved, no later than a trainer would (``theirs``: see
         :meth:`_trainers_reach`). (Whether generation is owed to ``w`` is decided by
         the caller.)"""
         top = self._train.peek()
         if top is None or top.info.kind != GRAD:
             return None
-        mine = self._transfer_seconds(w, top.info) + self._ref_grad / w.speed
+        mine = (self._transfer_seconds(w, top.info)
+                + (len(w.inflight) + 1) * self._ref_grad / w.speed)
         if mine > theirs:
             self._counts["rat_declined"] += 1
             return None
         return top.info
 
+    def _can_wait(self, info: TaskInfo) -> bool:
+        """Whether rollout task ``info`` can wait for the next version change: it
+        finishes a chunk (a decode or a reward, not a denoise step) of a generation
+        whose every step has been released, and whose training reads a version not
+        published yet. Nothing needs it before the trainers publish that version, and
+        the version waits for their grads, then their optimizer step: work that can
+        wait goes after them, and fills the wait for the new version's weights."""
+        return (info.pool == ROLLOUT and info.kind != DENOISE
+                and info.iteration > self.version
+                and not self._left(DENOISE, info.iteration))
+
+    def _lend_first(self, w: WorkerInfo, info: TaskInfo) -> TaskInfo | None:
+        """A grad for rollout worker ``w`` to run before ``info``, the rollout task it
+        would take next, or None: when ``info`` can wait (:meth:`_can_wait`) and no
+        chunk may start now, a grad lent by :meth:`_lend`'s rule."""
+        if (not self._rat_on() or w.pool != ROLLOUT or not self._can_wait(info)
+                or self._owed_chunks()):
+            return None
+        theirs = self._trainers_reach()
+        return self._lend(w, theirs) if theirs is not None else None
+
+    def _keeps_for_optimizer(self, w: WorkerInfo, info: TaskInfo) -> bool:
+        """Whether trainer ``w``, idle, keeps its slot for the optimizer step rather
+        than take ``info`` (TAG): ``info`` can wait (:meth:`_can_wait`), every grad of
+        the iteration being trained has been released, so its reduction and optimizer
+        step come next, and no other trainer is idle to take them. The optimizer step
+        would otherwise queue behind ``info``, and with it the version change both
+        pools wait for. (A denoise step is still taken: generation that cannot wait
+        may be what the run waits for.)"""
+        v = self.version
+        return (self._can_wait(info) and self._grads_from == v and not self._left(GRAD, v)
+                and not any(t is not w and not t.inflight for t in self._trainers()))
+
     def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False, rat: bool = False) -> Decision:
         key = info.key
         info.state = RELEASED
+        if info.affinity is not None and info.affinity == w.address:
+            self._all_rollout.one_dead()   # its entry among the stealable ones
         info.where = w.address
         if info.gpu:
             inflight = w.inflight
@@ -861,8 +931,10 @@ class SchedulingPolicy:
                 self._free[w.pool].discard(w.address)
             if info.kind == DENOISE:
                 w.step_samples += info.sample_steps
-                if info.timestep == 0:
-                    self._chunk_started(info)
+            elif info.kind == GRAD:
+                if self._grads_from is None or info.iteration > self._grads_from:
+                    self._grads_from = info.iteration
+            self._released_now(info)
             if self.options.rebalance:
                 # (Only denoise steps are expected to take time.)
                 w.busy_until = max(now, w.busy_until) + self._expected(w, info)
@@ -1026,13 +1098,16 @@ class SchedulingPolicy:
         if not pools or pool == ROLLOUT:
             info, stolen = self._take_rollout(w, now)
             if info is not None:
+                lent = self._lend_first(w, info)
+                if lent is not None:
+                    return self._release(lent, w, now, rat=True)
                 return self._release(info, w, now, stolen=stolen)
             info = self._take_background(w)
             return self._release(info, w, now) if info is not None else None
         # A trainer with no runnable training work: trainer-assisted generation.
         if self.options.tag and not w.inflight and not self._runnable_training(w):
             info, stolen = self._take_rollout(w, now)
-            if info is not None:
+            if info is not None and not self._keeps_for_optimizer(w, info):
                 return self._release(info, w, now, tag=True, stolen=stolen)
         return None
 

@@ -12,7 +12,7 @@ from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
 from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DENOISE, EVAL, GPU_KINDS, GRAD,
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, GPU_KINDS, GRAD,
                                 KIND_POOL, KINDS, NOISE, OPTIMIZE, PUBLISH, RESTORE, ROLLOUT,
                                 ROLLOUT_KINDS, TRAINER)
 
@@ -267,6 +267,97 @@ def test_rat_declines_when_a_trainer_would_finish_the_grad_sooner_or_when_off():
     assert p.counters["rat_declined"] > 0
 
 
+def _finishing(decode_iteration=1, steps_left=0):
+    """A rollout worker running a generation's last denoise step while the trainer is
+    busy with iteration 0's grads (one measured) and more wait: iteration 1's chunk 0 is
+    decoded next. ``steps_left`` more of the generation's steps are not released yet."""
+    p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=1)
+    grads = _grads(6)
+    last = info(("d", 1, 1, 7), DENOISE, iteration=1, version=0, chunk=1, timestep=7)
+    left = [info(("d", 1, 2 + j, 0), DENOISE, iteration=1, version=0, chunk=2 + j,
+                 timestep=0) for j in range(steps_left)]
+    dec = info(("decode", decode_iteration, 0), DECODE, iteration=decode_iteration,
+               version=decode_iteration - 1, chunk=0)
+    p.add_tasks(grads + [last, dec] + left)
+    p.task_ready(grads[0].key)
+    [first] = p.decide()
+    for g in grads[1:]:
+        p.task_ready(g.key)
+    p.decide()
+    p.task_ready(last.key)
+    assert [(d.key, d.worker) for d in p.decide()] == [(last.key, "r0")]
+    p.task_done(first.key, "t0", 1.0)
+    assert [d.worker for d in p.decide()] == ["t0"]   # the step in flight: none lent yet
+    p.task_ready(dec.key)
+    return p, dec
+
+
+def test_a_rollout_worker_lends_a_grad_before_finishing_work_that_can_wait():
+    """A decode of a generation whose every step has been released feeds only training
+    that reads the next version, which waits for the grads: the grad goes first."""
+    p, dec = _finishing()
+    [lent] = p.decide()
+    assert lent.worker == "r0" and lent.rat and lent.info.kind == GRAD
+    # Two grads ahead on the trainer and its slots full: the worker's own step in
+    # flight and a lent grad (2 grads' time) still end before the trainer's third.
+    assert p.counters["rat_released"] == 1
+    p.task_done(("d", 1, 1, 7), "r0", 0.5)
+    [again] = p.decide()
+    assert again.rat and again.worker == "r0"
+    # With two grads of its own in flight, a third would end later than on the
+    # trainer: the decode goes.
+    p.task_done(lent.key, "r0", 1.0)
+    p.task_done(again.key, "r0", 1.0)
+    out = p.decide()
+    assert (dec.key, "r0", False) in [(d.key, d.worker, d.rat) for d in out]
+
+
+def test_finishing_work_goes_first_while_its_generation_has_steps_or_its_version_is_out():
+    # A step of the generation is still to be released: the worker owes it; the decode
+    # is not deferred.
+    p, dec = _finishing(steps_left=1)
+    assert [(d.key, d.rat) for d in p.decide()] == [(dec.key, False)]
+    # The decode's iteration trains on version 0, published: training may need it now.
+    p, dec = _finishing(decode_iteration=0)
+    assert [(d.key, d.rat) for d in p.decide()] == [(dec.key, False)]
+
+
+def test_the_last_idle_trainer_keeps_its_slot_for_the_optimizer_step():
+    """An idle trainer does not take rollout work that can wait (decodes of a generation
+    whose steps are all released) once every grad of the iteration is released, unless
+    another trainer is idle for the optimizer step."""
+    p = policy_with(opts("digenrl", slots_per_worker=1), rollout=1, trainer=2)
+    grads = _grads(2)
+    decodes = [info(("decode", 1, c), DECODE, iteration=1, version=0, chunk=c)
+               for c in range(4)]
+    p.add_tasks(grads + decodes)
+    for g in grads:
+        p.task_ready(g.key)
+    where = {d.key: d.worker for d in p.decide()}
+    assert sorted(where.values()) == ["t0", "t1"]
+    p.task_done(grads[0].key, where[grads[0].key], 1.0)
+    for d in decodes:
+        p.task_ready(d.key)
+    # One idle trainer, the only one: it keeps its slot. The rollout worker decodes.
+    assert [d.worker for d in p.decide()] == ["r0"]
+    p.task_done(grads[1].key, where[grads[1].key], 1.0)
+    # Two idle trainers: one decodes, the other keeps its slot.
+    [tagged] = p.decide()
+    assert tagged.tag and tagged.info.kind == DECODE
+    # A denoise step is generation something may be waiting for: the last idle
+    # trainer takes it.
+    p = policy_with(opts("digenrl", slots_per_worker=1, max_staleness=2), rollout=0,
+                    trainer=2)
+    step = info(("d", 2, 0, 0), DENOISE, iteration=2, version=0, chunk=0, timestep=0)
+    [last] = _grads(1)
+    p.add_tasks([last, step])
+    p.task_ready(last.key)
+    [busy] = p.decide()
+    p.task_ready(step.key)
+    [tagged] = p.decide()
+    assert tagged.tag and tagged.key == step.key and tagged.worker != busy.worker
+
+
 def test_tag_takes_rollout_work_only_while_no_training_is_runnable():
     p = policy_with(opts("digenrl"), rollout=1, trainer=1)
     p.add_tasks([info(("d", j), DENOISE, chunk=j, timestep=0) for j in range(5)])
@@ -428,24 +519,34 @@ def check_trace(result, options, layout, workers):
         for r in result.records:
             if r.iteration >= 0 and r.kind not in ROLLOUT_KINDS:
                 assert r.released >= barrier[r.iteration], r
-    # GPU slots: never more in flight on a worker than it advertises; TAG and RAT one
-    # at a time, each released only to a worker with nothing in flight.
+    # GPU slots: never more in flight on a worker than it advertises; TAG one at a
+    # time, released only to a worker with nothing in flight. A grad is lent to a
+    # rollout worker with work in flight only ahead of a chunk's finishing work that
+    # can wait: a decode or reward ready then, whose generation had released every
+    # denoise step.
     events = defaultdict(list)
     for r in result.records:
         if r.gpu:
-            lent = r.tag or r.rat
-            events[r.worker].append((r.released, 1, lent))
-            events[r.worker].append((r.stop, -1, lent))
+            events[r.worker].append((r.released, 1, r))
+            events[r.worker].append((r.stop, -1, r))
+    steps_out = defaultdict(float)      # iteration -> its last denoise step's release
+    for r in result.records:
+        if r.kind == DENOISE and r.pool == ROLLOUT:
+            steps_out[r.iteration] = max(steps_out[r.iteration], r.released)
+    finishing = [r for r in result.records if r.kind in ROLLOUT_KINDS - {DENOISE, NOISE}]
     slots = {w.name: w.gpus * options.slots_per_worker for w in workers}
     for w, evs in events.items():
-        inflight = lent = 0
-        for t, delta, is_lent in sorted(evs, key=lambda e: (e[0], e[1])):
-            if delta > 0 and is_lent:
+        inflight = tagged = 0
+        for t, delta, r in sorted(evs, key=lambda e: (e[0], e[1])):
+            if delta > 0 and r.tag:
                 assert inflight == 0, (w, t)
+            if delta > 0 and r.rat and inflight:
+                assert any(f.ready <= t <= f.released and steps_out[f.iteration] <= t
+                           for f in finishing), (w, r)
             inflight += delta
-            lent += delta if is_lent else 0
+            tagged += delta if r.tag else 0
             assert inflight <= slots[w]
-            assert lent <= 1
+            assert tagged <= 1
     # TAG: a rollout task goes to a trainer only while no training task is runnable there.
     for r in result.records:
         if not r.tag:
