@@ -3,6 +3,7 @@
     python workflows/microbench.py dispatch   # a chain hop: parked-and-released vs plain Dask
     python workflows/microbench.py malloc     # a forward pass under Dask's nanny malloc setting
     python workflows/microbench.py eventloop  # the simulator's CPU per task vs a bare event loop
+    python workflows/microbench.py transfer   # a version's weights, trainer to rollout worker
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -13,7 +14,12 @@ variable plus the allocator tuning the worker plugin applies. ``eventloop`` time
 one process, a bare discrete-event loop over chains of tasks (one input each, a heap of
 ready tasks, a heap of finishes, one record per task: the least any event simulator in
 Python does per task) and ``digenrl simulate``'s engine on the FLUX-like profile, and
-prints CPU microseconds per task for both.
+prints CPU microseconds per task for both. ``transfer`` moves the default model's
+published weights (a ``PolicyWeights`` of its 4.6 million parameters) from the trainer
+to the rollout worker of the default local cluster, with the trainer idle and while it
+runs the default transformer's forward and backward passes (as during a micro-step),
+alternating, and prints the worker's own record of each fetch (Dask's
+``transfer_incoming_log``) in milliseconds.
 """
 
 from __future__ import annotations
@@ -116,6 +122,79 @@ def malloc() -> None:
         print(f"{label:<42} {v / first:6.2f}x")
 
 
+def _weights():
+    from digenrl.config import ModelConfig
+    from digenrl.lora import Trainable, build_policy, trainable_parameters
+    from digenrl.tasks.types import PolicyWeights
+
+    model = build_policy(ModelConfig(), Trainable(), 0)
+    return PolicyWeights(version=1, tensors={n: p.detach().clone()
+                                             for n, p in trainable_parameters(model).items()})
+
+
+def _size(weights) -> int:
+    return weights.nbytes
+
+
+def _train_for(seconds: float) -> int:
+    """Forward and backward passes of the default transformer for ``seconds``."""
+    import torch
+
+    from digenrl.config import ModelConfig
+    from digenrl.models import build_transformer
+    m = build_transformer(ModelConfig(), 0)
+    x = torch.randn(4, 4, 16, 16)
+    e = torch.randn(4, 8, 64)
+    p = torch.randn(4, 32)
+    ts = torch.full((4,), 500.0)
+    passes, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        m(x, e, p, ts).sample.sum().backward()
+        passes += 1
+    return passes
+
+
+def _last_fetch(dask_worker) -> float:
+    return float(dask_worker.transfer_incoming_log[-1]["duration"])
+
+
+def transfer(rounds: int) -> None:
+    import logging
+
+    from digenrl.cluster import start_cluster
+    from digenrl.config import ClusterConfig
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    handle = start_cluster(ClusterConfig(dashboard_address=None))
+    c = handle.client
+    by_name = {str(w["name"]): a for a, w in c.scheduler_info()["workers"].items()}
+    trainer = next(a for n, a in by_name.items() if n.startswith("trainer"))
+    rollout = next(a for n, a in by_name.items() if n.startswith("rollout"))
+    times: dict[str, list[float]] = {"idle": [], "training": []}
+    nbytes = 0
+    try:
+        for _ in range(rounds):
+            for label in times:
+                w = c.submit(_weights, workers=[trainer], pure=False)
+                w.result()
+                busy = None
+                if label == "training":
+                    busy = c.submit(_train_for, 1.0, workers=[trainer], pure=False)
+                    time.sleep(0.2)   # (the passes under way before the fetch)
+                nbytes = c.submit(_size, w, workers=[rollout], pure=False).result()
+                times[label].append(1000 * c.run(_last_fetch, workers=[rollout])[rollout])
+                if busy is not None:
+                    busy.result()
+                del w
+    finally:
+        handle.close()
+    print(f"{nbytes / 1e6:.1f} MB of weights, trainer to rollout worker, {rounds} rounds:")
+    for label, ts in times.items():
+        print(f"{label:>9}: {statistics.median(ts):6.1f} ms per fetch (median; "
+              f"min {min(ts):.1f}, max {max(ts):.1f})")
+    print(f"    ratio: {statistics.median(times['training']) / statistics.median(times['idle']):.2f}")
+
+
 def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple[int, float]:
     """Tasks run and CPU seconds of the bare loop."""
     import heapq
@@ -190,7 +269,7 @@ def eventloop(gpus: int, iterations: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["dispatch", "malloc", "eventloop"])
+    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -200,6 +279,8 @@ def main() -> None:
         dispatch(args.hops, args.rounds)
     elif args.what == "eventloop":
         eventloop(args.gpus, args.iterations)
+    elif args.what == "transfer":
+        transfer(args.rounds)
     else:
         malloc()
 
