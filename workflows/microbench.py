@@ -173,7 +173,9 @@ def transfer(rounds: int) -> None:
     times: dict[str, list[float]] = {"idle": [], "training": []}
     nbytes = 0
     try:
-        for _ in range(rounds):
+        # A first round, not counted: each worker imports what the weights need on its
+        # first fetch.
+        for r in range(rounds + 1):
             for label in times:
                 w = c.submit(_weights, workers=[trainer], pure=False)
                 w.result()
@@ -182,7 +184,8 @@ def transfer(rounds: int) -> None:
                     busy = c.submit(_train_for, 1.0, workers=[trainer], pure=False)
                     time.sleep(0.2)   # (the passes under way before the fetch)
                 nbytes = c.submit(_size, w, workers=[rollout], pure=False).result()
-                times[label].append(1000 * c.run(_last_fetch, workers=[rollout])[rollout])
+                if r:
+                    times[label].append(1000 * c.run(_last_fetch, workers=[rollout])[rollout])
                 if busy is not None:
                     busy.result()
                 del w
