@@ -13,8 +13,8 @@ from __future__ import annotations
 import pandas as pd
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (COLOCATED, GRAD, PUBLISH, ROLLOUT, ROLLOUT_KINDS, TRAINER,
-                                TRAINING_KINDS)
+from digenrl.vocabulary import (COLOCATED, DENOISE, GRAD, PUBLISH, ROLLOUT, ROLLOUT_KINDS,
+                                TRAINER, TRAINING_KINDS)
 
 
 def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
@@ -23,7 +23,9 @@ def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
     for rollout kinds, only while no grad task was runnable on that trainer (any grad
     with TSP; without it, the grads of the chunks mapped to it) and only to a trainer
     with no GPU task in flight. RAT only with RAT (and TSP) on, only grads, only on
-    rollout workers, only to a worker with no GPU task in flight."""
+    rollout workers, and only to a worker with no GPU task in flight unless ahead of
+    work that can wait for the version change: a decode (or GPU reward) ready and not
+    yet released then, whose generation had released every denoise step."""
     rat = t[t.rat] if "rat" in t else t.iloc[:0]
     if not options.pools:
         assert t.pool.eq(COLOCATED).all(), sorted(set(t.pool))
@@ -35,10 +37,17 @@ def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
         assert rat.empty, rat.key.tolist()
     assert rat.kind.eq(GRAD).all() and rat.pool.eq(ROLLOUT).all(), rat.key.tolist()
     gpu = t[t.gpu]
+    steps = gpu[(gpu.kind == DENOISE) & (gpu.pool == ROLLOUT)]
+    steps_out = steps.groupby("iteration").released.max()
+    finishing = gpu[gpu.kind.isin(ROLLOUT_KINDS - {DENOISE})]
     for row in rat.itertuples():
         r = row.released
         busy = gpu[(gpu.worker == row.worker) & (gpu.released < r) & (gpu.finished > r)]
-        assert busy.empty, (row.key, busy.key.tolist())
+        if busy.empty:
+            continue
+        waits = finishing[(finishing.ready <= r) & (finishing.released >= r)]
+        waits = waits[waits.iteration.map(steps_out).le(r)]
+        assert not waits.empty, (row.key, busy.key.tolist())
     on_trainers = t[t.kind.isin(ROLLOUT_KINDS) & t.pool.eq(TRAINER)]
     assert on_trainers.tag.all(), on_trainers[~on_trainers.tag].key.tolist()
     tag = t[t.tag]
