@@ -267,8 +267,8 @@ class SchedulingPolicy:
                  "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
-                 "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked", "_made_on", "_checkpoints",
-                 "_copies")
+                 "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
+                 "_made_on", "_checkpoints", "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options

@@ -267,10 +267,11 @@ def test_rat_declines_when_a_trainer_would_finish_the_grad_sooner_or_when_off():
     assert p.counters["rat_declined"] > 0
 
 
-def _finishing(decode_iteration=1, steps_left=0):
+def _finishing(decode_iteration=1, steps_left=0, grad_inputs=None):
     """A rollout worker running a generation's last denoise step while the trainer is
     busy with iteration 0's grads (one measured) and more wait: iteration 1's chunk 0 is
-    decoded next. ``steps_left`` more of the generation's steps are not released yet."""
+    decoded next. ``steps_left`` more of the generation's steps are not released yet;
+    ``grad_inputs``: where the grads' input bytes are."""
     p = policy_with(opts("digenrl", tag=False), rollout=1, trainer=1)
     grads = _grads(6)
     last = info(("d", 1, 1, 7), DENOISE, iteration=1, version=0, chunk=1, timestep=7)
@@ -279,10 +280,10 @@ def _finishing(decode_iteration=1, steps_left=0):
     dec = info(("decode", decode_iteration, 0), DECODE, iteration=decode_iteration,
                version=decode_iteration - 1, chunk=0)
     p.add_tasks(grads + [last, dec] + left)
-    p.task_ready(grads[0].key)
+    p.task_ready(grads[0].key, dict(grad_inputs or {}))
     [first] = p.decide()
     for g in grads[1:]:
-        p.task_ready(g.key)
+        p.task_ready(g.key, dict(grad_inputs or {}))
     p.decide()
     p.task_ready(last.key)
     assert [(d.key, d.worker) for d in p.decide()] == [(last.key, "r0")]
@@ -298,21 +299,21 @@ def test_a_rollout_worker_lends_a_grad_before_finishing_work_that_can_wait():
     p, dec = _finishing()
     [lent] = p.decide()
     assert lent.worker == "r0" and lent.rat and lent.info.kind == GRAD
-    # Two grads ahead on the trainer and its slots full: the worker's own step in
-    # flight and a lent grad (2 grads' time) still end before the trainer's third.
+    # The trainer's slots hold two grads: the worker's own step in flight and a lent
+    # grad (counted as two grads) end before the trainer would reach a third.
     assert p.counters["rat_released"] == 1
     p.task_done(("d", 1, 1, 7), "r0", 0.5)
     [again] = p.decide()
     assert again.rat and again.worker == "r0"
-    # With two grads of its own in flight, a third would end later than on the
-    # trainer: the decode goes.
+    # Both done: the worker takes the last grad of the queue, then, nothing left to
+    # lend, the decode in its second slot.
     p.task_done(lent.key, "r0", 1.0)
     p.task_done(again.key, "r0", 1.0)
-    out = p.decide()
-    assert (dec.key, "r0", False) in [(d.key, d.worker, d.rat) for d in out]
+    out = [(d.info.kind, d.worker, d.rat) for d in p.decide()]
+    assert out == [(GRAD, "r0", True), (DECODE, "r0", False)]
 
 
-def test_finishing_work_goes_first_while_its_generation_has_steps_or_its_version_is_out():
+def test_finishing_work_goes_first_when_it_cannot_wait_or_no_grad_would_gain():
     # A step of the generation is still to be released: the worker owes it; the decode
     # is not deferred.
     p, dec = _finishing(steps_left=1)
@@ -320,6 +321,11 @@ def test_finishing_work_goes_first_while_its_generation_has_steps_or_its_version
     # The decode's iteration trains on version 0, published: training may need it now.
     p, dec = _finishing(decode_iteration=0)
     assert [(d.key, d.rat) for d in p.decide()] == [(dec.key, False)]
+    # Moving a grad's 10 GB of inputs at 1 GB/s takes longer than the trainer needs to
+    # reach it: nothing is lent, the decode goes.
+    p, dec = _finishing(grad_inputs={"t0": 10 ** 10})
+    assert [(d.key, d.rat) for d in p.decide()] == [(dec.key, False)]
+    assert p.counters["rat_declined"] > 0
 
 
 def test_the_last_idle_trainer_keeps_its_slot_for_the_optimizer_step():
