@@ -532,7 +532,7 @@ class TrainConfig:
     importance_weight_cap: float = 2.0
     """Truncation of the behaviour importance weight (decoupled correction)."""
     reduce_fanin: int = 8
-    """Gradients summed per reduce task (the fixed reduction tree)."""
+    """Gradients summed per node of the fixed reduction tree (each node adds its parts one at a time, in order, as they arrive)."""
     lora_rank: int = 0
     """LoRA rank (peft adapters on lora_targets; only they train and travel); 0 trains every weight of the transformer."""
     lora_alpha: float | None = None

@@ -2,7 +2,7 @@
 
 ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
 (chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
-``reduce`` (a fixed tree) -> ``optimize`` -> ``publish`` (the weights of version v+1,
+``reduce`` (a fixed tree, each node a chain adding one part at a time) -> ``optimize`` -> ``publish`` (the weights of version v+1,
 which later ``denoise`` and ``grad`` tasks read) and ``stats``. A run on Dask checkpoints
 each version and publishes it from the checkpoint read back (:func:`tail_nodes`).
 
@@ -286,16 +286,32 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
     fanin = layout.reduce_fanin
     level, nodes = 0, leaves
+    meta = task_meta("reduce", i, tv)
     while True:
         parents = []
         for j in range(0, len(nodes), fanin):
             key = ("reduce", i, level, j // fanin)
             parents.append(key)
-            out.append(Node(key, "reduce", task_meta("reduce", i, tv),
-                            tuple(Dep(k) for k in nodes[j:j + fanin])))
+            out.extend(_summed_in_order(key, nodes[j:j + fanin], meta))
         nodes, level = parents, level + 1
         if len(nodes) == 1:
             break
+    return out
+
+
+def _summed_in_order(key: Key, parts: list[Key], meta: dict) -> list[Node]:
+    """The tree node ``key`` summing ``parts`` left to right, as a chain of tasks that
+    each add one part to the sum so far: ``(*key, k)`` sums the first ``k + 1`` parts
+    and ``key`` all of them. The sum is the same bits as one task adding every part in
+    that order, but each part is added as soon as it and the sum before it exist, so
+    the node's last task adds only the last part to arrive (not all of them)."""
+    if len(parts) <= 2:
+        return [Node(key, "reduce", meta, tuple(Dep(k) for k in parts))]
+    out, total = [], parts[0]
+    for k, part in enumerate(parts[1:], start=1):
+        step = key if k == len(parts) - 1 else (*key, k)
+        out.append(Node(step, "reduce", meta, (Dep(total), Dep(part))))
+        total = step
     return out
 
 

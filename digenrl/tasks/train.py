@@ -197,12 +197,17 @@ def _gradients(total: torch.Tensor, params: dict[str, torch.Tensor],
 
 
 def reduce(*parts: GradOut) -> GradOut:
-    """Sum gradients in the given order (the graph fixes it), so the result is the
-    same bits whichever workers computed the parts and in whatever order they ended."""
+    """Sum gradients left to right in the given order (the graph fixes it), so the
+    result is the same bits whichever workers computed the parts and in whatever order
+    they ended, and the same as summing a prefix first and then the rest. (The first
+    addition makes the new tensors; the parts are results other tasks may still read.)"""
     first = parts[0]
-    out = {n: g.clone() for n, g in first.grads.items()}
-    stats = first.stats
-    for p in parts[1:]:
+    if len(parts) == 1:
+        return GradOut(grads={n: g.clone() for n, g in first.grads.items()}, stats=first.stats)
+    second = parts[1]
+    out = {n: g + second.grads[n] for n, g in first.grads.items()}
+    stats = first.stats.combine(second.stats)
+    for p in parts[2:]:
         for n, g in p.grads.items():
             out[n] += g
         stats = stats.combine(p.stats)

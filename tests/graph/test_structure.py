@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, iteration_nodes, publish_key
+from digenrl.graph.structure import GraphLayout, iteration_nodes, publish_key, reduce_root_key
 
 LAYOUT = GraphLayout(num_steps=4, trained_steps=2, reduce_fanin=3)
 
@@ -41,12 +41,21 @@ def test_chains_and_dependencies():
 
 
 def test_reduction_tree_is_fixed_and_ordered():
+    """A fanin-3 tree over 6 chunks x 2 trained steps = 12 leaves: 4 nodes, then 2 (the
+    second with one part), then the root; a node of three parts adds them one at a time
+    (a chain of two tasks)."""
     nodes = iteration_nodes(LAYOUT, plan())
     leaves = [n.key for n in nodes if n.key[0] == "grad"]
     reduces = {n.key: n.deps for n in nodes if n.key[0] == "reduce"}
-    assert reduces[("reduce", 5, 0, 0)] == leaves[:3]
-    assert reduces[("reduce", 5, 1, 0)] == [("reduce", 5, 0, j) for j in range(3)]
+    assert reduces[("reduce", 5, 0, 0, 1)] == leaves[:2]
+    assert reduces[("reduce", 5, 0, 0)] == [("reduce", 5, 0, 0, 1), leaves[2]]
+    assert reduces[("reduce", 5, 0, 3)] == [("reduce", 5, 0, 3, 1), leaves[11]]
+    assert reduces[("reduce", 5, 1, 0, 1)] == [("reduce", 5, 0, 0), ("reduce", 5, 0, 1)]
+    assert reduces[("reduce", 5, 1, 0)] == [("reduce", 5, 1, 0, 1), ("reduce", 5, 0, 2)]
+    assert reduces[("reduce", 5, 1, 1)] == [("reduce", 5, 0, 3)]
     assert reduces[("reduce", 5, 2, 0)] == [("reduce", 5, 1, 0), ("reduce", 5, 1, 1)]
+    assert len(reduces) == 4 * 2 + 2 + 1 + 1
+    assert reduce_root_key(5, len(leaves), 3) == ("reduce", 5, 2, 0)
     assert next(n for n in nodes if n.key[0] == "optimize").deps[1] == ("reduce", 5, 2, 0)
 
 

@@ -70,3 +70,22 @@ def test_reduce_sums_in_the_given_order():
     assert out.grads["w"].item() == (torch.tensor([1e8]) + 1.0 - 1e8).item()
     assert out.stats.count == 3 and out.stats.ratio_dev == 1e8
     assert torch.equal(parts[0].grads["w"], torch.tensor([1e8]))  # inputs untouched
+
+
+def test_a_sum_added_one_part_at_a_time_is_the_same_bits():
+    """The graph sums a tree node's parts as a chain of reductions, each adding one part
+    to the sum so far: the bits (and statistics) of one reduction over all the parts."""
+    g = torch.Generator().manual_seed(0)
+    parts = [GradOut({"a": torch.randn(1000, generator=g) * 10.0 ** (k % 5),
+                      "b": torch.randn(7, 3, generator=g)},
+                     MicroStats(count=k, loss_sum=float(k) / 3, ratio_dev=float(k % 3)))
+             for k in range(8)]
+    whole = reduce(*parts)
+    chained = reduce(parts[0], parts[1])
+    for p in parts[2:]:
+        chained = reduce(chained, p)
+    assert all(torch.equal(whole.grads[n], chained.grads[n]) for n in whole.grads)
+    assert whole.stats == chained.stats
+    assert not torch.equal(whole.grads["a"], reduce(*parts[::-1]).grads["a"])  # order shows
+    assert torch.equal(reduce(parts[3]).grads["b"], parts[3].grads["b"])
+    assert reduce(parts[3]).grads["b"] is not parts[3].grads["b"]
