@@ -2,9 +2,10 @@
 
 ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
 (chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
-``reduce`` (a fixed tree, each node a chain adding one part at a time) -> ``optimize`` -> ``publish`` (the weights of version v+1,
-which later ``denoise`` and ``grad`` tasks read) and ``stats``. A run on Dask checkpoints
-each version and publishes it from the checkpoint read back (:func:`tail_nodes`).
+``reduce`` (a fixed tree, each node a chain adding one part at a time) ->
+``optimize`` -> ``publish`` (the weights of version v+1, which later ``denoise`` and
+``grad`` tasks read) and ``stats``. A run on Dask checkpoints each version and
+publishes it from the checkpoint read back (:func:`tail_nodes`).
 
 Each :class:`Node` names its operation, its annotation, and its arguments -- literals
 and :class:`Dep` references to other keys. :mod:`digenrl.graph.build` binds operations
