@@ -242,6 +242,15 @@ def _tracked(info: TaskInfo) -> bool:
     return (info.kind == DENOISE and info.pool == ROLLOUT) or info.kind == GRAD
 
 
+def _discard(table: dict[Any, set], at: Any, key: Key) -> None:
+    """Drop ``key`` from ``table[at]``, and the entry once it is empty."""
+    waiting = table.get(at)
+    if waiting is not None:
+        waiting.discard(key)
+        if not waiting:
+            del table[at]
+
+
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
     if info.pool not in POOLS:
@@ -833,15 +842,10 @@ class SchedulingPolicy:
     def _released_now(self, info: TaskInfo) -> None:
         """``info`` was released (or forgotten): a chunk's first step no longer waits to
         start it, a step or grad no longer waits to be released."""
-        for table, at, counts in ((self._unstarted, (info.iteration, info.policy_version),
-                                   _first_step(info)),
-                                  (self._unreleased, (info.kind, info.iteration),
-                                   _tracked(info))):
-            waiting = table.get(at) if counts else None
-            if waiting is not None:
-                waiting.discard(info.key)
-                if not waiting:
-                    del table[at]
+        if _first_step(info):
+            _discard(self._unstarted, (info.iteration, info.policy_version), info.key)
+        if _tracked(info):
+            _discard(self._unreleased, (info.kind, info.iteration), info.key)
 
     def _not_released(self, info: TaskInfo) -> None:
         """``info`` went back to waiting (lost, or its release failed)."""
@@ -898,9 +902,9 @@ class SchedulingPolicy:
     def _lend_first(self, w: WorkerInfo, info: TaskInfo) -> TaskInfo | None:
         """A grad for rollout worker ``w`` to run before ``info``, the rollout task it
         would take next, or None: when ``info`` can wait (:meth:`_can_wait`) and no
-        chunk may start now, a grad lent by :meth:`_lend`'s rule."""
-        if (not self._rat_on() or w.pool != ROLLOUT or not self._can_wait(info)
-                or self._owed_chunks()):
+        chunk may start now, a grad lent by :meth:`_lend`'s rule. (With RAT on there
+        are pools, so ``w``, taking rollout work, is a rollout worker.)"""
+        if not self._rat_on() or not self._can_wait(info) or self._owed_chunks():
             return None
         theirs = self._trainers_reach()
         return self._lend(w, theirs) if theirs is not None else None
