@@ -4,6 +4,7 @@
     python workflows/microbench.py malloc     # a forward pass under Dask's nanny malloc setting
     python workflows/microbench.py eventloop  # the simulator's CPU per task vs a bare event loop
     python workflows/microbench.py transfer   # a version's weights, trainer to rollout worker
+    python workflows/microbench.py collector  # a full garbage-collector pass, before and after the freeze
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -19,7 +20,10 @@ published weights (a ``PolicyWeights`` of its 4.6 million parameters) from the t
 to the rollout worker of the default local cluster, with the trainer idle and while it
 runs the default transformer's forward and backward passes (as during a micro-step),
 alternating, and prints the worker's own record of each fetch (Dask's
-``transfer_incoming_log``) in milliseconds.
+``transfer_incoming_log``) in milliseconds. ``collector`` times full passes of Python's
+cyclic garbage collector in a fresh process that has imported what a worker imports
+(torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
+after :func:`digenrl.process.freeze_collector`.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def dispatch(hops: int, rounds: int) -> None:
 _FORWARD = """
 import sys, time, torch
 if sys.argv[1] == "tuned":
-    from digenrl.tasks.resident import tune_malloc
+    from digenrl.process import tune_malloc
     assert tune_malloc()
 torch.set_num_threads(1)
 from digenrl.config import ModelConfig
@@ -120,6 +124,46 @@ def malloc() -> None:
     first = next(iter(results.values()))
     for label, v in results.items():
         print(f"{label:<42} {v / first:6.2f}x")
+
+
+_COLLECT = """
+import gc, json, statistics, time
+import distributed, torch
+from digenrl.config import ModelConfig
+from digenrl.lora import Trainable, build_policy
+from digenrl.models import build_vae
+from digenrl.process import freeze_collector
+import digenrl.runner, digenrl.tasks.resident  # (what the driver and a worker import)
+models = [build_policy(ModelConfig(), Trainable(), 0), build_vae(ModelConfig(), 0)]
+
+def passes():
+    out = []
+    for _ in range(5):
+        t = time.perf_counter()
+        gc.collect()
+        out.append(1000 * (time.perf_counter() - t))
+    return statistics.median(out)
+
+before, tracked = passes(), len(gc.get_objects())
+frozen = freeze_collector()
+print(json.dumps({"before": before, "after": passes(), "tracked": tracked, "frozen": frozen,
+                  "left": len(gc.get_objects())}))
+"""
+
+
+def collector(rounds: int) -> None:
+    import json
+
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _COLLECT], capture_output=True,
+                                      text=True, check=True).stdout.strip().splitlines()[-1])
+            for _ in range(rounds)]
+    before = statistics.median(r["before"] for r in runs)
+    after = statistics.median(r["after"] for r in runs)
+    r = runs[0]
+    print(f"{r['tracked']} objects tracked after the imports and the default models; "
+          f"{r['frozen']} frozen, {r['left']} left")
+    print(f"full collector pass: {before:.1f} ms before the freeze, {after:.2f} ms after "
+          f"(medians of 5 passes in each of {rounds} processes)")
 
 
 def _weights():
@@ -272,7 +316,8 @@ def eventloop(gpus: int, iterations: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer"])
+    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer",
+                                         "collector"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -284,6 +329,8 @@ def main() -> None:
         eventloop(args.gpus, args.iterations)
     elif args.what == "transfer":
         transfer(args.rounds)
+    elif args.what == "collector":
+        collector(args.rounds)
     else:
         malloc()
 

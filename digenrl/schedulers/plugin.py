@@ -33,6 +33,7 @@ from typing import Any, Hashable
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
 
+from digenrl.process import freeze_collector
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.progress import ProgressGuard
@@ -121,6 +122,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.warnings = []
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
+        # What the scheduler's process holds now (the driver's too, on a local cluster)
+        # stays out of the collector's full passes, which would pause dispatch.
+        freeze_collector()
         return self.state()
 
     def end_run(self, run: str) -> int:

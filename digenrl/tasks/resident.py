@@ -12,9 +12,7 @@ same state lives in a process-wide table.
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
-import sys
 import threading
 from collections import OrderedDict
 
@@ -24,6 +22,7 @@ from distributed import WorkerPlugin
 from digenrl.config import ModelConfig
 from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
 from digenrl.models import Conditioning, build_vae, family
+from digenrl.process import freeze_collector, tune_malloc
 from digenrl.tasks.types import PolicyWeights
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME"]
@@ -128,26 +127,6 @@ class ResidentModels:
                     for n, p in trainable_parameters(module).items()}
 
 
-def tune_malloc() -> bool:
-    """Undo the allocator setting Dask's nanny gives worker processes.
-
-    The nanny exports ``MALLOC_TRIM_THRESHOLD_=65536``; with any trim threshold set,
-    glibc stops adapting its mmap threshold, so every tensor buffer of 128 kB or more is
-    mmap-ed and unmapped again, page faults included: the default model's forward pass
-    is 1.7x slower (``python workflows/microbench.py malloc``). Raising both thresholds
-    restores heap reuse. Linux/glibc only; elsewhere a no-op.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = libc.mallopt(m_mmap_threshold, 64 << 20) == 1
-    return ok and libc.mallopt(m_trim_threshold, 256 << 20) == 1
-
-
 class ResidentPlugin(WorkerPlugin):
     """Keeps :class:`ResidentModels` on every worker, including ones that join later."""
 
@@ -164,6 +143,7 @@ class ResidentPlugin(WorkerPlugin):
         if not tune_malloc():
             logger.info("worker %s: could not tune the allocator (not glibc)", worker.name)
         self.models = ResidentModels(self.cfg, self.seed, self.max_versions, self.trainable)
+        freeze_collector()   # (the imports above are most of what this process holds)
 
     def teardown(self, worker) -> None:
         self.models = None
