@@ -79,9 +79,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DENOISE, GRAD, INIT,
-                                NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT, TRAINER,
-                                stage_of)
+from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DECODE, DENOISE, GRAD,
+                                INIT, NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT,
+                                TRAINER, stage_of)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -94,6 +94,10 @@ ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "rele
 
 #: The kinds whose result is a trainer state: version ``iteration + 1``'s.
 _MAKERS = frozenset({INIT, OPTIMIZE})
+
+#: Added to the chunk in a deferred decode's priority (:meth:`SchedulingPolicy._defers`):
+#: it then comes after every step of its generation.
+_DEFERRED = 1 << 20
 
 #: The states in which a task is already ready, held or running.
 _QUEUED = frozenset({READY, HELD, RELEASED})
@@ -164,9 +168,10 @@ def _more_urgent(a: ReadyEntry | None, b: ReadyEntry | None) -> ReadyEntry | Non
 class ReadyHeap:
     """Ready GPU tasks, the most urgent first.
 
-    A task may wait in more than one heap (its worker's and the stealable ones) and
-    stops being ready when it is released, lost or forgotten; its entries stay where
-    they are and are dead from then on: an entry is live while its task is READY.
+    A task may wait in more than one heap (its worker's and the stealable ones), or
+    twice in one (queued again at a new priority), and stops being ready when it is
+    released, lost or forgotten; its entries stay where they are and are dead from then
+    on: an entry is live while its task is READY.
     :meth:`peek` drops the dead entries it finds on top.
     """
 
@@ -277,7 +282,7 @@ class SchedulingPolicy:
                  "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
                  "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
-                 "_made_on", "_checkpoints", "_copies")
+                 "_made_on", "_checkpoints", "_copies", "_deferred")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -336,6 +341,8 @@ class SchedulingPolicy:
         self._checkpoints: dict[int, TaskInfo] = {}
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
+        # Decodes queued after their generation's steps (see _defers), by iteration.
+        self._deferred: dict[int, list[TaskInfo]] = defaultdict(list)
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
@@ -429,10 +436,13 @@ class SchedulingPolicy:
                 self._unreleased[info.kind, info.iteration].add(key)
         return rejected
 
-    def _entry(self, info: TaskInfo, tie: int) -> ReadyEntry:
-        """``info``'s entry in a ready heap, ``tie`` breaking ties of priority."""
+    def _entry(self, info: TaskInfo, tie: int, deferred: bool = False) -> ReadyEntry:
+        """``info``'s entry in a ready heap, ``tie`` breaking ties of priority
+        (``deferred``: see :meth:`_defers`)."""
         stage = stage_of(info.kind, info.timestep)
         chunk = 1 << 30 if info.chunk is None else info.chunk
+        if deferred:
+            chunk += _DEFERRED
         # Training, and rollout with GAP: older iterations first, a chunk's steps in
         # timestep order; rollout without GAP: breadth-first over chunks.
         if self.options.gap or info.pool != ROLLOUT:
@@ -485,7 +495,10 @@ class SchedulingPolicy:
         if not info.gpu:
             self._cpu_ready[info.key] = loc
             return
-        entry = self._entry(info, next(self._seq))
+        deferred = self._defers(info)
+        if deferred:
+            self._deferred[info.iteration].append(info)
+        entry = self._entry(info, next(self._seq), deferred)
         if info.kind in BACKGROUND_KINDS:
             self._background.push(entry)
             self._new_rollout = True   # (the free rollout workers are who may take it)
@@ -508,6 +521,28 @@ class SchedulingPolicy:
             info.pin = pin
             (self._pinned[pin] if pin else self._train).push(entry)
             self._new_training = True
+
+    def _defers(self, info: TaskInfo) -> bool:
+        """Whether ``info``, becoming runnable, is a decode that waits for the version
+        change: with GAP, a chunk's decode whose training reads a version not published
+        yet, while grads wait for a trainer (the trainers are behind). It is queued
+        after every step of its generation, not at its chunk's place, so the rollout
+        worker keeps it for the version change: after the generation, and after the
+        grads it is lent (see :meth:`_can_wait`), it fills the wait for the new
+        version's optimizer step and weights. Once that version is published it is
+        queued at its chunk's place again (:meth:`_requeue_deferred`)."""
+        return (self.options.gap and info.kind == DECODE and info.pool == ROLLOUT
+                and info.chunk is not None and info.iteration > self.version
+                and self._train.peek() is not None)
+
+    def _requeue_deferred(self) -> None:
+        """A version was published: the deferred decodes whose training reads it, still
+        waiting, are queued again at their chunk's place (an entry of a task is live
+        while the task waits, so the first of its two entries taken releases it)."""
+        for it in [i for i in self._deferred if i <= self.version]:
+            for info in self._deferred.pop(it):
+                if info.state is READY:
+                    self._enqueue(info)
 
     def _first_step_home(self, info: TaskInfo) -> str | None:
         """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
@@ -597,6 +632,7 @@ class SchedulingPolicy:
         if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
             self._release_stale_holds()
+            self._requeue_deferred()
             # The rollout workers generate with it next: they fetch it now, while the
             # chunks it lets start draw their noise, not once their first steps are
             # released.

@@ -328,6 +328,46 @@ def test_finishing_work_goes_first_when_it_cannot_wait_or_no_grad_would_gain():
     assert p.counters["rat_declined"] > 0
 
 
+def _decode_and_steps(waiting_grads):
+    """A rollout worker with one slot, chunk 0 of iteration 1 ready to decode and chunk
+    1's first step ready, while the trainer runs one of iteration 0's grads and
+    ``waiting_grads`` more wait; version 0 is published, the decode's training reads
+    version 1."""
+    p = policy_with(opts("digenrl", tag=False, rat=False, slots_per_worker=1))
+    grads = _grads(1 + waiting_grads)
+    dec = info(("decode", 1, 0), DECODE, iteration=1, version=0, chunk=0)
+    steps = [info(("d", 1, 1, t), DENOISE, iteration=1, version=0, chunk=1, timestep=t)
+             for t in range(2)]
+    publish = info(("publish", 1), PUBLISH, iteration=0, version=1, gpu=False)
+    p.add_tasks(grads + [dec, publish] + steps)
+    for g in grads:
+        p.task_ready(g.key)
+    assert [d.worker for d in p.decide()] == ["t0"]
+    p.task_ready(dec.key)
+    p.task_ready(steps[0].key)
+    return p, dec, steps, publish
+
+
+def test_a_decode_for_an_unpublished_version_waits_behind_its_generation_while_grads_wait():
+    """While grads wait for the trainer, a chunk's decode whose training reads a version
+    not yet published goes after the generation's later steps (the rollout worker keeps
+    it for the version change); once that version is published, or with no grad
+    waiting, it goes at its chunk's place, before the later chunk's steps."""
+    p, dec, steps, publish = _decode_and_steps(waiting_grads=2)
+    assert [d.key for d in p.decide()] == [steps[0].key]
+    # Version 1 is published while the step runs: the decode is queued at its chunk's
+    # place again and goes before chunk 1's next step.
+    p.task_ready(publish.key)
+    p.decide()
+    p.task_done(publish.key, "t0")
+    p.task_done(steps[0].key, "r0", 0.1)
+    p.task_ready(steps[1].key)
+    assert [d.key for d in p.decide()] == [dec.key]
+    # No grad waits: the trainers are not behind, and the decode goes first at once.
+    p, dec, steps, publish = _decode_and_steps(waiting_grads=0)
+    assert [d.key for d in p.decide()] == [dec.key]
+
+
 def test_the_last_idle_trainer_keeps_its_slot_for_the_optimizer_step():
     """An idle trainer does not take rollout work that can wait (decodes of a generation
     whose steps are all released) once every grad of the iteration is released, unless
