@@ -7,9 +7,12 @@ release to which worker. Every rule of docs/scheduling.md lives here:
 * **pools**: a task runs only on a worker of its pool (with ``pools`` off every GPU
   worker is one ``colocated`` pool);
 * **GAP**: rollout tasks are ordered depth-first over chunks, so groups finish one after
-  another, and a group's training starts as soon as it is scored. Without GAP, rollout
-  is breadth-first and an iteration's training waits until all its rollout work is done
-  (the barrier of the synchronous designs);
+  another, and a group's training starts as soon as it is scored. While grads wait for
+  the trainers, a decode whose training reads a version not yet published goes after
+  its generation's steps instead, kept for the version change (work that can wait,
+  below), and takes its chunk's place again once that version is published. Without
+  GAP, rollout is breadth-first and an iteration's training waits until all its
+  rollout work is done (the barrier of the synchronous designs);
 * **TSP**: any trainer takes any micro-step. Without TSP a chunk's micro-steps all run
   on the one trainer the chunk maps to (data-parallel training);
 * **TAG**: a trainer with no runnable training work takes one rollout task at a time;
@@ -525,7 +528,7 @@ class SchedulingPolicy:
     def _defers(self, info: TaskInfo) -> bool:
         """Whether ``info``, becoming runnable, is a decode that waits for the version
         change: with GAP, a chunk's decode whose training reads a version not published
-        yet, while grads wait for a trainer (the trainers are behind). It is queued
+        yet, while grads wait in the TSP queue (the trainers are behind). It is queued
         after every step of its generation, not at its chunk's place, so the rollout
         worker keeps it for the version change: after the generation, and after the
         grads it is lent (see :meth:`_can_wait`), it fills the wait for the new
