@@ -47,10 +47,11 @@ def freeze_collector() -> int:
     A process that has imported torch, diffusers and transformers holds about half a
     million objects that live as long as it does (modules, functions, classes). Python's
     collector walks all of them in each full pass, and it starts one whenever the
-    objects that survived earlier passes have grown by a quarter: here each such pass
-    holds the process for 0.3 to 0.45 s (``python workflows/microbench.py collector``).
-    In the scheduler's process that is a pause of the whole cluster's dispatch, in a
-    worker's one of its GPU. After a collection of what is already garbage,
+    objects that survived earlier passes have grown by a quarter: here a pass takes
+    0.25 s in a process that has imported what a worker imports (``python
+    workflows/microbench.py collector``) and 0.3 to 0.45 s in the driver's process of
+    the default run. In the scheduler's process that is a pause of the whole cluster's
+    dispatch, in a worker's one of its GPU. After a collection of what is already garbage,
     :func:`gc.freeze` moves every object left to a generation no pass walks.
 
     Only the first call freezes: objects made later (a run's) are collected as before,
