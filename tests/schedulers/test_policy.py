@@ -314,8 +314,8 @@ def test_a_rollout_worker_lends_a_grad_before_finishing_work_that_can_wait():
 
 
 def test_finishing_work_goes_first_when_it_cannot_wait_or_no_grad_would_gain():
-    # A step of the generation is still to be released: the worker owes it; the decode
-    # is not deferred.
+    # A step of the generation is still to be released: the worker owes it, the decode
+    # cannot wait, and no grad goes ahead of it.
     p, dec = _finishing(steps_left=1)
     assert [(d.key, d.rat) for d in p.decide()] == [(dec.key, False)]
     # The decode's iteration trains on version 0, published: training may need it now.
