@@ -3,9 +3,14 @@ pool utilisation and idle time ("bubbles").
 
 The measured window runs from the end of iteration ``skip - 1`` (its optimizer step) to
 the end of iteration ``n - 1 - drain``, so start-up (worker warm-up, the first version)
-and, with ``drain``, the run's last iteration are left out. The ideal bound is the total GPU work done in that window divided by the number of
-GPU slots: a pipeline with no idle time at all. :func:`split_advice` compares it with
-what fixed pools allow, to advise a rollout/trainer split.
+and, with ``drain``, the run's last iteration are left out.
+
+The ideal bound is the throughput of a pipeline with no idle time at all: the GPU work
+done, in seconds of a speed-1 GPU, spread over the GPUs' capacity (the sum of their
+speeds). Every figure of it -- a measured run's, an emulated run's, a cost profile's, the
+simulator's -- comes from :func:`ideal_bound`, and the fraction of it a run reaches from
+:func:`ideal_fraction`. :func:`split_advice` compares it with what fixed pools allow, to
+advise a rollout/trainer split.
 """
 
 from __future__ import annotations
@@ -18,9 +23,36 @@ import numpy as np
 from digenrl.vocabulary import (COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT,
                                 ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
 
-__all__ = ["WindowStats", "window_stats", "window_metrics", "optimize_stop", "busy_seconds",
+__all__ = ["ideal_seconds", "ideal_bound", "ideal_fraction", "gpu_capacity", "WindowStats",
+           "window_stats", "window_metrics", "optimize_stop", "busy_seconds",
            "utilisation_timeline", "dispatch_overhead", "pools_served", "store_pools",
            "SplitAdvice", "split_advice"]
+
+
+def ideal_seconds(gpu_work_s: float, capacity: float) -> float:
+    """How long ``gpu_work_s`` seconds of GPU work (at speed 1) take on GPUs of summed
+    speed ``capacity`` when none of them is ever idle: the work spread evenly."""
+    return gpu_work_s / capacity
+
+
+def ideal_bound(images: float, gpu_work_s: float, capacity: float) -> float:
+    """The ideal bound in images/s: ``images`` made with ``gpu_work_s`` seconds of GPU
+    work in their :func:`ideal_seconds` on ``capacity``. NaN without work."""
+    if gpu_work_s <= 0:
+        return float("nan")
+    return images / ideal_seconds(gpu_work_s, capacity)
+
+
+def ideal_fraction(images_per_s: float, ideal_images_per_s: float) -> float:
+    """The fraction of the ideal bound (:func:`ideal_bound`) a throughput reaches."""
+    return images_per_s / ideal_images_per_s
+
+
+def gpu_capacity(workers: Iterable[str], speeds: Mapping[str, float] | None = None) -> float:
+    """The capacity of ``workers`` for :func:`ideal_bound`: the sum of their speeds
+    (``speeds`` by worker name; 1 for a worker it does not name)."""
+    speeds = speeds or {}
+    return sum(speeds.get(str(w), 1.0) for w in workers)
 
 
 def pools_served(tagged: Mapping[str, Iterable[str]], pooled: bool) -> dict[str, list[str]]:
@@ -121,8 +153,9 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
     ``pools`` maps pool name -> worker names (from the store's cluster description);
     ``speeds`` worker name -> relative speed (1 when absent): a busy second of a worker
     of speed ``s`` is ``s`` seconds of speed-1 GPU work, and the ideal bound divides the
-    work by the sum of the speeds. Emulated runs pass their ``time_scale`` (figures are
-    then in the profile's time) and the profile's own ideal bound.
+    work by the sum of the speeds (:func:`ideal_bound`). Emulated runs pass their
+    ``time_scale`` (figures are then in the profile's time) and the profile's own ideal
+    bound.
     """
     speeds = speeds or {}
     opt = tasks[tasks["kind"] == OPTIMIZE].sort_values("iteration")
@@ -140,10 +173,9 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
     workers = {p: [str(w) for w in ws] for p, ws in pools.items() if ws}
     all_workers = [w for ws in workers.values() for w in ws]
     gpus = len(all_workers)
-    capacity = sum(speeds.get(w, 1.0) for w in all_workers)
     work = sum(b * speeds.get(w, 1.0) for w, b in busy.items())
     images = images_per_iteration * n_it
-    ideal = ideal_images_per_s or (images / (work / capacity) if work > 0 else float("nan"))
+    ideal = ideal_images_per_s or ideal_bound(images, work, gpu_capacity(all_workers, speeds))
     util, idle = {}, {}
     for pool, ws in workers.items():
         b = sum(busy.get(w, 0.0) for w in ws)
@@ -156,7 +188,8 @@ def window_stats(tasks, pools: Mapping[str, Iterable[str]], images_per_iteration
                                       t0, t1).sum()) / time_scale
     return WindowStats(iterations=n_it, seconds=seconds, images=images,
                        images_per_s=images / seconds, gpus=gpus, gpu_work_s=work,
-                       ideal_images_per_s=ideal, ideal_fraction=(images / seconds) / ideal,
+                       ideal_images_per_s=ideal,
+                       ideal_fraction=ideal_fraction(images / seconds, ideal),
                        utilisation=util, idle_s=idle, tag_s=lent["tag"], rat_s=lent["rat"])
 
 
@@ -176,10 +209,10 @@ class SplitAdvice:
 
     @staticmethod
     def bound(rollout_s: float, training_s: float, split: tuple[int, int]) -> float:
-        """The fraction of the ideal bound reachable with ``split`` as walls."""
+        """The fraction of the ideal bound reachable with ``split`` as walls: an
+        iteration's :func:`ideal_seconds` over its time with the walls."""
         r, t = split
-        ideal = (rollout_s + training_s) / (r + t)
-        return ideal / max(rollout_s / r, training_s / t)
+        return ideal_seconds(rollout_s + training_s, r + t) / max(rollout_s / r, training_s / t)
 
     @classmethod
     def of(cls, rollout_s: float, training_s: float, current: tuple[int, int]) -> "SplitAdvice":

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from digenrl.analysis import WindowStats, dispatch_overhead, store_pools, window_stats
+from digenrl.analysis import (WindowStats, dispatch_overhead, gpu_capacity, ideal_bound,
+                              store_pools, window_stats)
 from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
                             config_to_dict)
 from digenrl.store import open_run
@@ -52,13 +53,14 @@ def measure_store(path: str | Path, skip: int = 1,
         for w in pool_names.get(name) or [name]:
             speeds[str(w)] = float(speed)
     scale = float(attrs.get("time_scale", 1.0))
+    derived = attrs["derived"]
     ideal = None
     if attrs.get("workload") == "emulated":
-        capacity = sum(speeds.get(str(w), 1.0) for ws in pool_names.values() for w in ws
-                       if ws is not None)
-        ideal = attrs["derived"]["images_per_iteration"] / (
-            attrs["derived"]["gpu_seconds_per_iteration"] / capacity)
-    stats = window_stats(tasks, store_pools(attrs), attrs["derived"]["images_per_iteration"],
+        # An emulated run's bound is its profile's: the profile's GPU work per iteration.
+        workers = [w for ws in pool_names.values() for w in ws or ()]
+        ideal = ideal_bound(derived["images_per_iteration"],
+                            derived["gpu_seconds_per_iteration"], gpu_capacity(workers, speeds))
+    stats = window_stats(tasks, store_pools(attrs), derived["images_per_iteration"],
                          skip, drain=drain, time_scale=scale, speeds=speeds,
                          ideal_images_per_s=ideal)
     return stats, dispatch_overhead(tasks)

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from digenrl.analysis import ideal_bound
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, REWARD, ROLLOUT, TRAINER
@@ -237,12 +238,13 @@ class Profile:
         return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:
-        """Images/s with every GPU busy: ``capacity`` is the sum of the workers' speeds
+        """Images/s with every GPU busy (:func:`~digenrl.analysis.ideal_bound` of an
+        iteration's work): ``capacity`` is the sum of the workers' speeds
         (default: the profile's workers at their declared speeds; transient slowdowns
         are not counted, so the bound stays the one the hardware allows)."""
         if capacity is None:
             capacity = sum(self.speeds().values())
-        return self.images_per_iteration / (self.gpu_seconds_per_iteration() / capacity)
+        return ideal_bound(self.images_per_iteration, self.gpu_seconds_per_iteration(), capacity)
 
     def pools(self) -> dict[str, tuple[int, float]]:
         return {ROLLOUT: (self.rollout_workers, self.rollout_speed),

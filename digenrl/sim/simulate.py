@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from digenrl.analysis import ideal_fraction
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
 from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
@@ -143,7 +144,8 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
             util[pool] = sum(busy.get(w.name, 0.0) for w in ws) / (len(ws) * (t1 - t0))
     return SimulationReport(profile=profile.name, mode=options.mode, gpus=profile.gpus,
                             iterations=iterations, images_per_s=rate,
-                            ideal_images_per_s=ideal, ideal_fraction=rate / ideal,
+                            ideal_images_per_s=ideal,
+                            ideal_fraction=ideal_fraction(rate, ideal),
                             utilisation=util, weight_sync_s=sync, wall_s=wall,
                             tasks=result.tasks, result=result)
 
