@@ -4,33 +4,31 @@ A family adapts one kind of diffusers pipeline to the sampler: it loads (or buil
 trained transformer and the VAE, encodes prompts with its own text encoders into the
 tensors its transformer takes, predicts the velocity at a noise level (with
 classifier-free guidance or a guidance embedding, as the family does), gives the latent
-shape and the sigma schedule, and decodes latents to pixels.
+shape and the sigma schedule, and decodes latents to pixels. What several families
+compute the same way (text-encoder loading and caching, guidance, VAE decoding, latent
+packing) is in :mod:`digenrl.models.common`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
+from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
-__all__ = ["Conditioning", "ModelFamily", "PromptCache", "to_uint8", "read_json",
+__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PromptEncoderLike", "to_uint8",
            "JOINT_ATTENTION_TARGETS"]
 
 
 #: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
 JOINT_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                            "add_v_proj", "to_add_out")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
 
 
 @dataclass
@@ -107,6 +105,10 @@ class ModelFamily:
     video: ClassVar[bool] = False
     #: The pipeline's own default for the text encoder's sequence length.
     default_max_sequence_length: ClassVar[int] = 256
+    #: The folder's tokenizers as ``(subfolder, bounded)``; ``bounded``: its encoding is
+    #: ``model.max_sequence_length`` tokens long (the T5 / UMT5 / LLM one), so a longer
+    #: prompt is refused. :meth:`check_prompts` tokenizes every prompt with each.
+    tokenizer_parts: ClassVar[tuple[tuple[str, bool], ...]] = ()
     #: The diffusers classes of the trained transformer and of the VAE.
     transformer_class: ClassVar[type]
     vae_class: ClassVar[type]
@@ -143,8 +145,18 @@ class ModelFamily:
         return 1
 
     def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
-        """Each ``(field, prompt)`` can be tokenized as the family encodes it; a prompt
-        that cannot fails naming its field (config validation calls this)."""
+        """Each ``(field, prompt)`` can be tokenized as the family encodes it (as
+        :meth:`prompt_text`, by each of :attr:`tokenizer_parts`); a prompt that cannot
+        fails naming its field (config validation calls this)."""
+        texts = [(field, self.prompt_text(prompt)) for field, prompt in named]
+        for part, bounded in self.tokenizer_parts:
+            check_tokens(load_tokenizer(self.folder, part), part, texts,
+                         self.max_sequence_length if bounded else None)
+
+    def prompt_text(self, prompt: str) -> str:
+        """The text the tokenizers see for ``prompt`` (a pipeline that cleans prompts
+        first overrides this, and its encoder calls it)."""
+        return prompt
 
     # ---------------------------------------------------------------- shapes, schedule
 
@@ -179,8 +191,13 @@ class ModelFamily:
                                                shift=float(sampler.shift))
 
     def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
-        """``num_steps + 1`` noise levels from 1 to 0, as the family's pipeline sets them."""
-        raise NotImplementedError
+        """``num_steps + 1`` noise levels from 1 to 0, as the family's pipeline sets them:
+        here the flow-matching Euler schedule with ``sampler.shift`` over the folder's
+        training timesteps (a family whose pipeline shifts by the image's length, or sets
+        its own sigmas, overrides this)."""
+        sched = self.flow_scheduler(sampler)
+        sched.set_timesteps(sampler.num_steps)
+        return tuple(float(s) for s in sched.sigmas)
 
     def timestep(self, sigma: float) -> float:
         """The transformer's timestep input at noise level ``sigma``."""
@@ -201,7 +218,8 @@ class ModelFamily:
 
     def build_encoder(self, device: torch.device) -> "PromptEncoderLike":
         """An object whose ``encode(prompts, negative) -> Conditioning`` runs the text
-        encoders on ``device`` (``negative``: also encode ``model.negative_prompt``)."""
+        encoders on ``device`` (``negative``: also encode ``model.negative_prompt``); a
+        family's is a :class:`~digenrl.models.common.TextEncoders`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ computation

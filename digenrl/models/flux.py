@@ -9,33 +9,17 @@ The sampler holds latents unpacked, ``(channels, height, width)``; they are pack
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import (JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily,
-                                 PromptCache)
-from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
-from digenrl.models.tiny import scaled_vae_decode
+from digenrl.models.base import JOINT_ATTENTION_TARGETS, ModelFamily
+from digenrl.models.common import (TextEncoders, pack, scaled_vae_decode, timesteps, unpack,
+                                   vae_block_factor)
 
-__all__ = ["FluxFamily", "pack", "unpack", "image_ids"]
-
-
-def pack(x: torch.Tensor) -> torch.Tensor:
-    """(n, c, h, w) -> (n, h/2 * w/2, 4c), as FluxPipeline packs its latents."""
-    n, c, h, w = x.shape
-    x = x.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(n, (h // 2) * (w // 2), c * 4)
-
-
-def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of :func:`pack` for latents ``h`` x ``w``."""
-    n, _, d = tokens.shape
-    x = tokens.view(n, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(n, d // 4, h, w)
+__all__ = ["FluxFamily", "image_ids"]
 
 
 def image_ids(h: int, w: int, device) -> torch.Tensor:
@@ -46,17 +30,17 @@ def image_ids(h: int, w: int, device) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device)
 
 
-class _FluxEncoder:
-    def __init__(self, family: "FluxFamily", device):
-        folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
-        self.family, self.device = family, device
-        self.clip_tokenizer = load_part(folder, "tokenizer")
-        self.clip = load_part(folder, "text_encoder", dtype=dtype).to(device).eval()
-        self.t5_tokenizer = load_part(folder, "tokenizer_2")
-        self.t5 = load_part(folder, "text_encoder_2", dtype=dtype).to(device).eval()
-        self.cache = PromptCache(self._encode)
+class _FluxEncoder(TextEncoders):
+    uses_negative = False  # FLUX is guidance-distilled: no negative prompt.
 
-    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def __init__(self, family: "FluxFamily", device):
+        super().__init__(family, device)
+        self.clip_tokenizer = self.tokenizer("tokenizer")
+        self.clip = self.text_encoder("text_encoder")
+        self.t5_tokenizer = self.tokenizer("tokenizer_2")
+        self.t5 = self.text_encoder("text_encoder_2")
+
+    def encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         tok = self.clip_tokenizer
         ids = tok(prompts, padding="max_length", max_length=tok.model_max_length,
                   truncation=True, return_tensors="pt").input_ids
@@ -67,16 +51,13 @@ class _FluxEncoder:
         embeds = self.t5(ids.to(self.device), output_hidden_states=False)[0]
         return {"embeds": embeds, "pooled": pooled}
 
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
-        # FLUX is guidance-distilled: no negative prompt.
-        return Conditioning(tuple(prompts), self.cache(list(prompts)), None)
-
 
 class FluxFamily(ModelFamily):
     pipeline_class = "FluxPipeline"
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder", "tokenizer_2",
              "text_encoder_2")
     default_max_sequence_length = 512
+    tokenizer_parts = (("tokenizer", False), ("tokenizer_2", True))
     transformer_class = FluxTransformer2DModel
     vae_class = AutoencoderKL
     lora_targets = JOINT_ATTENTION_TARGETS
@@ -85,7 +66,7 @@ class FluxFamily(ModelFamily):
 
     @cached_property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae_config()["block_out_channels"]) - 1)
+        return vae_block_factor(self.vae_config())
 
     def image_size(self) -> tuple[int, int]:
         default = self.default_sample_size * self.vae_scale_factor
@@ -115,14 +96,6 @@ class FluxFamily(ModelFamily):
         sched.set_timesteps(n, sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
         return tuple(float(s) for s in sched.sigmas)
 
-    def tokenizers(self):
-        return [(name, load_tokenizer(self.folder, name)) for name in ("tokenizer", "tokenizer_2")]
-
-    def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
-        for name, tok in self.tokenizers():
-            check_tokens(tok, name, named,
-                         self.max_sequence_length if name == "tokenizer_2" else None)
-
     def build_encoder(self, device) -> _FluxEncoder:
         return _FluxEncoder(self, device)
 
@@ -130,7 +103,7 @@ class FluxFamily(ModelFamily):
         n, _, h, w = x.shape
         cond = cond.to_dtype(x.dtype)
         embeds = cond.tensors["embeds"]
-        t = torch.full((n,), self.timestep(sigma), dtype=x.dtype, device=x.device) \
+        t = timesteps(x, self.timestep(sigma), x.dtype) \
             / 1000.0  # as FluxPipeline: the scheduler timestep over 1000
         guidance = None
         if transformer.config.guidance_embeds:

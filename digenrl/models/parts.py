@@ -5,19 +5,24 @@ subfolder."""
 from __future__ import annotations
 
 import importlib
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from digenrl.config import ConfigError
-from digenrl.models.base import read_json
 
-__all__ = ["part_class", "load_part", "TORCH_DTYPES", "check_tokens", "load_tokenizer"]
+__all__ = ["part_class", "load_part", "TORCH_DTYPES", "check_tokens", "load_tokenizer",
+           "read_json"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
 
 
 def part_class(folder: Path, part: str):

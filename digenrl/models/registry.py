@@ -10,8 +10,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from digenrl.config import ConfigError, ModelConfig
-from digenrl.models.base import ModelFamily, read_json
+from digenrl.models.base import ModelFamily
 from digenrl.models.flux import FluxFamily
+from digenrl.models.parts import read_json
 from digenrl.models.sd3 import SD3Family
 from digenrl.models.tiny import TinyFamily
 from digenrl.models.wan import WanFamily

@@ -6,34 +6,52 @@ and T5 (last hidden states), with classifier-free guidance against the negative 
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Sequence
 
 import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import (JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily,
-                                 PromptCache)
-from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
-from digenrl.models.tiny import scaled_vae_decode, sd3_velocity
+from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
+from digenrl.models.common import (TextEncoders, guided, scaled_vae_decode, timesteps,
+                                   vae_block_factor)
 
-__all__ = ["SD3Family"]
+__all__ = ["SD3Family", "sd3_velocity"]
 
 CLIP_PARTS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
 T5_PARTS = ("tokenizer_3", "text_encoder_3")
 
 
-class _SD3Encoder:
-    def __init__(self, family: "SD3Family", device):
-        folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
-        self.family, self.device = family, device
-        self.clips = [(load_part(folder, tok), load_part(folder, enc, dtype=dtype)
-                       .to(device).eval()) for tok, enc in CLIP_PARTS]
-        self.t5_tokenizer = load_part(folder, T5_PARTS[0])
-        self.t5 = load_part(folder, T5_PARTS[1], dtype=dtype).to(device).eval()
-        self.cache = PromptCache(self._encode)
+def sd3_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
+                 guidance_scale: float) -> torch.Tensor:
+    """An SD3 transformer's velocity, with classifier-free guidance when
+    ``guidance_scale > 1`` (negative and positive rows in one batch, as the pipeline);
+    the built-in SD3-shaped model is called this way too."""
+    embeds, pooled = cond.tensors["embeds"], cond.tensors["pooled"]
+    t = timesteps(x, timestep)
+    if guidance_scale > 1.0:
+        assert cond.negative is not None, "guidance needs the negative prompt's encoding"
+        ue, up = cond.negative["embeds"], cond.negative["pooled"]
+        out = transformer(
+            hidden_states=torch.cat([x, x]),
+            encoder_hidden_states=torch.cat([ue.expand_as(embeds), embeds]),
+            pooled_projections=torch.cat([up.expand_as(pooled), pooled]),
+            timestep=torch.cat([t, t]),
+            return_dict=False,
+        )[0]
+        v_uncond, v_cond = out.chunk(2)
+        return guided(v_uncond, v_cond, guidance_scale)
+    return transformer(hidden_states=x, encoder_hidden_states=embeds,
+                       pooled_projections=pooled, timestep=t, return_dict=False)[0]
 
-    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+
+class _SD3Encoder(TextEncoders):
+    def __init__(self, family: "SD3Family", device):
+        super().__init__(family, device)
+        self.clips = [(self.tokenizer(tok), self.text_encoder(enc)) for tok, enc in CLIP_PARTS]
+        self.t5_tokenizer = self.tokenizer(T5_PARTS[0])
+        self.t5 = self.text_encoder(T5_PARTS[1])
+
+    def encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         seqs, pooled = [], []
         for tokenizer, encoder in self.clips:
             ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
@@ -50,23 +68,20 @@ class _SD3Encoder:
         return {"embeds": torch.cat([clip.to(t5.dtype), t5], dim=-2),
                 "pooled": torch.cat(pooled, dim=-1)}
 
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
-        neg = self.cache([self.family.cfg.negative_prompt]) if negative else None
-        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
-
 
 class SD3Family(ModelFamily):
     pipeline_class = "StableDiffusion3Pipeline"
     parts = ("transformer", "vae", "scheduler") + tuple(p for pair in CLIP_PARTS for p in pair) \
         + T5_PARTS
     default_max_sequence_length = 256
+    tokenizer_parts = ((CLIP_PARTS[0][0], False), (CLIP_PARTS[1][0], False), (T5_PARTS[0], True))
     transformer_class = SD3Transformer2DModel
     vae_class = AutoencoderKL
     lora_targets = JOINT_ATTENTION_TARGETS
 
     @cached_property
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae_config()["block_out_channels"]) - 1)
+        return vae_block_factor(self.vae_config())
 
     def image_size(self) -> tuple[int, int]:
         """(height, width) in pixels: the configured ones, else the pipeline's default."""
@@ -96,15 +111,6 @@ class SD3Family(ModelFamily):
                                            c.get("base_shift", 0.5), c.get("max_shift", 1.16))
         sched.set_timesteps(sampler.num_steps, **kwargs)
         return tuple(float(s) for s in sched.sigmas)
-
-    def tokenizers(self):
-        return [(name, load_tokenizer(self.folder, name))
-                for name in (CLIP_PARTS[0][0], CLIP_PARTS[1][0], T5_PARTS[0])]
-
-    def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
-        for name, tok in self.tokenizers():
-            check_tokens(tok, name, named,
-                         self.max_sequence_length if name == T5_PARTS[0] else None)
 
     def build_encoder(self, device) -> _SD3Encoder:
         return _SD3Encoder(self, device)

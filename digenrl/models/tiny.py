@@ -1,10 +1,11 @@
 """The built-in model: a small SD3-shaped transformer and VAE with seeded random weights
 (nothing is downloaded), conditioned by a hash prompt encoder.
 
-Built from :class:`~digenrl.config.ModelConfig` sizes. A folder without
-``model_index.json`` (only ``transformer/``, ``vae/`` and ``scheduler/`` of an
-SD3-shaped model) loads its transformer and VAE here too; such a folder has no text
-encoders, so prompts go through the hash encoder as well.
+Built from the tiny-model sizes of :class:`~digenrl.config.ModelConfig` and called as
+the SD3 family calls its transformer (:func:`~digenrl.models.sd3.sd3_velocity`). A
+folder without ``model_index.json`` (only ``transformer/``, ``vae/`` and ``scheduler/``
+of an SD3-shaped model) loads its transformer and VAE here too; such a folder has no
+text encoders, so prompts go through the hash encoder as well.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
+from digenrl.models.common import scaled_vae_decode
+from digenrl.models.sd3 import sd3_velocity
 from digenrl.seeding import stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
@@ -83,36 +86,6 @@ def _sigmas(num_steps: int, shift: float, num_train_timesteps: int) -> tuple[flo
     sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=num_train_timesteps, shift=shift)
     sched.set_timesteps(num_steps)
     return tuple(float(s) for s in sched.sigmas)
-
-
-def sd3_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
-                 guidance_scale: float) -> torch.Tensor:
-    """An SD3 transformer's velocity, with classifier-free guidance when
-    ``guidance_scale > 1`` (negative and positive rows in one batch, as the pipeline)."""
-    embeds, pooled = cond.tensors["embeds"], cond.tensors["pooled"]
-    n = x.shape[0]
-    t = torch.full((n,), timestep, dtype=torch.float32, device=x.device)
-    if guidance_scale > 1.0:
-        assert cond.negative is not None, "guidance needs the negative prompt's encoding"
-        ue, up = cond.negative["embeds"], cond.negative["pooled"]
-        out = transformer(
-            hidden_states=torch.cat([x, x]),
-            encoder_hidden_states=torch.cat([ue.expand_as(embeds), embeds]),
-            pooled_projections=torch.cat([up.expand_as(pooled), pooled]),
-            timestep=torch.cat([t, t]),
-            return_dict=False,
-        )[0]
-        v_uncond, v_cond = out.chunk(2)
-        return v_uncond + guidance_scale * (v_cond - v_uncond)
-    return transformer(hidden_states=x, encoder_hidden_states=embeds,
-                       pooled_projections=pooled, timestep=t, return_dict=False)[0]
-
-
-def scaled_vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
-    """latents / scaling_factor + shift_factor through the VAE decoder."""
-    scale = getattr(vae.config, "scaling_factor", 1.0) or 1.0
-    shift = getattr(vae.config, "shift_factor", 0.0) or 0.0
-    return vae.decode(latents / scale + shift, return_dict=False)[0]
 
 
 class TinyFamily(ModelFamily):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import html
 import re
-from typing import Sequence
 
 import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-from digenrl.config import SamplerConfig
-from digenrl.models.base import Conditioning, ModelFamily, PromptCache
-from digenrl.models.parts import TORCH_DTYPES, check_tokens, load_part, load_tokenizer
+from digenrl.config import ConfigError
+from digenrl.models.base import ModelFamily
+from digenrl.models.common import TextEncoders, guided, normalized_vae_decode, timesteps
+from digenrl.models.parts import read_json
 
 __all__ = ["WanFamily", "clean_prompt"]
 
@@ -33,27 +33,22 @@ def clean_prompt(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-class _WanEncoder:
+class _WanEncoder(TextEncoders):
     def __init__(self, family: "WanFamily", device):
-        folder, dtype = family.folder, TORCH_DTYPES[family.cfg.text_encoder_dtype]
-        self.family, self.device = family, device
-        self.tokenizer = load_part(folder, "tokenizer")
-        self.encoder = load_part(folder, "text_encoder", dtype=dtype).to(device).eval()
-        self.cache = PromptCache(self._encode)
+        super().__init__(family, device)
+        self.umt5_tokenizer = self.tokenizer("tokenizer")
+        self.umt5 = self.text_encoder("text_encoder")
 
-    def _encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         length = self.family.max_sequence_length
-        inputs = self.tokenizer([clean_prompt(p) for p in prompts], padding="max_length",
+        texts = [self.family.prompt_text(p) for p in prompts]
+        inputs = self.umt5_tokenizer(texts, padding="max_length",
                                 max_length=length, truncation=True, add_special_tokens=True,
                                 return_attention_mask=True, return_tensors="pt")
         mask = inputs.attention_mask.to(self.device)
-        hidden = self.encoder(inputs.input_ids.to(self.device), mask).last_hidden_state
+        hidden = self.umt5(inputs.input_ids.to(self.device), mask).last_hidden_state
         # Rows past each prompt's own tokens are zeros, as in the pipeline.
         return {"embeds": hidden * mask.gt(0).unsqueeze(-1).to(hidden.dtype)}
-
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
-        neg = self.cache([self.family.cfg.negative_prompt]) if negative else None
-        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
 
 
 class WanFamily(ModelFamily):
@@ -63,14 +58,12 @@ class WanFamily(ModelFamily):
     transformer_class = WanTransformer3DModel
     vae_class = AutoencoderKLWan
     default_max_sequence_length = 512
+    tokenizer_parts = (("tokenizer", True),)
     #: WanPipeline's defaults.
     default_height, default_width, default_frames = 480, 832, 81
 
     def check_folder(self) -> None:
         super().check_folder()
-        from digenrl.config import ConfigError
-        from digenrl.models.base import read_json
-
         index = read_json(self.folder / "model_index.json")
         if index.get("transformer_2") not in (None, [None, None]) \
                 or index.get("expand_timesteps"):
@@ -93,29 +86,18 @@ class WanFamily(ModelFamily):
         tf, sf = vc.get("scale_factor_temporal", 4), vc.get("scale_factor_spatial", 8)
         return (self.transformer_config()["in_channels"], (frames - 1) // tf + 1, h // sf, w // sf)
 
-    def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
-        """The flow-matching Euler schedule with ``sampler.shift`` over the folder's
-        training timesteps (a folder whose scheduler is UniPC keeps its timesteps only:
-        the SDE sampler steps by Euler)."""
-        sched = self.flow_scheduler(sampler)
-        sched.set_timesteps(sampler.num_steps)
-        return tuple(float(s) for s in sched.sigmas)
+    # sigmas: the base's flow-matching Euler schedule with sampler.shift (a folder whose
+    # scheduler is UniPC keeps its training timesteps only: the SDE sampler steps by Euler).
 
-    def tokenizers(self):
-        return [("tokenizer", load_tokenizer(self.folder, "tokenizer"))]
-
-    def check_prompts(self, named: Sequence[tuple[str, str]]) -> None:
-        for name, tok in self.tokenizers():
-            check_tokens(tok, name, [(f, clean_prompt(p)) for f, p in named],
-                         self.max_sequence_length)
+    def prompt_text(self, prompt: str) -> str:
+        return clean_prompt(prompt)
 
     def build_encoder(self, device) -> _WanEncoder:
         return _WanEncoder(self, device)
 
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
         cond = cond.to_dtype(x.dtype)
-        t = torch.full((x.shape[0],), self.timestep(sigma), dtype=torch.float32,
-                       device=x.device)
+        t = timesteps(x, self.timestep(sigma))
         embeds = cond.tensors["embeds"]
         v = transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds,
                         return_dict=False)[0]
@@ -124,12 +106,8 @@ class WanFamily(ModelFamily):
             neg = cond.negative["embeds"].expand_as(embeds)
             v_uncond = transformer(hidden_states=x, timestep=t, encoder_hidden_states=neg,
                                    return_dict=False)[0]
-            v = v_uncond + guidance_scale * (v - v_uncond)
+            v = guided(v_uncond, v, guidance_scale)
         return v
 
     def decode(self, vae, latents):
-        c = vae.config
-        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(latents)
-        std = torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(latents)
-        # The pipeline divides by 1 / std.
-        return vae.decode(latents / (1.0 / std) + mean, return_dict=False)[0]
+        return normalized_vae_decode(vae, latents)
