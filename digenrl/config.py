@@ -114,10 +114,11 @@ class ModelConfig:
     With ``path`` set, the local diffusers pipeline folder is loaded by the family its
     ``model_index.json`` names (``StableDiffusion3Pipeline``, ``FluxPipeline``,
     ``WanPipeline``): its transformer (trained), VAE, scheduler config, tokenizers and
-    text encoders; the tiny-model sizes below are then ignored. The folder must be
-    readable from every worker.
+    text encoders; the tiny-model sizes (the fields from ``image_size`` on, each marked
+    "tiny model only") are then ignored. The folder must be readable from every worker.
     """
 
+    # ---------------------------------------------- the fields every family reads
     path: str | None = None
     """A local diffusers pipeline folder (SD3/SD3.5, FLUX.1 or Wan2.1, by its model_index.json) loaded with from_pretrained; null builds the tiny model below with seeded random weights. A folder without model_index.json loads transformer/ and vae/ of an SD3-shaped model and encodes prompts with the hash encoder."""
     height: int | None = None
@@ -134,30 +135,32 @@ class ModelConfig:
     """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16)."""
     dtype: str = "float32"
     """dtype of the transformer's frozen weights and forward pass (float32, bfloat16, float16); trained tensors, AdamW moments, the SDE step, log-probs and loss stay float32 (docs/algorithm.md)."""
-    image_size: int = 64
-    """Image height and width in pixels."""
-    latent_channels: int = 4
-    """Channels of the VAE latent (and of the transformer's input and output)."""
-    vae_channels: tuple[int, ...] = (32, 64, 64)
-    """Block widths of the VAE; the latent is image_size / 2^(len - 1) pixels wide."""
-    vae_layers_per_block: int = 1
-    """ResNet layers per VAE block."""
-    transformer_layers: int = 8
-    """SD3 transformer blocks."""
-    attention_heads: int = 4
-    """Attention heads per block."""
-    attention_head_dim: int = 32
-    """Width of each attention head (hidden size = heads x head dim)."""
-    patch_size: int = 2
-    """Latent patch size of the transformer's patch embedding."""
-    prompt_tokens: int = 8
-    """Tokens of the prompt encoder's sequence (longer prompts are cut)."""
-    prompt_embed_dim: int = 64
-    """Width of the prompt token embeddings (the transformer's joint_attention_dim)."""
-    pooled_embed_dim: int = 32
-    """Width of the pooled prompt embedding."""
     init_seed: int | None = None
-    """Seed of the initial weights; null uses the run seed."""
+    """Seed of the initial weights (the tiny model's, and the A matrices of LoRA adapters); null uses the run seed."""
+
+    # ------------------------------------- tiny model only (path null): its sizes
+    image_size: int = 64
+    """Tiny model only: image height and width in pixels."""
+    latent_channels: int = 4
+    """Tiny model only: channels of the VAE latent (and of the transformer's input and output)."""
+    vae_channels: tuple[int, ...] = (32, 64, 64)
+    """Tiny model only: block widths of the VAE; the latent is image_size / 2^(len - 1) pixels wide."""
+    vae_layers_per_block: int = 1
+    """Tiny model only: ResNet layers per VAE block."""
+    transformer_layers: int = 8
+    """Tiny model only: SD3 transformer blocks."""
+    attention_heads: int = 4
+    """Tiny model only: attention heads per block."""
+    attention_head_dim: int = 32
+    """Tiny model only: width of each attention head (hidden size = heads x head dim)."""
+    patch_size: int = 2
+    """Tiny model only: latent patch size of the transformer's patch embedding."""
+    prompt_tokens: int = 8
+    """Tiny model only (and the hash encoder of a folder without model_index.json): tokens of the prompt encoder's sequence (longer prompts are cut)."""
+    prompt_embed_dim: int = 64
+    """Tiny model only: width of the prompt token embeddings (the transformer's joint_attention_dim)."""
+    pooled_embed_dim: int = 32
+    """Tiny model only: width of the pooled prompt embedding."""
 
     def validate(self, p: str = "model") -> None:
         _choice(self.dtype, f"{p}.dtype", DTYPES)
