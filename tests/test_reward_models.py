@@ -1,7 +1,8 @@
 """Rewards that own a model (reward.models), on tiny CLIP models built here from configs:
 their scores against a direct computation with the same modules, one load per process,
 their settings checked before any work starts, a reward server serving one, and a short
-run whose CLIP preference reward rises, the model loaded once per worker that scored."""
+run whose CLIP preference reward rises, the model loaded once per worker that scored;
+a score's bits do not depend on the batch it is scored in."""
 
 from __future__ import annotations
 
@@ -113,6 +114,32 @@ def test_the_aesthetic_reward_is_laions_head_on_the_clip_embedding(clip_folder, 
     assert reward_model_loads() == before + 1 and spec.fn.loads == 1
 
 
+@pytest.mark.parametrize("kind", ["clip", "aesthetic"])
+def test_a_score_does_not_depend_on_the_batch_it_rides_in(clip_folder, head_files, kind):
+    """Every forward pass is padded to batch_size rows (zero images, empty prompts, the
+    prompts tokenized to full length): an image's score has the same bits scored alone,
+    in calls of 2, 3 or 5 among shuffled neighbours (5: split over two passes), and all
+    at once."""
+    images = np.random.default_rng(1).integers(0, 256, (10, IMAGE_SIZE, IMAGE_SIZE, 3),
+                                               dtype=np.uint8)
+    prompts = ["a", "a photo of a cat", "a dog running in the park", "the fox", "an owl",
+               "a red fox in the snow", "a cat", "a blue bird on a branch", "dog", ""]
+    head = str(head_files["pth"]) if kind == "aesthetic" else None
+    spec = model_reward(kind, RewardModelConfig(kind=kind, path=str(clip_folder), head=head,
+                                                batch_size=4))
+    alone = np.concatenate([spec(images[i:i + 1], prompts[i:i + 1]) for i in range(10)])
+    assert len(set(alone.tolist())) == 10  # every image (and prompt) scores differently
+    rng = np.random.default_rng(2)
+    for size in (2, 3, 5):
+        for _ in range(3):
+            order = rng.permutation(10)
+            for a in range(0, 10, size):
+                rows = order[a:a + size]
+                np.testing.assert_array_equal(spec(images[rows], [prompts[i] for i in rows]),
+                                              alone[rows], err_msg=f"calls of {size}")
+    np.testing.assert_array_equal(spec(images, prompts), alone)
+
+
 def _settings(folder, **kw):
     return {"reward.components": {"pick": 1.0}, "reward.models": {"pick": {"path": str(folder),
                                                                           **kw}}}
@@ -199,7 +226,9 @@ def test_an_aesthetic_head_that_does_not_fit_stops_the_run_before_it_starts(
 
 def test_a_reward_server_serves_a_model_reward(clip_folder, tmp_path):
     """``digenrl reward-server NAME --config``: the served scores equal the in-process
-    ones, and the server loaded the model once (before serving)."""
+    ones bit for bit (served in requests of 2, scored in-process in slices of 3 and 2:
+    every pass is padded to batch_size), and the server loaded the model once (before
+    serving)."""
     from digenrl.tasks.remote import RemoteReward
 
     from test_reward_server import Server

@@ -23,8 +23,18 @@ Kinds (``kind``):
   Linear-Linear``, state-dict keys ``layers.0.weight`` ... ``layers.7.bias``). The head
   computes in float32 whatever the CLIP model's dtype.
 
-Every forward pass runs under ``torch.no_grad`` in batches of at most ``batch_size``
-images; scores return to the CPU as float64.
+Every forward pass runs under ``torch.no_grad`` and holds exactly ``batch_size`` rows:
+the images are scored in slices of at most ``batch_size``, and a slice of fewer is padded
+with zero images (and, for ``clip``, empty prompts) whose scores are dropped. Prompts are
+tokenized to the text model's full length, never to the longest prompt of the slice. So
+every pass has the same shapes and a sample's score does not depend on which images
+share its batch or how many do: the same image and prompt get the same bits whether
+scored alone, among others, in-process or by ``digenrl reward-server`` (given the same
+settings, device and software, and on a CPU the same torch thread count). The cost: a
+slice of fewer than ``batch_size`` images costs a whole batch's forward pass (scoring
+one image with ``batch_size`` 32 computes 32 rows), so a ``batch_size`` that divides
+the number of images a reward task scores (the chunk size, or the requests'
+``batch_size`` a server receives) wastes nothing. Scores return to the CPU as float64.
 """
 
 from __future__ import annotations
@@ -59,7 +69,8 @@ _HEAD_DROPOUT = {0: 0.2, 2: 0.2, 4: 0.1}
 
 class _Clip:
     """A CLIPModel and its image processor from local folders, on ``device`` in the
-    configured dtype; the L2-normalised image embeddings of uint8 images."""
+    configured dtype; the L2-normalised image embeddings of uint8 images, in forward
+    passes of exactly ``batch_size`` rows (the module's docstring says why)."""
 
     def __init__(self, config: RewardModelConfig, device: torch.device):
         from transformers import CLIPImageProcessor, CLIPModel
@@ -76,22 +87,34 @@ class _Clip:
 
     @torch.no_grad()
     def image_embeddings(self, images: np.ndarray) -> torch.Tensor:
+        """``batch_size`` rows: the normalised embeddings of ``images`` (at most
+        ``batch_size``), then those of zero images."""
         pixels = self.image_processor(images=list(images), return_tensors="pt",
                                       input_data_format="channels_last")["pixel_values"]
+        pixels = torch.cat([pixels, pixels.new_zeros((self._padding(len(images)),
+                                                      *pixels.shape[1:]))])
         out = self.model.vision_model(pixel_values=pixels.to(self.device, self.dtype))
         embeds = self.model.visual_projection(out.pooler_output)
         return embeds / embeds.norm(dim=-1, keepdim=True)
 
+    def _padding(self, n: int) -> int:
+        """Rows that fill a slice of ``n`` samples up to ``batch_size``."""
+        return self.config.batch_size - n
+
     def score(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-        """One float64 score per image, in batches of at most ``batch_size``."""
+        """One float64 score per image: slices of at most ``batch_size``, each scored in
+        a forward pass padded to ``batch_size`` rows (the padding's scores dropped)."""
         size = self.config.batch_size
+        parts = []
         with self._lock:
-            parts = [self._score_batch(images[a:a + size], list(prompts[a:a + size]))
-                     for a in range(0, len(images), size)]
+            for a in range(0, len(images), size):
+                batch = images[a:a + size]
+                parts.append(self._score_batch(batch, list(prompts[a:a + size]))[:len(batch)])
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
-        """One batch's float64 scores: what each kind (a subclass) computes."""
+        """``batch_size`` float64 scores: those of ``images`` (at most ``batch_size``),
+        then the padding's. What each kind (a subclass) computes."""
         raise NotImplementedError(f"{type(self).__name__} scores no batch: a reward-model "
                                   f"kind defines _score_batch")
 
@@ -109,7 +132,11 @@ class ClipPreference(_Clip):
 
     @torch.no_grad()
     def text_embeddings(self, prompts: list[str]) -> torch.Tensor:
-        tokens = self.tokenizer(prompts, padding=True, truncation=True,
+        """``batch_size`` rows: the normalised embeddings of ``prompts`` (at most
+        ``batch_size``), then those of empty prompts; every prompt tokenized to the text
+        model's full length (its attention mask covers its own tokens only)."""
+        prompts = prompts + [""] * self._padding(len(prompts))
+        tokens = self.tokenizer(prompts, padding="max_length", truncation=True,
                                 max_length=self.max_length, return_tensors="pt")
         out = self.model.text_model(input_ids=tokens["input_ids"].to(self.device),
                                     attention_mask=tokens["attention_mask"].to(self.device))
