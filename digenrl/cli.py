@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -146,6 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      "unset)")
     srv.add_argument("--max-bytes", type=int, help="largest request body read, in bytes "
                                                    "(default 64 MiB)")
+    srv.add_argument("--batch-size", type=int,
+                     help="images per scoring pass, gathered from concurrent requests "
+                          "(default 32; a model reward's is its reward.models batch_size)")
+    srv.add_argument("--max-wait-ms", type=float,
+                     help="how long a request waits for others to fill its pass "
+                          "(default 5 ms)")
+    srv.add_argument("--max-queue", type=int,
+                     help="images waiting beyond which requests are answered 429 with "
+                          "Retry-After (default 1024)")
+    srv.add_argument("--backlog", type=int,
+                     help="connections the kernel queues before they are accepted "
+                          "(default 1024)")
+    srv.add_argument("--read-timeout", type=float,
+                     help="seconds a request body may stall before it is answered 400 "
+                          "as truncated (default 30)")
     srv.add_argument("--allow-pickle", action="store_true",
                      help="also accept pickled requests (unpickling can run code: only on a "
                           "network you trust)")
@@ -602,7 +618,7 @@ def _check_reused(store: Path, profile, iterations: int) -> None:
 def _cmd_reward_server(args: argparse.Namespace) -> int:
     import importlib
 
-    from digenrl.reward_server import DEFAULT_MAX_BYTES, TOKEN_ENV, serve
+    from digenrl import reward_server as rs
     from digenrl.tasks.rewards import REWARDS, get_reward, resolve_rewards
 
     for module in args.modules:
@@ -625,10 +641,29 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0 to 65535, got {args.port}")
-    max_bytes = DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes
+    max_bytes = rs.DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes
     if max_bytes < 1:
         raise ConfigError(f"--max-bytes: expected a positive number of bytes, got {max_bytes}")
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    model_batch = getattr(spec.fn, "batch_size", None)  # a model reward's forward pass
+    if model_batch is not None and args.batch_size not in (None, model_batch):
+        raise ConfigError(f"--batch-size: expected none (or {model_batch}) for the model "
+                          f"reward {args.reward!r}, whose passes are its "
+                          f"reward.models.{args.reward}.batch_size {model_batch}, got "
+                          f"{args.batch_size}")
+    batch_size = model_batch or (rs.DEFAULT_BATCH_SIZE if args.batch_size is None
+                                 else args.batch_size)
+    limits = {"--batch-size": (batch_size, 1), "--max-queue": (args.max_queue, 1),
+              "--backlog": (args.backlog, 1)}
+    for flag, (value, least) in limits.items():
+        if value is not None and value < least:
+            raise ConfigError(f"{flag}: expected an integer >= {least}, got {value}")
+    seconds = {"--max-wait-ms": args.max_wait_ms, "--read-timeout": args.read_timeout}
+    for flag, value in seconds.items():
+        if value is not None and not (math.isfinite(value) and value >= 0
+                                      and (value > 0 or flag == "--max-wait-ms")):
+            bound = ">= 0" if flag == "--max-wait-ms" else "> 0"
+            raise ConfigError(f"{flag}: expected a finite number {bound}, got {value}")
+    token = args.token if args.token is not None else os.environ.get(rs.TOKEN_ENV) or None
     if token is not None and not token.strip():
         raise ConfigError("--token: expected a non-empty token, got ''")
     load = getattr(spec.fn, "load", None)  # a model reward's: loaded before serving
@@ -638,9 +673,16 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         except Exception as e:  # weights or a processor that transformers cannot read
             raise ConfigError(f"reward.models.{args.reward}: expected a model that loads, "
                               f"got {type(e).__name__}: {e}") from None
+    options = {"batch_size": batch_size}
+    if args.max_wait_ms is not None:
+        options["max_wait"] = args.max_wait_ms / 1000
+    for name in ("max_queue", "backlog", "read_timeout"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     try:
-        serve(spec, args.host, args.port, token=token, max_bytes=max_bytes,
-              allow_pickle=args.allow_pickle, announce=lambda line: print(line, flush=True))
+        rs.serve(spec, args.host, args.port, token=token, max_bytes=max_bytes,
+                 allow_pickle=args.allow_pickle, **options,
+                 announce=lambda line: print(line, flush=True))
     except OSError as e:
         raise ConfigError(f"--host/--port: expected an address this machine can listen on, "
                           f"got {args.host}:{args.port} ({e.strerror or e})") from None

@@ -332,8 +332,15 @@ class RolloutConfig:
 
 
 #: Wire formats of a remote reward: JSON (images as base64 PNG), MessagePack (PNG bytes),
-#: or pickle for servers written for flow_grpo's convention (unpickling runs code).
-REMOTE_PROTOCOLS = ("json", "msgpack", "pickle")
+#: or pickle for servers written for flow_grpo's convention (unpickling runs code); or
+#: openai, a VLM judge's chat completions (digenrl.tasks.judges).
+REMOTE_PROTOCOLS = ("json", "msgpack", "pickle", "openai")
+#: How a VLM judge's answer becomes a score (digenrl.tasks.judges).
+JUDGE_SCORES = ("logprobs", "number")
+#: The most requests a judge reward keeps in flight (and connections kept per server).
+REMOTE_MAX_CONCURRENCY = 64
+#: The most top logprobs an OpenAI-compatible server returns per token.
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -357,11 +364,52 @@ class RemoteRewardConfig:
     """The most images one request carries; a reward task sends its chunk in requests of this size."""
     token_env: str | None = None
     """An environment variable of the run's process holding a bearer token sent with every request; null sends none."""
+    model: str | None = None
+    """protocol openai (a VLM judge served by vLLM, SGLang or any OpenAI-compatible server; url is its base URL, e.g. http://host:8000/v1): the served model's name, as the server lists it under /v1/models. Required with openai, null otherwise."""
+    question: str | None = None
+    """protocol openai: the text sent with each image; {prompt} is the sample's prompt, {KEY} a key of its metadata; a question without {prompt} judges the image alone. null asks whether the image matches the prompt (yes or no), or with score number for a rating from 0 to 10."""
+    score: str = "logprobs"
+    """protocol openai: logprobs: p(yes) / (p(yes) + p(no)) over the first generated token's top logprobs (case and spaces ignored); number: the first number of the answer's text, scaled by number_range."""
+    number_range: tuple[float, ...] = (0.0, 10.0)
+    """protocol openai, score number: [LOW, HIGH], where the judge's number lies; the score is (number - LOW) / (HIGH - LOW), and a number outside the range is a failure."""
+    max_tokens: int | None = None
+    """protocol openai: the most tokens the judge generates; null: 1 with score logprobs (only the first token is read), 32 with number."""
+    top_logprobs: int = 20
+    """protocol openai, score logprobs: how many of the first token's likeliest tokens the answer lists (at most 20; vLLM's --max-logprobs must allow it)."""
+    concurrency: int = 8
+    """protocol openai: requests in flight at once per reward task (one image each; at most 64)."""
 
     def validate(self, p: str) -> None:
         _require(isinstance(self.url, str) and bool(re.match(r"^https?://[^\s/]+", self.url)),
                  f"{p}.url", "an http:// or https:// URL of a reward server", self.url)
         _choice(self.protocol, f"{p}.protocol", REMOTE_PROTOCOLS)
+        if self.protocol == "openai":
+            _require(isinstance(self.model, str) and bool(self.model.strip()), f"{p}.model",
+                     "the served model's name (protocol openai asks a judge model)",
+                     self.model)
+        else:
+            for name in ("model", "question", "max_tokens"):
+                _require(getattr(self, name) is None, f"{p}.{name}",
+                         "null (only protocol openai asks a judge)", getattr(self, name))
+        if self.question is not None:
+            _require(_is_template(self.question), f"{p}.question",
+                     "text whose {fields} are names ({prompt} or metadata keys; {{ and }} "
+                     "for braces)", self.question)
+        _choice(self.score, f"{p}.score", JUDGE_SCORES)
+        lo_hi = self.number_range
+        _require(isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in lo_hi) and lo_hi[0] < lo_hi[1], f"{p}.number_range",
+            "[LOW, HIGH], two finite numbers with LOW < HIGH", list(lo_hi)
+            if isinstance(lo_hi, tuple) else lo_hi)
+        if self.max_tokens is not None:
+            _positive_int(self.max_tokens, f"{p}.max_tokens")
+        _require(_is_int(self.top_logprobs) and 1 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                 f"{p}.top_logprobs", f"an integer from 1 to {MAX_TOP_LOGPROBS}",
+                 self.top_logprobs)
+        _require(_is_int(self.concurrency) and 1 <= self.concurrency <= REMOTE_MAX_CONCURRENCY,
+                 f"{p}.concurrency", f"an integer from 1 to {REMOTE_MAX_CONCURRENCY}",
+                 self.concurrency)
         _finite(self.timeout, f"{p}.timeout", 0.0, lo_open=True)
         _positive_int(self.retries, f"{p}.retries", 0)
         _finite(self.backoff, f"{p}.backoff", 0.0)
@@ -370,6 +418,19 @@ class RemoteRewardConfig:
             _require(isinstance(self.token_env, str) and bool(
                 re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.token_env)), f"{p}.token_env",
                 "the name of an environment variable, or null", self.token_env)
+
+
+def _is_template(text: Any) -> bool:
+    """Whether ``text`` is a str.format template whose fields are plain names."""
+    import string
+
+    if not isinstance(text, str):
+        return False
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
+    except ValueError:  # an unmatched brace
+        return False
+    return all(f.isidentifier() for f in fields)
 
 
 #: Kinds of reward model: a CLIP preference score, or an aesthetic head on CLIP's image

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -245,7 +246,52 @@ def test_a_reward_server_serves_a_model_reward(clip_folder, tmp_path):
         server.kill()
     spec = model_reward("pick", RewardModelConfig(**settings))
     np.testing.assert_array_equal(served, spec(IMAGES, PROMPTS))
-    assert stats == {"reward": "pick", "requests": 3, "images": 5, "model_loads": 1}
+    assert stats == {"reward": "pick", "requests": 3, "images": 5, "model_loads": 1,
+                     "forward_passes": 3, "queued": 0, "answered_429": 0}
+
+
+def test_a_served_score_does_not_depend_on_the_requests_sharing_its_pass(clip_folder,
+                                                                         tmp_path):
+    """Requests of 1, 2 and 3 images sent at once are gathered into passes of the
+    model's batch_size (4), a request spread over two passes where it does not fit: every
+    served score equals the in-process one bit for bit, and fewer passes ran than
+    requests were answered."""
+    from digenrl.tasks.remote import RemoteReward
+
+    from test_reward_server import Server
+
+    images = np.random.default_rng(3).integers(0, 256, (12, IMAGE_SIZE, IMAGE_SIZE, 3),
+                                               dtype=np.uint8)
+    prompts = [f"a photo of thing {i}" for i in range(12)]
+    settings = {"path": str(clip_folder), "batch_size": 4}
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"reward": {"models": {"pick": settings},
+                                             "components": {"pick": 1.0}}}))
+    # Passes start when full, or 2 s after their first request: all requests leave
+    # together, so they share passes.
+    server = Server("pick", "--config", str(config), "--max-wait-ms", "2000")
+    spans = [(0, 1), (1, 3), (3, 6), (6, 7), (7, 9), (9, 12)]
+    barrier = threading.Barrier(len(spans))
+    served = np.full(12, np.nan)
+
+    def send(a: int, b: int) -> None:
+        client = RemoteReward("served", server.url, batch_size=b - a, timeout=30.0)
+        barrier.wait()
+        served[a:b] = client(images[a:b], prompts[a:b], [{}] * (b - a))
+
+    try:
+        threads = [threading.Thread(target=send, args=span) for span in spans]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        stats = server.stats(token=None)
+    finally:
+        server.kill()
+    spec = model_reward("pick", RewardModelConfig(**settings))
+    np.testing.assert_array_equal(served, spec(images, prompts))
+    assert (stats["requests"], stats["images"]) == (6, 12)
+    assert 3 <= stats["forward_passes"] < 6, stats
 
 
 def test_reward_server_model_arguments_are_checked(capsys, clip_folder, tmp_path):

@@ -80,8 +80,8 @@ def _auth(token: str | None) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server():
     """jpeg_compressibility, behind a token from the environment, at most 100 kB a
-    request."""
-    s = Server("jpeg_compressibility", "--max-bytes", "100000",
+    request, a body that stalls for 1 s given up."""
+    s = Server("jpeg_compressibility", "--max-bytes", "100000", "--read-timeout", "1",
                env={"DIGENRL_REWARD_TOKEN": TOKEN})
     yield s
     s.kill()
@@ -155,15 +155,23 @@ def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple
         return e.code, json.loads(e.read())["error"]
 
 
-def _raw(port: int, head: bytes, body: bytes = b"") -> tuple[int, str]:
-    """Send ``head`` and ``body`` on a socket, stop sending, read the answer."""
+def _raw_bytes(port: int, head: bytes, body: bytes = b"", half_close: bool = True) -> bytes:
+    """Send ``head`` and ``body`` on a socket, stop sending (or, not ``half_close``,
+    stall), read until the server closes the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(head + body)
-        sock.shutdown(socket.SHUT_WR)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
-    head_text, _, answer = data.partition(b"\r\n\r\n")
+    return data
+
+
+def _raw(port: int, head: bytes, body: bytes = b"", half_close: bool = True
+         ) -> tuple[int, str]:
+    """The status and reason of the answer to a hand-written request."""
+    head_text, _, answer = _raw_bytes(port, head, body, half_close).partition(b"\r\n\r\n")
     return int(head_text.split()[1]), json.loads(answer)["error"]
 
 
@@ -180,7 +188,8 @@ def _headers(port: int, length: int | None) -> bytes:
 
 
 BAD = {
-    "truncated": lambda s: _raw(s.port, _headers(s.port, 1000), _good_json()[:10]),
+    "truncated": lambda s: _raw(s.port, _headers(s.port, 1000), _good_json()[:10],
+                                half_close=False),
     "oversized": lambda s: _raw(s.port, _headers(s.port, 100001)),
     "no length": lambda s: _raw(s.port, _headers(s.port, None)),
     "malformed JSON": lambda s: _post(s.url, b'{"images": [', _auth(TOKEN)),
@@ -205,7 +214,8 @@ BAD = {
 }
 
 EXPECTED = {
-    "truncated": (400, "truncated body: expected 1000 bytes (Content-Length), got 10"),
+    "truncated": (400, "truncated body: expected 1000 bytes (Content-Length), got 10 (then "
+                       "nothing for 1 s)"),
     "oversized": (413, "expected a body of at most 100000 bytes (--max-bytes), got "
                        "Content-Length 100001"),
     "no length": (411, "expected a Content-Length header"),
@@ -235,6 +245,15 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_goes_on(server
     assert (status, reason[:len(want_reason)]) == (want_status, want_reason), reason
     assert "\n" not in reason
     # ... and the server still scores a good request.
+    scores = _client(server.url)(IMAGES[:2], PROMPTS[:2], [{}] * 2)
+    assert np.array_equal(scores, jpeg_compressibility(IMAGES[:2], PROMPTS[:2]))
+
+
+def test_a_client_that_hangs_up_mid_body_gets_no_answer_and_the_server_goes_on(server):
+    """A truncated body whose client stops sending (half-closes its socket) cannot be
+    answered: the event loop's stream closes on the end of input. The server drops the
+    connection and serves the next request."""
+    assert _raw_bytes(server.port, _headers(server.port, 1000), _good_json()[:10]) == b""
     scores = _client(server.url)(IMAGES[:2], PROMPTS[:2], [{}] * 2)
     assert np.array_equal(scores, jpeg_compressibility(IMAGES[:2], PROMPTS[:2]))
 
@@ -340,8 +359,8 @@ def test_a_server_killed_mid_run_stops_it_naming_reward_and_url(cluster_1x1, tmp
      "reward.remote.served.url: expected an http:// or https:// URL of a reward server, "
      "got 'localhost:8000'"),
     ({"served": {"url": "http://h/", "protocol": "xml"}},
-     "reward.remote.served.protocol: expected one of ['json', 'msgpack', 'pickle'], got "
-     "'xml'"),
+     "reward.remote.served.protocol: expected one of ['json', 'msgpack', 'openai', "
+     "'pickle'], got 'xml'"),
     ({"served": {"url": "http://h/", "retries": -1}},
      "reward.remote.served.retries: expected an integer >= 0, got -1"),
     ({"served": {"url": "http://h/", "batch": 4}},
@@ -390,6 +409,13 @@ def test_a_remote_reward_takes_no_gpu_slot():
     (["brightness", "--port", "70000"], "--port: expected 0 to 65535, got 70000"),
     (["brightness", "--max-bytes", "0"],
      "--max-bytes: expected a positive number of bytes, got 0"),
+    (["brightness", "--batch-size", "0"], "--batch-size: expected an integer >= 1, got 0"),
+    (["brightness", "--max-queue", "0"], "--max-queue: expected an integer >= 1, got 0"),
+    (["brightness", "--backlog", "-1"], "--backlog: expected an integer >= 1, got -1"),
+    (["brightness", "--max-wait-ms", "-1"],
+     "--max-wait-ms: expected a finite number >= 0, got -1.0"),
+    (["brightness", "--read-timeout", "0"],
+     "--read-timeout: expected a finite number > 0, got 0.0"),
 ])
 def test_reward_server_arguments_are_checked(capsys, argv, message):
     from digenrl.cli import main

@@ -23,10 +23,15 @@ use the same functions):
   reads PNG as well as JPEG).
 
 The client (:class:`RemoteReward`) sends a reward task's images in requests of at most
-``batch_size``, each with a timeout, and retries a request that gets no answer, a 5xx or
-a 429 (with doubling waits); a 4xx answer is the request's fault and is not retried.
-It runs inside the reward task, on a worker thread (never the event loop), and a remote
-reward is a ``cpu`` reward: the task holds no GPU slot while it waits.
+``batch_size``, each with a timeout, through one urllib3 connection pool per process
+(shared by every remote reward and judge, thread-safe; connections stay open between
+requests). urllib3's retries repeat a request that gets no answer, a broken one, a 429
+or a 5xx, waiting ``backoff`` seconds before the first retry and doubling (at most
+:data:`MAX_BACKOFF`), or as long as a ``Retry-After`` header says; a 4xx answer is the
+request's fault and is not retried. After the retries the failure is one line naming
+the server's URL. It runs inside the reward task, on a worker thread (never the event
+loop), and a remote reward is a ``cpu`` reward: the task holds no GPU slot while it
+waits. ``protocol: openai`` asks a VLM judge instead (:mod:`digenrl.tasks.judges`).
 """
 
 from __future__ import annotations
@@ -37,20 +42,19 @@ import io
 import json
 import logging
 import pickle
-import time
-import urllib.error
-import urllib.request
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
+import urllib3
 from PIL import Image
 
-from digenrl.config import ConfigError, RemoteRewardConfig
+from digenrl.config import REMOTE_MAX_CONCURRENCY, ConfigError, RemoteRewardConfig
 from digenrl.tasks.rewards import RewardSpec
 
-__all__ = ["ProtocolError", "RemoteRewardError", "RemoteReward", "remote_reward",
+__all__ = ["ProtocolError", "RemoteRewardError", "RemoteReward", "remote_reward", "post",
            "encode_image", "decode_image", "encode_request", "decode_request",
            "encode_response", "decode_response", "JSON_TYPE", "MSGPACK_TYPES", "PICKLE_TYPE"]
 
@@ -59,7 +63,7 @@ logger = logging.getLogger("digenrl")
 JSON_TYPE = "application/json"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack")
 PICKLE_TYPE = "application/octet-stream"
-#: The longest wait between two attempts, in seconds.
+#: The longest wait between two attempts, in seconds (a longer Retry-After is cut to it).
 MAX_BACKOFF = 30.0
 
 
@@ -246,6 +250,118 @@ def decode_response(protocol: str, body: bytes) -> dict[str, Any]:
 # ------------------------------------------------------------------------ client
 
 
+def _pool() -> urllib3.PoolManager:
+    """This process's connection pool, shared by every remote reward and judge (urllib3
+    pools are thread-safe): connections to a server are kept alive between requests."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = urllib3.PoolManager(num_pools=16, maxsize=POOL_CONNECTIONS)
+        return _POOL
+
+
+_POOL: urllib3.PoolManager | None = None
+_POOL_LOCK = threading.Lock()
+#: Connections kept alive per server (more are opened, then closed, when needed).
+POOL_CONNECTIONS = REMOTE_MAX_CONCURRENCY
+
+
+class _Retry(urllib3.util.Retry):
+    """urllib3's retries with digenrl's schedule: ``backoff_factor`` seconds before the
+    first retry, doubling with each further one up to ``backoff_max`` (urllib3's own
+    first retry is immediate); a server's ``Retry-After`` (seconds, at most
+    ``retry_after_max``) replaces the wait. Each retry is logged: the reward, the URL,
+    what failed, and when the next attempt comes."""
+
+    reward = ""
+
+    def new(self, **kw: Any) -> "_Retry":
+        retry = super().new(**kw)
+        retry.reward = self.reward
+        return retry
+
+    def get_backoff_time(self) -> float:
+        failed = len(self.history)
+        if failed == 0:
+            return 0.0
+        return float(min(self.backoff_max, self.backoff_factor * 2 ** (failed - 1)))
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None,
+                  _stacktrace=None) -> "_Retry":
+        retry = super().increment(method, url, response, error, _pool, _stacktrace)
+        wait = None
+        if response is not None and self.respect_retry_after_header:
+            wait = retry.get_retry_after(response)
+        if wait is None:
+            wait = retry.get_backoff_time()
+        attempt = len(retry.history) + 1
+        attempts = attempt + retry.total
+        logger.warning("reward %r: %s: %s; attempt %d of %d in %.1f s", self.reward,
+                       _full_url(_pool, url), _failure_text(response, error), attempt,
+                       attempts, wait)
+        return retry
+
+
+def _full_url(pool: Any, path: str | None) -> str:
+    if pool is None or path is None or "://" in path:
+        return path or "?"
+    return f"{pool.scheme}://{pool.host}:{pool.port}{path}"
+
+
+def post(url: str, body: bytes, headers: Mapping[str, str], *, reward: str,
+         timeout: float, retries: int, backoff: float, server: str = "reward server"
+         ) -> urllib3.BaseHTTPResponse:
+    """POST ``body`` to ``url`` through this process's pool, retrying what is worth
+    retrying (no connection, a timeout, a broken answer, a 429 or 5xx); the 2xx answer,
+    or a :class:`RemoteRewardError` in one line naming ``server`` and ``url``: a 4xx (or
+    any other answer) at once, the last failure once the retries are spent."""
+    retry = _Retry(total=retries, redirect=False, backoff_factor=backoff,
+                   backoff_max=MAX_BACKOFF, retry_after_max=int(MAX_BACKOFF),
+                   status_forcelist=RETRIED_STATUSES, allowed_methods=None,
+                   respect_retry_after_header=True, raise_on_status=False)
+    retry.reward = reward
+    attempts = retries + 1
+    given_up = (f"{server} {url} gave no answer after {attempts} "
+                f"attempt{'s' if attempts != 1 else ''}")
+    try:
+        response = _pool().request("POST", url, body=body, headers=dict(headers),
+                                   timeout=urllib3.Timeout(total=timeout), retries=retry)
+    except urllib3.exceptions.MaxRetryError as e:
+        raise RemoteRewardError(f"{given_up} (last: {_failure_text(None, e.reason)})"
+                                ) from None
+    except urllib3.exceptions.HTTPError as e:  # a failure urllib3 does not retry
+        raise RemoteRewardError(f"{given_up} (last: {_failure_text(None, e)})") from None
+    if 200 <= response.status < 300:
+        return response
+    reason = _failure_text(response, None)
+    if response.status in RETRIED_STATUSES:
+        raise RemoteRewardError(f"{given_up} (last: {reason})")
+    raise RemoteRewardError(f"{server} {url} refused the request: {reason}")
+
+
+#: Answers worth another attempt: busy (429) and the server's own failures.
+RETRIED_STATUSES = (429, 500, 502, 503, 504)
+
+
+def _failure_text(response: Any, error: BaseException | None) -> str:
+    """What went wrong in one line: ``HTTP 500: the reason the answer gives``, or the
+    underlying OS error (``ConnectionRefusedError: ...``) of a connection failure."""
+    if response is not None:
+        return f"HTTP {response.status}: " + _error_text(
+            response.headers.get("Content-Type"), response.data or b"")
+    e = error
+    seen = set()
+    while e is not None and id(e) not in seen:  # the OS error under urllib3's wrappers
+        seen.add(id(e))
+        if isinstance(e, OSError) and not isinstance(e, urllib3.exceptions.HTTPError):
+            break
+        inner = next((a for a in getattr(e, "args", ()) if isinstance(a, BaseException)),
+                     None)
+        e = e.__cause__ or inner or e.__context__
+    e = e if e is not None else error
+    return " ".join(f"{type(e).__name__}: {e}".split()) if str(e) else type(e).__name__
+
+
 @dataclass(frozen=True)
 class RemoteReward:
     """The function of a remote reward: scores a reward task's images on a server.
@@ -276,39 +392,14 @@ class RemoteReward:
         headers = {"Content-Type": ctype}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        attempts = self.retries + 1
-        for attempt in range(1, attempts + 1):
-            try:
-                return self._post(body, headers, len(images))
-            except _Retry as e:
-                if attempt == attempts:
-                    raise RemoteRewardError(
-                        f"reward server {self.url} gave no answer after {attempts} "
-                        f"attempt{'s' if attempts != 1 else ''} (last: {e})") from None
-                wait = min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF)
-                logger.warning("reward %r: %s: %s; attempt %d of %d in %.1f s",
-                               self.name, self.url, e, attempt + 1, attempts, wait)
-                time.sleep(wait)
-        raise AssertionError("unreachable")
-
-    def _post(self, body: bytes, headers: dict[str, str], n: int) -> list[float]:
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        response = post(self.url, body, headers, reward=self.name, timeout=self.timeout,
+                        retries=self.retries, backoff=self.backoff)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                answer = response.read()
-        except urllib.error.HTTPError as e:
-            reason = _error_text(e.headers.get("Content-Type"), e.read())
-            if e.code >= 500 or e.code == 429:
-                raise _Retry(f"HTTP {e.code}: {reason}") from None
-            raise RemoteRewardError(f"reward server {self.url} refused the request: "
-                                    f"HTTP {e.code}: {reason}") from None
-        except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-            raise _Retry(_connection_text(e)) from None
-        try:
-            data = decode_response(self.protocol, answer)
+            data = decode_response(self.protocol, response.data)
         except ProtocolError as e:
             raise RemoteRewardError(f"reward server {self.url}: {e}") from None
         scores = data.get("scores")
+        n = len(images)
         if not isinstance(scores, list) or len(scores) != n or not all(
                 isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores):
             got = scores if "scores" in data else data
@@ -317,25 +408,21 @@ class RemoteReward:
         return [float(s) for s in scores]
 
 
-class _Retry(Exception):
-    """A failed attempt worth repeating."""
-
-
 def _error_text(content_type: str | None, body: bytes) -> str:
-    """The reason an error answer gives, in the format its Content-Type names."""
+    """The reason an error answer gives, in the format its Content-Type names (an
+    OpenAI-style ``{"error": {"message": ...}}`` too)."""
     ctype = (content_type or "").split(";")[0].strip().lower()
     protocol = ("msgpack" if ctype in MSGPACK_TYPES else "pickle" if ctype == PICKLE_TYPE
                 else "json")
     try:
         data = decode_response(protocol, body)
-        return str(data.get("error", data))
     except ProtocolError:
-        return body[:200].decode("utf-8", "replace").strip() or "no reason given"
-
-
-def _connection_text(e: BaseException) -> str:
-    reason = getattr(e, "reason", e)
-    return f"{type(reason).__name__}: {reason}" if str(reason) else type(reason).__name__
+        text = body[:200].decode("utf-8", "replace")
+        return " ".join(text.split()) or "no reason given"
+    error = data.get("error", data.get("message", data))
+    if isinstance(error, dict) and "message" in error:
+        error = error["message"]
+    return " ".join(str(error).split())
 
 
 def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
@@ -351,6 +438,11 @@ def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
             raise ConfigError(f"reward.remote.{name}.token_env: expected a set environment "
                               f"variable holding the server's token, got "
                               f"{config.token_env!r} (not set)")
+    if config.protocol == "openai":
+        from digenrl.tasks.judges import openai_judge
+
+        return RewardSpec(name, openai_judge(name, config, token), "cpu",
+                          f"judged by {config.model} at {config.url}", takes_metadata=True)
     fn = RemoteReward(name, config.url, config.protocol, config.timeout, config.retries,
                       config.backoff, config.batch_size, token)
     return RewardSpec(name, fn, "cpu", f"scored by the reward server at {config.url}",

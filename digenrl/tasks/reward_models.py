@@ -292,6 +292,11 @@ class ModelReward:
         resident_reward_model(self.config)
 
     @property
+    def batch_size(self) -> int:
+        """The rows of every forward pass (a server gathers requests into passes of it)."""
+        return self.config.batch_size
+
+    @property
     def loads(self) -> int:
         """How many times this process loaded this reward's model."""
         return reward_model_loads(self.config)
