@@ -142,6 +142,53 @@ def test_a_run_scored_by_the_server_equals_the_in_process_run(cluster_1x1, serve
                           reference_run[1]["samples"].reward_jpeg_compressibility.values)
 
 
+def test_256_clients_at_once_are_all_answered_in_shared_passes(tmp_path, caplog):
+    """256 clients, one image each, connect at once to a model reward (batch_size 8)
+    whose queue holds at most 32 images: none is reset, every one is scored (some after
+    a 429 and the Retry-After it names), and the passes hold several requests each."""
+    from clip_models import IMAGE_SIZE, save_tiny_clip
+
+    n = 256
+    folder = save_tiny_clip(tmp_path / "clip")
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"reward": {
+        "models": {"pick": {"path": str(folder), "batch_size": 8}},
+        "components": {"pick": 1.0}}}))
+    images = np.random.default_rng(4).integers(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE, 3),
+                                               dtype=np.uint8)
+    s = Server("pick", "--config", str(config), "--max-queue", "32", "--max-wait-ms", "500")
+    barrier = threading.Barrier(n)
+    scores = np.full(n, np.nan)
+    failures: list[str] = []
+
+    def send(i: int) -> None:
+        client = RemoteReward("served", s.url, retries=20, backoff=0.1, timeout=60.0)
+        barrier.wait()
+        try:
+            scores[i] = client(images[i:i + 1], [f"prompt {i}"], [{}])[0]
+        except Exception as e:  # reported below, with the others
+            failures.append(f"{i}: {e}")
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="digenrl"):
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        stats = s.stats(token=None)
+    finally:
+        s.kill()
+    assert not failures, failures[:5]
+    assert not np.isnan(scores).any()
+    retries = [r.getMessage() for r in caplog.records if "; attempt " in r.getMessage()]
+    assert all(": HTTP 429: busy: " in m for m in retries), [
+        m for m in retries if "HTTP 429" not in m][:5]  # no reset, refused or lost answer
+    assert (stats["requests"], stats["images"], stats["queued"]) == (n, n, 0)
+    assert stats["answered_429"] == len(retries) > 0
+    assert stats["forward_passes"] <= n // 4, stats
+
+
 # ------------------------------------------------------------------- bad requests
 
 
