@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster, Nanny, SpecCluster, WorkerPlugin
+from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, WorkerPlugin
 from distributed.deploy.subprocess import SubprocessScheduler
 
 from digenrl.config import ClusterConfig, ConfigError
@@ -26,7 +26,7 @@ from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resource
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
            "PooledLocalCluster", "PooledSpecCluster", "QuietReportedErrors", "worker_resources",
-           "DASK_CONFIG"]
+           "HeadlessScheduler", "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,45 @@ class _PoolTagging:
         return {name: spec}
 
 
-class PooledLocalCluster(_PoolTagging, LocalCluster):
-    """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``."""
+class HeadlessScheduler(Scheduler):
+    """A Dask scheduler without an HTTP server: no dashboard, no ``/health`` or
+    ``/metrics`` routes, no port opened and no link logged.
+
+    Dask's ``Scheduler.__init__`` always calls ``start_http_server``, which listens on
+    ``dashboard_address``, else on port 8787, else on any free port, whether or not the
+    dashboard is on (``dashboard=False`` only leaves the Bokeh pages out), and no Dask
+    setting stops it. This scheduler's ``start_http_server`` starts nothing, so the
+    scheduler lists no ``dashboard`` service and ``Client.dashboard_link`` is empty.
+    (Nothing else of the scheduler reads the HTTP server: only the dashboard's pages,
+    Jupyter, and the websocket comm, none of which a local cluster without a dashboard
+    uses.)"""
+
+    def start_http_server(self, routes, dashboard_address, default_port=0,
+                          ssl_options=None) -> None:
+        pass
+
+
+class _HeadlessWhenDashboardOff:
+    """A local cluster started with ``dashboard_address=None`` runs a
+    :class:`HeadlessScheduler` in place of Dask's."""
+
+    _dashboard_off = False
+
+    async def _start(self):
+        if self._dashboard_off and self.scheduler_spec.get("cls") is Scheduler:
+            self.scheduler_spec = {**self.scheduler_spec, "cls": HeadlessScheduler}
+        await super()._start()
+
+
+class PooledLocalCluster(_PoolTagging, _HeadlessWhenDashboardOff, LocalCluster):
+    """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``;
+    with ``dashboard_address=None`` its scheduler opens no HTTP port at all."""
 
     def __init__(self, rollout_workers: int, trainer_workers: int, *,
                  speeds: dict[str, float] | None = None, **kwargs: Any):
         self._pool_sizes = {ROLLOUT: rollout_workers, TRAINER: trainer_workers}
         self._speeds = dict(speeds or {})
+        self._dashboard_off = kwargs.get("dashboard_address", ":8787") is None
         super().__init__(n_workers=0, **kwargs)
         self.scale(rollout_workers + trainer_workers)
 
@@ -134,12 +166,13 @@ def _cuda_cluster(rollout: int, trainer: int, cfg: ClusterConfig):
         raise ConfigError(f"cluster.rollout_workers + cluster.trainer_workers: expected at "
                           f"most the {n} visible GPUs, got {rollout + trainer}")
 
-    class PooledLocalCUDACluster(_PoolTagging, LocalCUDACluster):
+    class PooledLocalCUDACluster(_PoolTagging, _HeadlessWhenDashboardOff, LocalCUDACluster):
         def _spec_name(self, pool, name):
             return name  # dask-cuda names workers after their GPU
 
         def __init__(self, **kw):
             self._pool_sizes = {ROLLOUT: rollout, TRAINER: trainer}
+            self._dashboard_off = kw.get("dashboard_address", ":8787") is None
             super().__init__(**kw)
 
     return PooledLocalCUDACluster(
@@ -171,8 +204,10 @@ class ClusterHandle:
 
     @property
     def dashboard_link(self) -> str | None:
+        """The dashboard's URL; None when the scheduler has none (a local cluster with
+        ``cluster.dashboard_address: null``)."""
         try:
-            return self.client.dashboard_link
+            return self.client.dashboard_link or None
         except Exception:  # a scheduler without a dashboard
             return None
 

@@ -32,3 +32,43 @@ def test_gpus_without_dask_cuda_fall_back_to_the_cpu_cluster(caplog):
         assert resources["trainer-1"] == {"GPU": 1, "trainer": 1}
     finally:
         handle.close()
+
+
+def _listening_ports() -> set[int]:
+    """The TCP ports this process listens on (a local cluster's scheduler runs here)."""
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+@pytest.mark.slow
+def test_a_local_cluster_without_a_dashboard_opens_no_http_port(tmp_path, caplog):
+    """cluster.dashboard_address: null. Dask's scheduler would still listen for HTTP (on
+    8787, or any free port) and the run would log a link to a page that is not there:
+    here the scheduler opens only its own port (the nannies, which run in this process
+    too, their comm ports), lists no dashboard, and a run on it logs no dashboard line."""
+    from digenrl.cluster import HeadlessScheduler
+    from digenrl.runner import Runner
+
+    from conftest import small_config
+
+    before = _listening_ports()
+    handle = start_cluster(ClusterConfig(rollout_workers=1, trainer_workers=1,
+                                         dashboard_address=None))
+    try:
+        scheduler = handle.cluster.scheduler
+        assert isinstance(scheduler, HeadlessScheduler)
+        nannies = {nanny.port for nanny in handle.cluster.workers.values()}
+        assert len(nannies) == 2  # the workers' nannies run here too, on their comm ports
+        assert _listening_ports() - before == {scheduler.port} | nannies
+        assert "dashboard" not in handle.client.scheduler_info()["services"]
+        assert handle.dashboard_link is None
+        with caplog.at_level(logging.INFO, logger="digenrl"):
+            Runner(small_config(iterations=1), str(tmp_path / "run.zarr"),
+                   cluster=handle).run()
+    finally:
+        handle.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("workers: ") for line in lines), lines  # the run logged
+    assert not [line for line in lines if "dashboard" in line or ":8787" in line]
