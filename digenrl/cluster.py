@@ -185,6 +185,8 @@ class ClusterHandle:
     client: Client
     cluster: Any | None
     description: dict[str, Any] = field(default_factory=dict)
+    #: False when the dashboard was turned off: no link, whatever the scheduler lists.
+    dashboard: bool = True
 
     def close(self) -> None:
         """Close the client and the cluster started for it. A cluster slow to shut down
@@ -206,6 +208,8 @@ class ClusterHandle:
     def dashboard_link(self) -> str | None:
         """The dashboard's URL; None when the scheduler has none (a local cluster with
         ``cluster.dashboard_address: null``)."""
+        if not self.dashboard:
+            return None
         try:
             return self.client.dashboard_link or None
         except Exception:  # a scheduler without a dashboard
@@ -260,9 +264,18 @@ EMULATED_WORKER_CONFIG = {
 }
 
 
+#: Where a scheduler that must listen for HTTP, but serves no dashboard, listens.
+LOOPBACK_ANY_PORT = "127.0.0.1:0"
+
+
 class PooledSpecCluster(_PoolTagging, SpecCluster):
     """Pool-tagged worker processes with the scheduler in a process of its own, as in a
-    real deployment: the driver's work never competes with the scheduler's event loop."""
+    real deployment: the driver's work never competes with the scheduler's event loop.
+
+    Dask starts that process's scheduler itself (``distributed.Scheduler``, not a
+    :class:`HeadlessScheduler`), so with ``dashboard_address=None`` its HTTP server
+    still listens: on a free port of 127.0.0.1, reachable from this machine only, and
+    serving no dashboard (:func:`start_emulated_cluster`'s handle gives no link)."""
 
     def __init__(self, rollout_workers: int, trainer_workers: int, *,
                  speeds: dict[str, float] | None = None, nthreads: int = 2,
@@ -272,7 +285,8 @@ class PooledSpecCluster(_PoolTagging, SpecCluster):
         self._speeds = dict(speeds or {})
         scheduler = {"cls": SubprocessScheduler, "options": {"scheduler_kwargs": {
             "host": "127.0.0.1", "dashboard": dashboard_address is not None,
-            "dashboard_address": dashboard_address}}}
+            "dashboard_address": (dashboard_address if dashboard_address is not None
+                                  else LOOPBACK_ANY_PORT)}}}
         worker = {"cls": Nanny, "options": {"nthreads": nthreads, "memory_limit": 0,
                                             "silence_logs": logging.WARNING,
                                             "config": dict(worker_config or {})}}
@@ -294,7 +308,8 @@ def start_emulated_cluster(rollout: int, trainer: int, speeds: dict[str, float],
     client.register_plugin(DigenRLSchedulerPlugin())
     return ClusterHandle(client, cluster, {"kind": "emulated", "scheduler": cluster.scheduler_address,
                                            "pools": pool_counts(client),
-                                           "speeds": worker_speeds(client)})
+                                           "speeds": worker_speeds(client)},
+                         dashboard=dashboard_address is not None)
 
 
 def start_cluster(cfg: ClusterConfig, *, pools: bool = True) -> ClusterHandle:

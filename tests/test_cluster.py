@@ -72,3 +72,30 @@ def test_a_local_cluster_without_a_dashboard_opens_no_http_port(tmp_path, caplog
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("workers: ") for line in lines), lines  # the run logged
     assert not [line for line in lines if "dashboard" in line or ":8787" in line]
+
+
+def test_an_emulated_cluster_without_a_dashboard_gives_no_link_and_listens_on_loopback():
+    """The emulated cluster's scheduler runs in a process Dask starts, whose HTTP server
+    cannot be left out: with the dashboard off it listens on 127.0.0.1 only, on a free
+    port (not 8787), serves no dashboard page, and the handle gives no link."""
+    import urllib.error
+    import urllib.request
+
+    import psutil
+
+    from digenrl.cluster import start_emulated_cluster
+
+    handle = start_emulated_cluster(1, 1, {}, dashboard_address=None)
+    try:
+        assert handle.dashboard_link is None
+        scheduler = psutil.Process(handle.cluster.scheduler.process.pid)
+        listening = {(c.laddr.ip, c.laddr.port) for c in scheduler.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        http_port = handle.client.scheduler_info()["services"]["dashboard"]
+        assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+        assert ("127.0.0.1", http_port) in listening and http_port != 8787
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10)
+        assert e.value.code == 404
+    finally:
+        handle.close()
