@@ -16,8 +16,8 @@ without ``--allow-pickle``, images that do not decode -- gets a 4xx and a one-li
 reason, and the server goes on serving; a reward that raises is a 500 naming it.
 
 Under load: Tornado's event loop holds every connection (kept alive between requests)
-and the listen backlog is ``backlog`` (1024 by default; the stdlib server's 5 reset
-connections when dozens of clients connected at once). Request bodies are decoded in a
+and the listen backlog is ``backlog`` (1024 by default; http.server's 5 resets
+connections when dozens of clients connect at once). Request bodies are decoded in a
 thread pool. Concurrent requests are gathered into passes of ``batch_size`` images (a
 model reward's own ``batch_size``), a request waiting at most ``max_wait`` seconds for
 others to fill its pass; a request larger than a pass is spread over several. Passes are
