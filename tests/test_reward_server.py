@@ -31,8 +31,8 @@ from digenrl.config import ConfigError, RemoteRewardConfig
 from digenrl.runner import Runner
 from digenrl.store import committed_iterations, open_run
 from digenrl.tasks.remote import RemoteReward, RemoteRewardError, encode_image
-from digenrl.tasks.rewards import (RewardError, evaluate_rewards, jpeg_compressibility,
-                                   resolve_rewards)
+from digenrl.tasks.rewards import (RewardError, brightness, evaluate_rewards,
+                                   jpeg_compressibility, resolve_rewards)
 
 from conftest import REFERENCE_ITERATIONS, assert_complete, assert_same_results, small_config
 from metadata_rewards import metadata_score
@@ -303,6 +303,26 @@ def test_a_client_that_hangs_up_mid_body_gets_no_answer_and_the_server_goes_on(s
     assert _raw_bytes(server.port, _headers(server.port, 1000), _good_json()[:10]) == b""
     scores = _client(server.url)(IMAGES[:2], PROMPTS[:2], [{}] * 2)
     assert np.array_equal(scores, jpeg_compressibility(IMAGES[:2], PROMPTS[:2]))
+
+
+@pytest.mark.parametrize("reward, reason", [
+    ("faulty_raises", "ConnectionError: reward server refused the request"),
+    ("faulty_wrong_shape", "ValueError: returned shape (3,), expected (2,)"),
+])
+def test_a_reward_that_fails_is_a_500_naming_it_and_the_server_goes_on(reward, reason):
+    s = Server(reward, "--import", "faulty_rewards")
+    try:
+        client = RemoteReward("served", s.url, retries=1, backoff=0.0, timeout=10.0)
+        with pytest.raises(RemoteRewardError) as e:
+            client(IMAGES[:2], ["a broken window", "a calm lake"], [{}] * 2)
+        assert str(e.value) == (f"reward server {s.url} gave no answer after 2 attempts "
+                                f"(last: HTTP 500: reward {reward!r} raised {reason})")
+        good = client(IMAGES[:2], PROMPTS[:2], [{}] * 2)
+        stats = s.stats(token=None)
+    finally:
+        s.kill()
+    assert np.array_equal(good, brightness(IMAGES[:2], PROMPTS[:2]))
+    assert (stats["requests"], stats["images"], stats["forward_passes"]) == (1, 2, 3)
 
 
 def test_a_refused_request_is_not_retried(server):
