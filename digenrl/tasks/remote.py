@@ -289,10 +289,10 @@ class _Retry(urllib3.util.Retry):
     def increment(self, method=None, url=None, response=None, error=None, _pool=None,
                   _stacktrace=None) -> "_Retry":
         retry = super().increment(method, url, response, error, _pool, _stacktrace)
-        wait = None
+        wait = None  # as Retry.sleep: a positive Retry-After, else the backoff
         if response is not None and self.respect_retry_after_header:
             wait = retry.get_retry_after(response)
-        if wait is None:
+        if not wait:
             wait = retry.get_backoff_time()
         attempt = len(retry.history) + 1
         attempts = attempt + retry.total
