@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "switching delays, or only --gpus)")
     sim.add_argument("--quiet", action="store_true")
     sim.add_argument("--debug", action="store_true")
+    _add_deploy_parser(sub)
     return parser
 
 
@@ -615,6 +616,86 @@ def _check_reused(store: Path, profile, iterations: int) -> None:
                           f"(--iterations), got {ran}")
 
 
+def _add_deploy_parser(sub) -> None:
+    """``digenrl deploy slurm|k8s``: print a deployment to copy (see docs/clusters.md)."""
+    from digenrl.deploy import Deployment
+
+    default = Deployment()
+    deploy = sub.add_parser("deploy", help="print a SLURM or Kubernetes deployment of a "
+                                           "cluster with digenrl's pools and plugin")
+    engines = deploy.add_subparsers(dest="engine", required=True)
+    slurm = engines.add_parser("slurm", help="a bash script submitting the scheduler and "
+                                             "each pool's job array with sbatch")
+    k8s = engines.add_parser("k8s", help="a DaskCluster and one DaskWorkerGroup per pool "
+                                         "for the dask-kubernetes operator (kubectl apply)")
+    for p in (slurm, k8s):
+        p.add_argument("--rollout-workers", type=int,
+                       help=f"workers (one GPU each) of the rollout pool (default "
+                            f"{default.rollout_workers})")
+        p.add_argument("--trainer-workers", type=int,
+                       help=f"workers of the trainer pool (default {default.trainer_workers})")
+        p.add_argument("--cpu", action="store_true",
+                       help="CPU workers (dask worker), each with one emulated GPU slot, "
+                            "instead of one dask-cuda worker per GPU")
+        p.add_argument("--nthreads", type=int,
+                       help=f"threads per worker (default {default.nthreads})")
+        p.add_argument("--memory", help=f"host memory per worker (default {default.memory})")
+        p.add_argument("--name", help=f"the cluster's name (default {default.name})")
+        p.add_argument("--scheduler-port", type=int,
+                       help=f"default {default.scheduler_port}" + (
+                           "; 0: any free port" if p is slurm else ""))
+        p.add_argument("--dashboard-port", type=int,
+                       help=f"default {default.dashboard_port}")
+        p.add_argument("--death-timeout", type=int,
+                       help=f"seconds a worker waits for its scheduler (default "
+                            f"{default.death_timeout})")
+        p.add_argument("--python", help=f"the Python of digenrl's environment on the nodes "
+                                        f"or in the image (default {default.python})")
+        p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="an environment variable of every process (repeatable)")
+        p.add_argument("--quiet", action="store_true")
+        p.add_argument("--debug", action="store_true")
+    slurm.add_argument("--gpus-per-node", type=int,
+                       help=f"GPUs (workers) per job; a pool larger than this must be a "
+                            f"multiple of it (default {default.gpus_per_node})")
+    slurm.add_argument("--prologue", action="append", default=[], metavar="LINE",
+                       help="a shell line each job runs first, e.g. 'source "
+                            ".venv/bin/activate' (repeatable)")
+    slurm.add_argument("--partition", help="#SBATCH -p")
+    slurm.add_argument("--account", help="#SBATCH -A")
+    slurm.add_argument("--walltime", help=f"#SBATCH -t (default {default.walltime})")
+    slurm.add_argument("--folder", help=f"a folder every node shares, relative to where "
+                                        f"the jobs are submitted: job scripts, logs and the "
+                                        f"scheduler file (default {default.folder})")
+    slurm.add_argument("--interface", help="the network interface of the scheduler and "
+                                           "workers, e.g. ib0 (default: Dask's choice)")
+    slurm.add_argument("--jobqueue", action="store_true",
+                       help="print a dask-jobqueue launcher (Python) instead")
+    k8s.add_argument("--image", help="the container image of every pod, with digenrl "
+                                     "installed (with its cuda extra for GPUs)")
+    k8s.add_argument("--namespace", help="the namespace of the resources (default: "
+                                         "kubectl's)")
+
+
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from digenrl import deploy as dp
+
+    given = {f.name: getattr(args, f.name) for f in fields(dp.Deployment)
+             if getattr(args, f.name, None) not in (None, [])}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    d = dp.Deployment(**given, gpus=not args.cpu)
+    if args.engine == "k8s":
+        text = dp.k8s_yaml(d, dp.command_line("k8s", d))
+    elif args.jobqueue:
+        text = dp.jobqueue_launcher(d, dp.command_line("slurm", d, "--jobqueue"))
+    else:
+        text = dp.slurm_submit_script(d, dp.command_line("slurm", d))
+    sys.stdout.write(text)
+    return 0
+
+
 def _cmd_reward_server(args: argparse.Namespace) -> int:
     import importlib
 
@@ -703,7 +784,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _stop_on_signals(args):
             return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
                     "export": _cmd_export, "simulate": _cmd_simulate,
-                    "reward-server": _cmd_reward_server}[args.command](args)
+                    "reward-server": _cmd_reward_server,
+                    "deploy": _cmd_deploy}[args.command](args)
     except Stopped as e:
         print(_interrupted(args, e.signum), file=sys.stderr)
         return 128 + e.signum
