@@ -280,6 +280,51 @@ def test_the_jobqueue_launcher_preloads_the_plugin_and_its_jobs_join_their_pools
         cluster.close()
 
 
+@pytest.mark.slow
+def test_the_jobqueue_launcher_submits_each_pools_jobs_and_cancels_them_on_enter(tmp_path):
+    """``python launch.py`` as a user runs it: dask-jobqueue submits one job per pool
+    with digenrl's job scripts and the launcher's scheduler address, and cancels them
+    when Enter is pressed. SLURM is not installed here: sbatch and scancel are stand-ins
+    that keep the submitted script (sbatch answers as SLURM does, 'Submitted batch job
+    ID') and record the cancelled ids."""
+    pytest.importorskip("dask_jobqueue")
+    d = Deployment(rollout_workers=2, trainer_workers=2, gpus_per_node=2, interface="lo",
+                   scheduler_port=0, dashboard_port=0, folder=str(tmp_path / "shared"))
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(jobqueue_launcher(d))
+    slurm = tmp_path / "slurm"
+    slurm.mkdir()
+    (slurm / "sbatch").write_text('#!/usr/bin/env bash\ncp "$1" "$SLURM_LOG/job-$$.sh"\n'
+                                  'echo "Submitted batch job $$"\n')
+    (slurm / "scancel").write_text('#!/usr/bin/env bash\necho "$@" >> "$SLURM_LOG/scancel"\n')
+    for tool in ("sbatch", "scancel"):
+        (slurm / tool).chmod(0o755)
+    log = tmp_path / "log"
+    log.mkdir()
+    proc = subprocess.Popen([sys.executable, str(launcher)], cwd=tmp_path, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SLURM_LOG": str(log),
+                                 "PATH": f"{slurm}:{os.environ['PATH']}"})
+    try:
+        line = proc.stdout.readline()
+        address = re.search(r"--scheduler (tcp://127\.0\.0\.1:\d+)", line).group(1)
+        poll(lambda: len(list(log.glob("job-*.sh"))) == 2, what="two submitted jobs")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    submitted = {p.stem.removeprefix("job-"): p.read_text() for p in log.glob("job-*.sh")}
+    assert sorted(submitted.values()) == sorted([
+        job_script(d, ROLLOUT, address, "rollout-0"),
+        job_script(d, TRAINER, address, "trainer-0")])
+    cancelled = set((log / "scancel").read_text().split())
+    assert cancelled == set(submitted)
+
+
 def test_the_k8s_manifest_has_the_preloaded_scheduler_and_one_worker_group_per_pool():
     d = Deployment(rollout_workers=2, trainer_workers=6, image="registry.example/digenrl:1",
                    namespace="ml", env=("HF_HOME=/shared/hf",), memory="48GiB")
