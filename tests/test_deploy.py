@@ -382,7 +382,7 @@ def test_a_k8s_worker_container_joins_the_scheduler_of_its_environment():
     """A worker group's container command, with the environment the operator gives it
     ($(DASK_WORKER_NAME) expanded as Kubernetes does), joins its pool."""
     d = Deployment(image="im", gpus=False, memory="2GiB", python=sys.executable)
-    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as lc, \
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as lc, \
             Client(lc) as c:
         [group] = [g for g in k8s_manifest(d)[1:] if g["metadata"]["name"].endswith(TRAINER)]
         [container] = group["spec"]["worker"]["spec"]["containers"]
