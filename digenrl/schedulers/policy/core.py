@@ -74,26 +74,22 @@ rollout worker that drew its noise (dealt round-robin: data-parallel generation)
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DECODE, DENOISE, GRAD,
                                 INIT, NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT,
                                 TRAINER, stage_of)
+from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
+from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, HELD, QUEUED, READY,
+                                             RELEASED, Decision, Key, TaskInfo, WorkerInfo,
+                                             discard, first_step, tracked)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
-
-Key = Hashable
-
-# Task states inside the policy.
-ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "released",
-                                                 "done", "forgotten")
 
 #: The kinds whose result is a trainer state: version ``iteration + 1``'s.
 _MAKERS = frozenset({INIT, OPTIMIZE})
@@ -102,161 +98,8 @@ _MAKERS = frozenset({INIT, OPTIMIZE})
 #: it then comes after every step of its generation.
 _DEFERRED = 1 << 20
 
-#: The states in which a task is already ready, held or running.
-_QUEUED = frozenset({READY, HELD, RELEASED})
-
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
-
-
-@dataclass(slots=True)
-class TaskInfo:
-    """What the policy knows of a task: its annotation, nothing from its key."""
-
-    key: Key
-    kind: str
-    pool: str
-    iteration: int
-    policy_version: int
-    gpu: bool
-    timestep: int | None = None
-    chunk: int | None = None
-    group: int | None = None
-    behaviour_version: int | None = None
-    samples: int = 0
-    # The policy's state of the task (not part of the annotation): kept on the task
-    # itself rather than in a dict per field, since every event reads several of them.
-    state: str = field(default=ADDED, compare=False, repr=False)
-    order: int = field(default=0, compare=False, repr=False)       # arrival: breaks ties
-    where: str | None = field(default=None, compare=False, repr=False)  # released to
-    locality: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
-    ready_since: float | None = field(default=None, compare=False, repr=False)
-    eligible_since: float | None = field(default=None, compare=False, repr=False)
-    affinity: str | None = field(default=None, compare=False, repr=False)
-    pin: str | None = field(default=None, compare=False, repr=False)
-    pending: bool = field(default=False, compare=False, repr=False)  # rollout outstanding
-    #: The sample-steps a ``denoise`` task computes: its samples, at least one.
-    sample_steps: int = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.sample_steps = max(self.samples, 1)
-
-    @classmethod
-    def from_meta(cls, key: Key, meta: Mapping[str, Any]) -> "TaskInfo":
-        return cls(key=key, kind=meta["kind"], pool=meta["pool"],
-                   iteration=int(meta["iteration"]),
-                   policy_version=int(meta["policy_version"]), gpu=bool(meta["gpu"]),
-                   timestep=meta.get("timestep"), chunk=meta.get("chunk"),
-                   group=meta.get("group"), behaviour_version=meta.get("behaviour_version"),
-                   samples=int(meta.get("samples") or 0))
-
-
-class ReadyEntry(NamedTuple):
-    """A ready task's place in a :class:`ReadyHeap`."""
-
-    #: (iteration, chunk, stage), or for rollout without GAP (iteration, stage, chunk).
-    priority: tuple[int, int, int]
-    tie: int           # unique to the entry, so the task itself is never compared
-    info: TaskInfo
-
-
-def _more_urgent(a: ReadyEntry | None, b: ReadyEntry | None) -> ReadyEntry | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return b if b < a else a
-
-
-class ReadyHeap:
-    """Ready GPU tasks, the most urgent first.
-
-    A task may wait in more than one heap (its worker's and the stealable ones), or
-    twice in one (queued again at a new priority), and stops being ready when it is
-    released, lost or forgotten; its entries stay where they are and are dead from then
-    on: an entry is live while its task is READY.
-    :meth:`peek` drops the dead entries it finds on top.
-    """
-
-    __slots__ = ("entries", "dead")
-
-    def __init__(self) -> None:
-        self.entries: list[ReadyEntry] = []
-        self.dead = 0        # entries known dead (see :meth:`one_dead`)
-
-    def __iter__(self):
-        return iter(self.entries)
-
-    def push(self, entry: ReadyEntry) -> None:
-        heapq.heappush(self.entries, entry)
-
-    def peek(self) -> ReadyEntry | None:
-        """The most urgent live entry (None when there is none)."""
-        entries = self.entries
-        while entries:
-            top = entries[0]
-            if top.info.state is READY:
-                return top
-            heapq.heappop(entries)
-        return None
-
-    def one_dead(self) -> None:
-        """One more entry is dead (its task was taken from another heap). Once the dead
-        are half the heap they are dropped in one pass, cheaper than popping each."""
-        self.dead += 1
-        if self.dead > 256 and 2 * self.dead > len(self.entries):
-            self.entries = [e for e in self.entries if e.info.state is READY]
-            heapq.heapify(self.entries)
-            self.dead = 0
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    address: str
-    name: str
-    pool: str
-    gpus: int
-    slots: int                  # GPU tasks released at once: gpus x slots_per_worker
-    speed: float = 1.0
-    inflight: set = field(default_factory=set)      # GPU tasks released, not finished
-    cpu_inflight: set = field(default_factory=set)  # other tasks released, not finished
-    tag_inflight: int = 0            # rollout tasks released to it as a trainer (TAG)
-    rat_inflight: int = 0            # grads released to it as a rollout worker (RAT)
-    step_time: float | None = None   # measured seconds per sample-step (moving average)
-    busy_until: float = 0.0          # when its released GPU work is expected to end
-    step_samples: int = 0            # sample-steps of the denoise tasks it was released
-    rank: int = 0                    # its place among all workers by name (then address)
-
-
-@dataclass(slots=True)
-class Decision:
-    key: Key
-    worker: str
-    time: float
-    tag: bool = False          # a rollout task released to a trainer
-    stolen: bool = False       # taken from another worker's affinity
-    rat: bool = False          # a grad released to a rollout worker
-    info: TaskInfo | None = field(default=None, compare=False, repr=False)  # the task
-
-
-def _first_step(info: TaskInfo) -> bool:
-    """Whether ``info`` is the first denoising step of a rollout chunk."""
-    return info.kind == DENOISE and info.timestep == 0 and info.pool == ROLLOUT
-
-
-def _tracked(info: TaskInfo) -> bool:
-    """Whether the policy follows ``info`` until its release: a generation's denoise
-    step or a training micro-step."""
-    return (info.kind == DENOISE and info.pool == ROLLOUT) or info.kind == GRAD
-
-
-def _discard(table: dict[Any, set], at: Any, key: Key) -> None:
-    """Drop ``key`` from ``table[at]``, and the entry once it is empty."""
-    waiting = table.get(at)
-    if waiting is not None:
-        waiting.discard(key)
-        if not waiting:
-            del table[at]
 
 
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
@@ -433,9 +276,9 @@ class SchedulingPolicy:
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 info.pending = True
                 pending[info.iteration] += 1
-                if _first_step(info):
+                if first_step(info):
                     self._unstarted[info.iteration, info.policy_version].add(key)
-            if _tracked(info):
+            if tracked(info):
                 self._unreleased[info.kind, info.iteration].add(key)
         return rejected
 
@@ -465,7 +308,7 @@ class SchedulingPolicy:
         key = info.key
         if self.rejected and key in self.rejected:
             return
-        if info.state in _QUEUED:
+        if info.state in QUEUED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
         info.locality = locality if locality is not None else {}
         now = None
@@ -851,7 +694,7 @@ class SchedulingPolicy:
     def _take_training(self, w: WorkerInfo) -> TaskInfo | None:
         pinned = self._pinned.get(w.address)
         own = pinned.peek() if pinned is not None else None
-        pick = _more_urgent(own, self._train.peek())
+        pick = more_urgent(own, self._train.peek())
         return pick.info if pick is not None else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
@@ -859,7 +702,7 @@ class SchedulingPolicy:
         from another worker (then True)."""
         affine = self._affine.get(w.address)
         own = affine.peek() if affine is not None else None
-        pick = _more_urgent(own, self._shared.peek())
+        pick = more_urgent(own, self._shared.peek())
         if pick is not None:
             return pick.info, False
         steal = self._all_rollout.peek()
@@ -881,16 +724,16 @@ class SchedulingPolicy:
     def _released_now(self, info: TaskInfo) -> None:
         """``info`` was released (or forgotten): a chunk's first step no longer waits to
         start it, a step or grad no longer waits to be released."""
-        if _first_step(info):
-            _discard(self._unstarted, (info.iteration, info.policy_version), info.key)
-        if _tracked(info):
-            _discard(self._unreleased, (info.kind, info.iteration), info.key)
+        if first_step(info):
+            discard(self._unstarted, (info.iteration, info.policy_version), info.key)
+        if tracked(info):
+            discard(self._unreleased, (info.kind, info.iteration), info.key)
 
     def _not_released(self, info: TaskInfo) -> None:
         """``info`` went back to waiting (lost, or its release failed)."""
-        if _first_step(info):
+        if first_step(info):
             self._unstarted[info.iteration, info.policy_version].add(info.key)
-        if _tracked(info):
+        if tracked(info):
             self._unreleased[info.kind, info.iteration].add(info.key)
 
     def _left(self, kind: str, iteration: int) -> bool:
