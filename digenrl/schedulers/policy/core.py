@@ -83,8 +83,9 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DECODE, DENOISE, GRAD,
                                 INIT, NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT,
                                 TRAINER, stage_of)
+from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
-from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, HELD, QUEUED, READY,
+from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
                                              RELEASED, Decision, Key, TaskInfo, WorkerInfo,
                                              discard, first_step, tracked)
 
@@ -106,16 +107,7 @@ def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
     if info.pool not in POOLS:
         return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
-    if info.behaviour_version is not None:
-        staleness = info.policy_version - info.behaviour_version
-        if staleness > options.max_staleness:
-            return (f"task {info.key!r} would train samples of policy version "
-                    f"{info.behaviour_version} at version {info.policy_version}: staleness "
-                    f"{staleness} exceeds max_staleness={options.max_staleness}")
-        if staleness < 0:
-            return (f"task {info.key!r} would train samples of policy version "
-                    f"{info.behaviour_version} at the older version {info.policy_version}")
-    return None
+    return stale_training(info, options)
 
 
 class SchedulingPolicy:
@@ -124,8 +116,7 @@ class SchedulingPolicy:
     __slots__ = ("options", "clock",
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "_shared",
                  "_affine", "_all_rollout", "_train", "_pinned", "_background",
-                 "_cpu_ready", "_held_stale", "_held_barrier", "_rollout_pending",
-                 "_barrier_open", "_dirty", "_free", "_pool_lists", "_round_robin",
+                 "_cpu_ready", "staleness", "_dirty", "_free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
                  "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
                  "_made_on", "_checkpoints", "_copies", "_deferred")
@@ -151,12 +142,8 @@ class SchedulingPolicy:
         self._background = ReadyHeap()
         # Ready tasks needing no GPU slot, with their input locality.
         self._cpu_ready: dict[Key, Mapping[str, int]] = {}
-        # Held tasks by iteration.
-        self._held_stale: dict[int, set] = defaultdict(set)
-        self._held_barrier: dict[int, set] = defaultdict(set)
-        # Rollout work outstanding per iteration (for the barrier without GAP).
-        self._rollout_pending: dict[int, int] = defaultdict(int)
-        self._barrier_open: set[int] = set()
+        # The rules.
+        self.staleness = Staleness(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self._dirty: set[str] = set()
@@ -258,7 +245,7 @@ class SchedulingPolicy:
     def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
-        tasks, arrivals, pending = self.tasks, self._arrivals, self._rollout_pending
+        tasks, arrivals, staleness = self.tasks, self._arrivals, self.staleness
         options = self.options
         for info in infos:
             key = info.key
@@ -273,9 +260,8 @@ class SchedulingPolicy:
                 continue
             if info.kind == CHECKPOINT:
                 self._checkpoints[info.policy_version] = info
+            staleness.added(info)
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
-                info.pending = True
-                pending[info.iteration] += 1
                 if first_step(info):
                     self._unstarted[info.iteration, info.policy_version].add(key)
             if tracked(info):
@@ -314,25 +300,10 @@ class SchedulingPolicy:
         now = None
         if info.ready_since is None:
             info.ready_since = now = self.clock()
-        # Held while the staleness bound keeps its iteration's rollout back, or, without
-        # GAP, until its iteration's rollout work is done (training).
-        it = info.iteration
-        if info.kind in BACKGROUND_KINDS:
-            pass  # reads a published version and feeds no training: never held
-        elif info.pool == ROLLOUT:
-            if it - self.options.max_staleness > self.version:
-                info.state = HELD
-                self._held_stale[it].add(key)
-                return
-        elif not self.options.gap and it >= 0 and it not in self._barrier_open:
-            if self._rollout_pending.get(it):
-                info.state = HELD
-                self._held_barrier[it].add(key)
-                return
-            self._barrier_open.add(it)
-        self._enqueue(info, now)
+        if not self.staleness.holds(info):
+            self.enqueue(info, now)
 
-    def _enqueue(self, info: TaskInfo, now: float | None = None) -> None:
+    def enqueue(self, info: TaskInfo, now: float | None = None) -> None:
         """``info`` is runnable: queue it (``now``: the clock, when the caller read it)."""
         info.state = READY
         if info.eligible_since is None:
@@ -388,7 +359,7 @@ class SchedulingPolicy:
         for it in [i for i in self._deferred if i <= self.version]:
             for info in self._deferred.pop(it):
                 if info.state is READY:
-                    self._enqueue(info)
+                    self.enqueue(info)
 
     def _first_step_home(self, info: TaskInfo) -> str | None:
         """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
@@ -467,17 +438,10 @@ class SchedulingPolicy:
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
         if info.pool == ROLLOUT:
-            left = self._rollout_pending.get(info.iteration)
-            if left is not None:
-                if info.pending:
-                    info.pending = False
-                    left -= 1
-                    self._rollout_pending[info.iteration] = left
-                if not left:
-                    self._open_barrier(info.iteration)
+            self.staleness.done(info)
         if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
-            self._release_stale_holds()
+            self.staleness.published()
             self._requeue_deferred()
             # The rollout workers generate with it next: they fetch it now, while the
             # chunks it lets start draw their noise, not once their first steps are
@@ -514,9 +478,8 @@ class SchedulingPolicy:
             self._unrelease(info)
         elif state is not DONE:
             # Held, or held once and then lost: drop it from the holds and the CPU queue.
-            self._held_stale.get(info.iteration, set()).discard(key)
-            self._held_barrier.get(info.iteration, set()).discard(key)
             self._cpu_ready.pop(key, None)
+        self.staleness.forgotten(info, state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
         info.locality = None
@@ -529,9 +492,6 @@ class SchedulingPolicy:
             self._chunk_home.pop((info.iteration, info.chunk), None)
         else:
             self._released_now(info)
-        if info.pending:
-            info.pending = False
-            self._rollout_pending[info.iteration] -= 1
 
     def _send_to_trainer(self, info: TaskInfo) -> None:
         """``info``, a grad lent to a rollout worker, finished: a trainer (the least
@@ -564,7 +524,7 @@ class SchedulingPolicy:
             return
         self._unrelease(info)
         self._not_released(info)
-        self._enqueue(info)
+        self.enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
         addr = info.where
@@ -591,22 +551,7 @@ class SchedulingPolicy:
         else:
             w.cpu_inflight.discard(info.key)
 
-    def _open_barrier(self, iteration: int) -> None:
-        self._barrier_open.add(iteration)
-        for key in sorted(self._held_barrier.pop(iteration, ()), key=self._sort_key):
-            info = self.tasks[key]
-            if info.state is HELD:
-                self._enqueue(info)
-
-    def _release_stale_holds(self) -> None:
-        limit = self.version + self.options.max_staleness
-        for it in sorted(i for i in self._held_stale if i <= limit):
-            for key in sorted(self._held_stale.pop(it), key=self._sort_key):
-                info = self.tasks[key]
-                if info.state is HELD:
-                    self._enqueue(info)
-
-    def _sort_key(self, key: Key) -> ReadyEntry:
+    def sort_key(self, key: Key) -> ReadyEntry:
         info = self.tasks[key]
         return self._entry(info, info.order)
 
@@ -886,7 +831,7 @@ class SchedulingPolicy:
         now = self.clock()
         out: list[Decision] = []
         if self._cpu_ready:
-            for key in sorted(self._cpu_ready, key=self._sort_key):
+            for key in sorted(self._cpu_ready, key=self.sort_key):
                 info = self.tasks[key]
                 w = (self._place_restore(info) if info.kind == RESTORE
                      else self._place_cpu(info, self._cpu_ready[key]))
@@ -1013,8 +958,7 @@ class SchedulingPolicy:
     def held(self) -> dict[str, int]:
         """How many ready tasks wait, by reason."""
         counts = dict.fromkeys(HELD_REASONS, 0)
-        counts["staleness"] = sum(len(s) for s in self._held_stale.values())
-        counts["barrier"] = sum(len(s) for s in self._held_barrier.values())
+        counts["staleness"], counts["barrier"] = self.staleness.counts()
         for info in self.tasks.values():
             if info.state is not READY:
                 continue

@@ -1,0 +1,27 @@
+"""The rules of the scheduling policy, one module each (see :mod:`digenrl.schedulers.policy`).
+
+Each rule is an object the core (:class:`~digenrl.schedulers.policy.core.SchedulingPolicy`)
+holds and asks for its say at the points the rule concerns; it keeps the state only it
+reads, and reads the core's (tasks, workers, ready queues, the published version).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from digenrl.schedulers.policy.core import SchedulingPolicy
+
+__all__ = ["Rule"]
+
+
+class Rule:
+    """A rule of the policy, bound to the core that asks it."""
+
+    __slots__ = ("policy",)
+
+    #: The rule's name, as the decision trail and docs/scheduling.md give it.
+    name = ""
+
+    def __init__(self, policy: "SchedulingPolicy") -> None:
+        self.policy = policy
