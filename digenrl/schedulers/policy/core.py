@@ -80,9 +80,11 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (BACKGROUND_KINDS, CHECKPOINT, COLOCATED, DECODE, DENOISE, GRAD,
-                                INIT, NOISE, OPTIMIZE, POOLS, PUBLISH, RESTORE, ROLLOUT,
+from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DECODE, DENOISE, GRAD,
+                                NOISE, POOLS, PUBLISH, RESTORE, ROLLOUT,
                                 TRAINER, stage_of)
+from digenrl.schedulers.policy.rules.background import Background
+from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
@@ -91,9 +93,6 @@ from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, REA
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
-
-#: The kinds whose result is a trainer state: version ``iteration + 1``'s.
-_MAKERS = frozenset({INIT, OPTIMIZE})
 
 #: Added to the chunk in a deferred decode's priority (:meth:`SchedulingPolicy._defers`):
 #: it then comes after every step of its generation.
@@ -114,12 +113,12 @@ class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now."""
 
     __slots__ = ("options", "clock",
-                 "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "_shared",
-                 "_affine", "_all_rollout", "_train", "_pinned", "_background",
-                 "_cpu_ready", "staleness", "_dirty", "_free", "_pool_lists", "_round_robin",
+                 "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
+                 "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
+                 "ready_background", "ready_cpu", "staleness", "handoff", "background", "dirty", "free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
                  "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
-                 "_made_on", "_checkpoints", "_copies", "_deferred")
+                 "_copies", "_deferred")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -132,23 +131,25 @@ class SchedulingPolicy:
         self._arrivals = itertools.count()
         # Ready GPU rollout tasks: no affinity / affinity to a worker / the affine ones
         # again (for stealing).
-        self._shared = ReadyHeap()
-        self._affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
-        self._all_rollout = ReadyHeap()              # the affine ones, for stealing
+        self.ready_shared = ReadyHeap()
+        self.ready_affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        self.ready_stealable = ReadyHeap()              # the affine ones, for stealing
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
-        self._train = ReadyHeap()
-        self._pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        self.ready_training = ReadyHeap()
+        self.ready_pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
         # Ready GPU background tasks (evaluation): taken only by idle workers.
-        self._background = ReadyHeap()
+        self.ready_background = ReadyHeap()
         # Ready tasks needing no GPU slot, with their input locality.
-        self._cpu_ready: dict[Key, Mapping[str, int]] = {}
+        self.ready_cpu: dict[Key, Mapping[str, int]] = {}
         # The rules.
         self.staleness = Staleness(self)
+        self.handoff = Handoff(self)
+        self.background = Background(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
-        self._dirty: set[str] = set()
+        self.dirty: set[str] = set()
         # Workers with a free GPU slot, by pool.
-        self._free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
+        self.free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
         self._pool_lists: dict[str, list[WorkerInfo]] = {}
         self._ranked = True                        # every worker's rank is current
         self._round_robin: dict[str, int] = defaultdict(int)
@@ -167,11 +168,6 @@ class SchedulingPolicy:
         self._grads_from: int | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self._chunk_home: dict[tuple, str] = {}
-        # Hand-off: policy version -> the worker whose optimizer step (or initial state)
-        # made its trainer state, while that task's result is known; and the checkpoint
-        # task of each version.
-        self._made_on: dict[int, str] = {}
-        self._checkpoints: dict[int, TaskInfo] = {}
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Decodes queued after their generation's steps (see _defers), by iteration.
@@ -195,8 +191,8 @@ class SchedulingPolicy:
             return
         self.workers[address] = WorkerInfo(address, name, pool, gpus,
                                            gpus * self.options.slots_per_worker, speed)
-        self._dirty.add(address)
-        self._free[pool].add(address)
+        self.dirty.add(address)
+        self.free[pool].add(address)
         self._pool_lists.clear()
         self._ranked = False
         self._repin()
@@ -205,14 +201,13 @@ class SchedulingPolicy:
         """A worker left. Returns the tasks that were released to it (Dask brings them
         back as ready once their inputs exist again)."""
         w = self.workers.pop(address, None)
-        self._dirty.discard(address)
+        self.dirty.discard(address)
         self._pool_lists.clear()
         self._ranked = False
         if w is None:
             return []
-        self._free[w.pool].discard(address)
-        for v in [v for v, a in self._made_on.items() if a == address]:
-            del self._made_on[v]
+        self.free[w.pool].discard(address)
+        self.handoff.worker_left(address)
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
             info = self.tasks.get(key)
@@ -258,8 +253,7 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
-            if info.kind == CHECKPOINT:
-                self._checkpoints[info.policy_version] = info
+            self.handoff.added(info)
             staleness.added(info)
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 if first_step(info):
@@ -310,14 +304,14 @@ class SchedulingPolicy:
             info.eligible_since = self.clock() if now is None else now
         loc = info.locality or {}
         if not info.gpu:
-            self._cpu_ready[info.key] = loc
+            self.ready_cpu[info.key] = loc
             return
         deferred = self._defers(info)
         if deferred:
             self._deferred[info.iteration].append(info)
         entry = self._entry(info, next(self._seq), deferred)
         if info.kind in BACKGROUND_KINDS:
-            self._background.push(entry)
+            self.ready_background.push(entry)
             self._new_rollout = True   # (the free rollout workers are who may take it)
         elif info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == DENOISE:
@@ -326,17 +320,17 @@ class SchedulingPolicy:
                 aff = self._affinity_of(loc)
             info.affinity = aff
             if aff:
-                self._affine[aff].push(entry)
+                self.ready_affine[aff].push(entry)
                 # Only steps waiting for a worker can be stolen: every worker sees the
                 # shared ones first anyway.
-                self._all_rollout.push(entry)
+                self.ready_stealable.push(entry)
             else:
-                self._shared.push(entry)
+                self.ready_shared.push(entry)
             self._new_rollout = True
         else:
             pin = self._pin_of(info)
             info.pin = pin
-            (self._pinned[pin] if pin else self._train).push(entry)
+            (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
             self._new_training = True
 
     def _defers(self, info: TaskInfo) -> bool:
@@ -350,7 +344,7 @@ class SchedulingPolicy:
         queued at its chunk's place again (:meth:`_requeue_deferred`)."""
         return (self.options.gap and info.kind == DECODE and info.pool == ROLLOUT
                 and info.chunk is not None and info.iteration > self.version
-                and self._train.peek() is not None)
+                and self.ready_training.peek() is not None)
 
     def _requeue_deferred(self) -> None:
         """A version was published: the deferred decodes whose training reads it, still
@@ -394,16 +388,16 @@ class SchedulingPolicy:
         """Trainer membership changed: re-target pinned ready tasks."""
         if self.options.tsp:
             return
-        entries = [e for heap in self._pinned.values() for e in heap] + list(self._train)
-        self._pinned = defaultdict(ReadyHeap)
-        self._train = ReadyHeap()
+        entries = [e for heap in self.ready_pinned.values() for e in heap] + list(self.ready_training)
+        self.ready_pinned = defaultdict(ReadyHeap)
+        self.ready_training = ReadyHeap()
         for entry in entries:
             info = entry.info
             if info.state is not READY:
                 continue
             pin = self._pin_of(info)
             info.pin = pin
-            (self._pinned[pin] if pin else self._train).push(entry)
+            (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
         self._new_training = True
 
     def task_done(self, key: Key, worker: str | None = None,
@@ -432,8 +426,8 @@ class SchedulingPolicy:
                 self._ref_grad = ref if self._ref_grad is None else (1 - a) * self._ref_grad + a * ref
                 if w.pool == ROLLOUT and self.options.pools:
                     self._send_to_trainer(info)
-        elif kind in _MAKERS and worker is not None:
-            self._made_on[info.iteration + 1] = worker
+        elif kind in MAKERS and worker is not None:
+            self.handoff.made(info, worker)
         self._unrelease(info)
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
@@ -457,8 +451,8 @@ class SchedulingPolicy:
         if info is not None:
             self._unrelease(info)
             info.state = ADDED
-            self._cpu_ready.pop(key, None)
-            self._forget_maker(info)
+            self.ready_cpu.pop(key, None)
+            self.handoff.result_gone(info)
             self._not_released(info)
             info.locality = info.ready_since = info.eligible_since = None
 
@@ -478,16 +472,14 @@ class SchedulingPolicy:
             self._unrelease(info)
         elif state is not DONE:
             # Held, or held once and then lost: drop it from the holds and the CPU queue.
-            self._cpu_ready.pop(key, None)
+            self.ready_cpu.pop(key, None)
         self.staleness.forgotten(info, state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
-        self._forget_maker(info)
-        if info.kind == CHECKPOINT and self._checkpoints.get(info.policy_version) is info:
-            del self._checkpoints[info.policy_version]
+        self.handoff.forgotten(info)
         if info.kind == NOISE:
             self._chunk_home.pop((info.iteration, info.chunk), None)
         else:
@@ -511,12 +503,6 @@ class SchedulingPolicy:
         out, self._copies = self._copies, []
         return out
 
-    def _forget_maker(self, info: TaskInfo) -> None:
-        """``info``'s result is gone (lost or forgotten): if it made a trainer state, no
-        worker's memory holds that state for its read-back any more."""
-        if info.kind in _MAKERS:
-            self._made_on.pop(info.iteration + 1, None)
-
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
         info = self.tasks.get(key)
@@ -536,8 +522,8 @@ class SchedulingPolicy:
             return
         if info.gpu:   # (released GPU tasks are in inflight, others in cpu_inflight)
             w.inflight.discard(info.key)
-            self._dirty.add(addr)
-            self._free[w.pool].add(addr)
+            self.dirty.add(addr)
+            self.free[w.pool].add(addr)
             if info.kind == DENOISE:
                 w.step_samples -= info.sample_steps
             if self.options.rebalance:
@@ -632,25 +618,25 @@ class SchedulingPolicy:
     # ---------------------------------------------------------------- decisions
 
     def _runnable_training(self, w: WorkerInfo) -> bool:
-        pinned = self._pinned.get(w.address)
-        return (self._train.peek() is not None
+        pinned = self.ready_pinned.get(w.address)
+        return (self.ready_training.peek() is not None
                 or (pinned is not None and pinned.peek() is not None))
 
     def _take_training(self, w: WorkerInfo) -> TaskInfo | None:
-        pinned = self._pinned.get(w.address)
+        pinned = self.ready_pinned.get(w.address)
         own = pinned.peek() if pinned is not None else None
-        pick = more_urgent(own, self._train.peek())
+        pick = more_urgent(own, self.ready_training.peek())
         return pick.info if pick is not None else None
 
     def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         """The most urgent step with affinity to ``w`` or to nobody; else one to steal
         from another worker (then True)."""
-        affine = self._affine.get(w.address)
+        affine = self.ready_affine.get(w.address)
         own = affine.peek() if affine is not None else None
-        pick = more_urgent(own, self._shared.peek())
+        pick = more_urgent(own, self.ready_shared.peek())
         if pick is not None:
             return pick.info, False
-        steal = self._all_rollout.peek()
+        steal = self.ready_stealable.peek()
         if steal is None or not self._may_steal(w, steal.info, now):
             return None, False
         return steal.info, True
@@ -705,7 +691,7 @@ class SchedulingPolicy:
         inputs moved, no later than a trainer would (``theirs``: see
         :meth:`_trainers_reach`). (Whether generation is owed to ``w`` is decided by
         the caller.)"""
-        top = self._train.peek()
+        top = self.ready_training.peek()
         if top is None or top.info.kind != GRAD:
             return None
         mine = (self._transfer_seconds(w, top.info)
@@ -753,13 +739,13 @@ class SchedulingPolicy:
         key = info.key
         info.state = RELEASED
         if info.affinity is not None and info.affinity == w.address:
-            self._all_rollout.one_dead()   # its entry among the stealable ones
+            self.ready_stealable.one_dead()   # its entry among the stealable ones
         info.where = w.address
         if info.gpu:
             inflight = w.inflight
             inflight.add(key)
             if len(inflight) >= w.slots:
-                self._free[w.pool].discard(w.address)
+                self.free[w.pool].discard(w.address)
             if info.kind == DENOISE:
                 w.step_samples += info.sample_steps
             elif info.kind == GRAD:
@@ -807,20 +793,6 @@ class SchedulingPolicy:
         self._round_robin[key] = i + 1
         return pool[i]
 
-    def _place_restore(self, info: TaskInfo) -> WorkerInfo | None:
-        """Where the read-back of a version's trainer state goes: to the worker that
-        made the state, whose memory holds it (the task takes it from there); with that
-        worker gone or unknown, to any worker of the pool once the version's checkpoint
-        is written (or when no checkpoint task is known: a resumed run reads one written
-        before), and nowhere yet while it is being written."""
-        maker = self.workers.get(self._made_on.get(info.policy_version, ""))
-        if maker is not None:
-            return maker
-        writing = self._checkpoints.get(info.policy_version)
-        if writing is not None and writing.state is not DONE:
-            return None
-        return self._place_cpu(info, {})
-
     def decide(self) -> list[Decision]:
         """Releases to make now (each is final: the task goes to that worker).
 
@@ -830,23 +802,23 @@ class SchedulingPolicy:
         """
         now = self.clock()
         out: list[Decision] = []
-        if self._cpu_ready:
-            for key in sorted(self._cpu_ready, key=self.sort_key):
+        if self.ready_cpu:
+            for key in sorted(self.ready_cpu, key=self.sort_key):
                 info = self.tasks[key]
-                w = (self._place_restore(info) if info.kind == RESTORE
-                     else self._place_cpu(info, self._cpu_ready[key]))
+                w = (self.handoff.place(info) if info.kind == RESTORE
+                     else self._place_cpu(info, self.ready_cpu[key]))
                 if w is not None:
-                    del self._cpu_ready[key]
+                    del self.ready_cpu[key]
                     out.append(self._release(self.tasks[key], w, now))
-        candidates = self._dirty
-        self._dirty = set()
+        candidates = self.dirty
+        self.dirty = set()
         workers = self.workers
         rollout, training = self._new_rollout, self._new_training
         if rollout or training:
             # The free workers that may take the new kind of work: any worker without
             # pools; rollout workers rollout work and trainers training work; with TAG,
             # trainers with nothing released rollout work too.
-            free = self._free
+            free = self.free
             if not self.options.pools:
                 candidates |= free[COLOCATED]
             else:
@@ -857,15 +829,11 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
-        if self._background.peek() is not None:
-            # Background work waits: every idle worker that may take it is looked at
-            # (what held it back may have gone to another worker).
-            pool = ROLLOUT if self.options.pools else COLOCATED
-            candidates |= {a for a in self._free[pool] if not workers[a].inflight}
-        lending = self._rat_on() and self._train.peek() is not None
+        self.background.wake(candidates)
+        lending = self._rat_on() and self.ready_training.peek() is not None
         if lending:
             # Rollout-assisted training: idle rollout workers may take runnable grads.
-            candidates |= {a for a in self._free[ROLLOUT] if not workers[a].inflight}
+            candidates |= {a for a in self.free[ROLLOUT] if not workers[a].inflight}
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -903,18 +871,6 @@ class SchedulingPolicy:
                     out.append(self._release(info, w, now, rat=True))
         return out
 
-    def _take_background(self, w: WorkerInfo) -> TaskInfo | None:
-        """The most urgent background task (evaluation) for ``w``, which has nothing
-        else to take: only while nothing is in flight on it (so a background task never
-        queues behind another, nor a worker runs two), no rollout step is ready anywhere
-        (one waiting for its own worker included), and no grad waits that ``w`` might
-        be lent (rollout-assisted training comes first)."""
-        if (w.inflight or self._all_rollout.peek() is not None
-                or (self._rat_on() and w.pool == ROLLOUT and self._train.peek() is not None)):
-            return None
-        top = self._background.peek()
-        return top.info if top is not None else None
-
     def _rat_on(self) -> bool:
         """Rollout-assisted training applies: RAT on, with pools and the TSP queue."""
         o = self.options
@@ -933,7 +889,7 @@ class SchedulingPolicy:
                 if lent is not None:
                     return self._release(lent, w, now, rat=True)
                 return self._release(info, w, now, stolen=stolen)
-            info = self._take_background(w)
+            info = self.background.take(w)
             return self._release(info, w, now) if info is not None else None
         # A trainer with no runnable training work: trainer-assisted generation.
         if self.options.tag and not w.inflight and not self._runnable_training(w):
