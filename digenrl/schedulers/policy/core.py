@@ -85,6 +85,7 @@ from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DECODE, DENOISE, GR
                                 TRAINER, stage_of)
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
+from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA, Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
@@ -115,8 +116,9 @@ class SchedulingPolicy:
     __slots__ = ("options", "clock",
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
                  "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
-                 "ready_background", "ready_cpu", "staleness", "handoff", "background", "dirty", "free", "_pool_lists", "_round_robin",
-                 "_new_rollout", "_new_training", "_ref_step", "_ref_grad", "_chunk_home",
+                 "ready_background", "ready_cpu", "staleness", "handoff", "background",
+                 "rebalance", "dirty", "free", "_pool_lists", "_round_robin",
+                 "_new_rollout", "_new_training", "_ref_grad",
                  "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
                  "_copies", "_deferred")
 
@@ -145,6 +147,7 @@ class SchedulingPolicy:
         self.staleness = Staleness(self)
         self.handoff = Handoff(self)
         self.background = Background(self)
+        self.rebalance = Rebalance(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -155,8 +158,6 @@ class SchedulingPolicy:
         self._round_robin: dict[str, int] = defaultdict(int)
         self._new_rollout = False
         self._new_training = False
-        # Rebalancing: speed-1 seconds per sample-step, averaged over every worker.
-        self._ref_step: float | None = None
         # Rollout-assisted training: speed-1 seconds of a grad micro-step, measured;
         # and the first steps of chunks not released yet, by (iteration, version read).
         self._ref_grad: float | None = None
@@ -166,8 +167,6 @@ class SchedulingPolicy:
         self._unreleased: dict[tuple[str, int], set] = defaultdict(set)
         # The newest iteration a grad has been released of (None before the first).
         self._grads_from: int | None = None
-        # (iteration, chunk) -> the worker that drew the chunk's noise.
-        self._chunk_home: dict[tuple, str] = {}
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Decodes queued after their generation's steps (see _defers), by iteration.
@@ -315,7 +314,7 @@ class SchedulingPolicy:
             self._new_rollout = True   # (the free rollout workers are who may take it)
         elif info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == DENOISE:
-                aff = self._first_step_home(info)
+                aff = self.rebalance.first_step_home(info)
             else:
                 aff = self._affinity_of(loc)
             info.affinity = aff
@@ -354,16 +353,6 @@ class SchedulingPolicy:
             for info in self._deferred.pop(it):
                 if info.state is READY:
                     self.enqueue(info)
-
-    def _first_step_home(self, info: TaskInfo) -> str | None:
-        """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
-        on whichever worker frees first, so faster workers start more chunks. Without,
-        on the rollout worker that drew its noise: noise is dealt round-robin, so each
-        worker gets an equal share of the chunks, as in data-parallel generation."""
-        if self.options.rebalance:
-            return None
-        home = self._chunk_home.get((info.iteration, info.chunk))
-        return home if home in self.workers else None
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
         best, best_bytes, tie = None, 0, False
@@ -412,17 +401,14 @@ class SchedulingPolicy:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
         kind = info.kind
         if kind == DENOISE:
-            if duration is not None and duration > 0 and worker is not None:
-                w = self.workers.get(worker)
-                if w is not None:
-                    self._observe(w, duration / info.sample_steps)
+            self.rebalance.observed(info, worker, duration)
         elif kind == NOISE and worker is not None:
-            self._chunk_home[(info.iteration, info.chunk)] = worker
+            self.rebalance.noise_drawn(info, worker)
         elif kind == GRAD and duration is not None and duration > 0 and worker is not None:
             w = self.workers.get(worker)
             if w is not None:
                 ref = duration * w.speed
-                a = self.STEP_EWMA
+                a = STEP_EWMA
                 self._ref_grad = ref if self._ref_grad is None else (1 - a) * self._ref_grad + a * ref
                 if w.pool == ROLLOUT and self.options.pools:
                     self._send_to_trainer(info)
@@ -481,7 +467,7 @@ class SchedulingPolicy:
             self.rejected.pop(key, None)
         self.handoff.forgotten(info)
         if info.kind == NOISE:
-            self._chunk_home.pop((info.iteration, info.chunk), None)
+            self.rebalance.noise_forgotten(info)
         else:
             self._released_now(info)
 
@@ -524,12 +510,7 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self.dirty.add(addr)
             self.free[w.pool].add(addr)
-            if info.kind == DENOISE:
-                w.step_samples -= info.sample_steps
-            if self.options.rebalance:
-                n = w.step_samples
-                step = self.step_time(w) if n else None
-                w.busy_until = self.clock() + (step * n if step is not None else 0.0)
+            self.rebalance.unreleased(w, info)
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
             elif w.pool == ROLLOUT and info.pool == TRAINER:
@@ -537,81 +518,25 @@ class SchedulingPolicy:
         else:
             w.cpu_inflight.discard(info.key)
 
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a telemetry counter (:attr:`counters`)."""
+        self._counts[counter] += n
+
     def sort_key(self, key: Key) -> ReadyEntry:
         info = self.tasks[key]
         return self._entry(info, info.order)
 
-    # -------------------------------------------------------------- rebalancing
-
-    #: Weight of the newest measurement in a worker's step time: a slowdown shows
-    #: within a few steps.
-    STEP_EWMA = 0.5
-
-    def _observe(self, w: WorkerInfo, per_sample: float) -> None:
-        a = self.STEP_EWMA
-        w.step_time = per_sample if w.step_time is None else (1 - a) * w.step_time + a * per_sample
-        ref = per_sample * w.speed
-        self._ref_step = ref if self._ref_step is None else 0.9 * self._ref_step + 0.1 * ref
-
-    def step_time(self, w: WorkerInfo) -> float | None:
-        """Expected seconds per sample-step on ``w``: measured, else from its speed."""
-        if w.step_time is not None:
-            return w.step_time
-        return self._ref_step / w.speed if self._ref_step is not None else None
-
-    def _expected(self, w: WorkerInfo, info: TaskInfo) -> float:
-        """Expected seconds of ``info`` on ``w`` (denoise steps; others count 0)."""
-        if info.kind != DENOISE:
-            return 0.0
-        step = self.step_time(w)
-        return step * info.sample_steps if step is not None else 0.0
-
     def expected_seconds(self, key: Key) -> float | None:
-        """Expected seconds of ``key``, a released GPU task, on its worker: moving the
-        input bytes it lacks there, then the worker's seconds per sample-step times the
-        task's samples (a denoise step and a training micro-step go over the same
-        samples). None before any measurement."""
-        info = self.tasks.get(key)
-        w = self.workers.get(info.where) if info is not None and info.where else None
-        step = self.step_time(w) if w is not None and info.gpu else None
-        if step is None:
-            return None
-        return self._transfer_seconds(w, info) + step * max(info.samples, 1)
+        """Expected seconds of ``key``, a released GPU task, on its worker (the
+        progress watchdog's yardstick; see :meth:`Rebalance.expected_seconds`)."""
+        return self.rebalance.expected_seconds(key)
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        steps = [s for s in map(self.step_time, self.workers.values()) if s is not None]
-        if not steps:
-            return None
-        samples = max((info.samples for info in self.tasks.values() if info.gpu), default=1)
-        return max(steps) * max(samples, 1)
+        return self.rebalance.longest_expected()
 
-    def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
-        """When ``w`` would finish ``info`` if it took it now: after its released work,
-        the transfer of the input bytes it lacks, then the step at its pace."""
-        return max(now, w.busy_until) + self._transfer_seconds(w, info) + self._expected(w, info)
-
-    def _may_steal(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
-        """Whether ``w`` may take ``info``, a step waiting for another worker."""
-        owner = self.workers.get(info.affinity or "")
-        if owner is None or owner is w:
-            return True
-        if not self.options.rebalance:
-            # Pinned: a chunk waits for the rollout worker holding its latents.
-            return owner.pool != ROLLOUT
-        if info.kind != DENOISE or self.step_time(w) is None or self.step_time(owner) is None:
-            return True  # not a timestep, or nothing measured yet: any idle worker helps
-        step = self._expected(owner, info)
-        # The move must cost less than the step it moves, and the step must end before
-        # the owner would get through its released work, this step and the slots' worth
-        # after it: an idle worker is capacity, but not at any delay to the chunk.
-        if (self._transfer_seconds(w, info) < step and self.finish_time(w, info, now)
-                <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
-            return True
-        self._counts["kept"] += 1
-        return False
-
-    def _transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
+    def transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
+        """Seconds to move the input bytes of ``info`` that ``w`` lacks."""
         loc = info.locality or {}
         return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
 
@@ -637,7 +562,7 @@ class SchedulingPolicy:
         if pick is not None:
             return pick.info, False
         steal = self.ready_stealable.peek()
-        if steal is None or not self._may_steal(w, steal.info, now):
+        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
             return None, False
         return steal.info, True
 
@@ -694,7 +619,7 @@ class SchedulingPolicy:
         top = self.ready_training.peek()
         if top is None or top.info.kind != GRAD:
             return None
-        mine = (self._transfer_seconds(w, top.info)
+        mine = (self.transfer_seconds(w, top.info)
                 + (len(w.inflight) + 1) * self._ref_grad / w.speed)
         if mine > theirs:
             self._counts["rat_declined"] += 1
@@ -746,15 +671,11 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            if info.kind == DENOISE:
-                w.step_samples += info.sample_steps
-            elif info.kind == GRAD:
+            if info.kind == GRAD:
                 if self._grads_from is None or info.iteration > self._grads_from:
                     self._grads_from = info.iteration
             self._released_now(info)
-            if self.options.rebalance:
-                # (Only denoise steps are expected to take time.)
-                w.busy_until = max(now, w.busy_until) + self._expected(w, info)
+            self.rebalance.released(w, info, now)
             if tag:
                 w.tag_inflight += 1
             if rat:
