@@ -80,24 +80,23 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DECODE, DENOISE, GRAD,
+from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD,
                                 NOISE, POOLS, PUBLISH, RESTORE, ROLLOUT,
-                                TRAINER, stage_of)
+                                TRAINER)
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
+from digenrl.schedulers.policy.rules.gap import Gap
+from digenrl.schedulers.policy.rules.tag import Tag
+from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA, Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
                                              RELEASED, Decision, Key, TaskInfo, WorkerInfo,
-                                             discard, first_step, tracked)
+                                             discard, first_step)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
-
-#: Added to the chunk in a deferred decode's priority (:meth:`SchedulingPolicy._defers`):
-#: it then comes after every step of its generation.
-_DEFERRED = 1 << 20
 
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
@@ -117,10 +116,10 @@ class SchedulingPolicy:
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
                  "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
                  "ready_background", "ready_cpu", "staleness", "handoff", "background",
-                 "rebalance", "dirty", "free", "_pool_lists", "_round_robin",
+                 "rebalance", "version_change", "gap", "tag", "dirty", "free", "_pool_lists", "_round_robin",
                  "_new_rollout", "_new_training", "_ref_grad",
-                 "_unstarted", "_unreleased", "_grads_from", "_counts", "_released", "_ranked",
-                 "_copies", "_deferred")
+                 "_unstarted", "_counts", "_released", "_ranked",
+                 "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
         self.options = options
@@ -148,6 +147,9 @@ class SchedulingPolicy:
         self.handoff = Handoff(self)
         self.background = Background(self)
         self.rebalance = Rebalance(self)
+        self.version_change = VersionChange(self)
+        self.gap = Gap(self)
+        self.tag = Tag(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -162,15 +164,8 @@ class SchedulingPolicy:
         # and the first steps of chunks not released yet, by (iteration, version read).
         self._ref_grad: float | None = None
         self._unstarted: dict[tuple[int, int], set] = defaultdict(set)
-        # Denoise steps and grads not released yet, by (kind, iteration): whether an
-        # iteration's generation has steps left to run, and its training grads.
-        self._unreleased: dict[tuple[str, int], set] = defaultdict(set)
-        # The newest iteration a grad has been released of (None before the first).
-        self._grads_from: int | None = None
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
-        # Decodes queued after their generation's steps (see _defers), by iteration.
-        self._deferred: dict[int, list[TaskInfo]] = defaultdict(list)
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
@@ -221,7 +216,7 @@ class SchedulingPolicy:
         w = self.workers.get(address)
         return w.pool if w else None
 
-    def _pool_workers(self, pool: str) -> list[WorkerInfo]:
+    def pool_workers(self, pool: str) -> list[WorkerInfo]:
         """The workers serving ``pool``, by name (cached until membership changes)."""
         key = pool if self.options.pools else COLOCATED
         cached = self._pool_lists.get(key)
@@ -231,8 +226,8 @@ class SchedulingPolicy:
             self._pool_lists[key] = cached
         return cached
 
-    def _trainers(self) -> list[WorkerInfo]:
-        return self._pool_workers(TRAINER)
+    def trainers(self) -> list[WorkerInfo]:
+        return self.pool_workers(TRAINER)
 
     # -------------------------------------------------------------------- tasks
 
@@ -257,22 +252,8 @@ class SchedulingPolicy:
             if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
                 if first_step(info):
                     self._unstarted[info.iteration, info.policy_version].add(key)
-            if tracked(info):
-                self._unreleased[info.kind, info.iteration].add(key)
+            self.version_change.added(info)
         return rejected
-
-    def _entry(self, info: TaskInfo, tie: int, deferred: bool = False) -> ReadyEntry:
-        """``info``'s entry in a ready heap, ``tie`` breaking ties of priority
-        (``deferred``: see :meth:`_defers`)."""
-        stage = stage_of(info.kind, info.timestep)
-        chunk = 1 << 30 if info.chunk is None else info.chunk
-        if deferred:
-            chunk += _DEFERRED
-        # Training, and rollout with GAP: older iterations first, a chunk's steps in
-        # timestep order; rollout without GAP: breadth-first over chunks.
-        if self.options.gap or info.pool != ROLLOUT:
-            return ReadyEntry((info.iteration, chunk, stage), tie, info)
-        return ReadyEntry((info.iteration, stage, chunk), tie, info)
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
         """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
@@ -305,10 +286,7 @@ class SchedulingPolicy:
         if not info.gpu:
             self.ready_cpu[info.key] = loc
             return
-        deferred = self._defers(info)
-        if deferred:
-            self._deferred[info.iteration].append(info)
-        entry = self._entry(info, next(self._seq), deferred)
+        entry = self.gap.entry(info, next(self._seq), self.gap.defers(info))
         if info.kind in BACKGROUND_KINDS:
             self.ready_background.push(entry)
             self._new_rollout = True   # (the free rollout workers are who may take it)
@@ -332,28 +310,6 @@ class SchedulingPolicy:
             (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
             self._new_training = True
 
-    def _defers(self, info: TaskInfo) -> bool:
-        """Whether ``info``, becoming runnable, is a decode that waits for the version
-        change: with GAP, a chunk's decode whose training reads a version not published
-        yet, while grads wait in the TSP queue (the trainers are behind). It is queued
-        after every step of its generation, not at its chunk's place, so the rollout
-        worker keeps it for the version change: after the generation, and after the
-        grads it is lent (see :meth:`_can_wait`), it fills the wait for the new
-        version's optimizer step and weights. Once that version is published it is
-        queued at its chunk's place again (:meth:`_requeue_deferred`)."""
-        return (self.options.gap and info.kind == DECODE and info.pool == ROLLOUT
-                and info.chunk is not None and info.iteration > self.version
-                and self.ready_training.peek() is not None)
-
-    def _requeue_deferred(self) -> None:
-        """A version was published: the deferred decodes whose training reads it, still
-        waiting, are queued again at their chunk's place (an entry of a task is live
-        while the task waits, so the first of its two entries taken releases it)."""
-        for it in [i for i in self._deferred if i <= self.version]:
-            for info in self._deferred.pop(it):
-                if info.state is READY:
-                    self.enqueue(info)
-
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
         best, best_bytes, tie = None, 0, False
         for addr, nbytes in loc.items():
@@ -368,7 +324,7 @@ class SchedulingPolicy:
     def _pin_of(self, info: TaskInfo) -> str | None:
         if self.options.tsp or info.chunk is None:
             return None
-        trainers = self._trainers()
+        trainers = self.trainers()
         if not trainers:
             return None
         return trainers[info.chunk % len(trainers)].address
@@ -422,12 +378,12 @@ class SchedulingPolicy:
         if kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
             self.staleness.published()
-            self._requeue_deferred()
+            self.gap.published()
             # The rollout workers generate with it next: they fetch it now, while the
             # chunks it lets start draw their noise, not once their first steps are
             # released.
             pool = ROLLOUT if self.options.pools else COLOCATED
-            self._copies.extend((info.key, w.address) for w in self._pool_workers(pool)
+            self._copies.extend((info.key, w.address) for w in self.pool_workers(pool)
                                 if w.address != worker)
 
     def task_lost(self, key: Key) -> None:
@@ -475,7 +431,7 @@ class SchedulingPolicy:
         """``info``, a grad lent to a rollout worker, finished: a trainer (the least
         loaded) copies its gradient now, while the trainers still compute, rather than
         when the reduction that sums it becomes ready (which a trainer runs)."""
-        trainers = self._trainers()
+        trainers = self.trainers()
         if trainers:
             to = min(trainers, key=lambda t: (len(t.inflight) + len(t.cpu_inflight), t.name))
             self._copies.append((info.key, to.address))
@@ -524,7 +480,7 @@ class SchedulingPolicy:
 
     def sort_key(self, key: Key) -> ReadyEntry:
         info = self.tasks[key]
-        return self._entry(info, info.order)
+        return self.gap.entry(info, info.order)
 
     def expected_seconds(self, key: Key) -> float | None:
         """Expected seconds of ``key``, a released GPU task, on its worker (the
@@ -542,7 +498,7 @@ class SchedulingPolicy:
 
     # ---------------------------------------------------------------- decisions
 
-    def _runnable_training(self, w: WorkerInfo) -> bool:
+    def runnable_training(self, w: WorkerInfo) -> bool:
         pinned = self.ready_pinned.get(w.address)
         return (self.ready_training.peek() is not None
                 or (pinned is not None and pinned.peek() is not None))
@@ -553,7 +509,7 @@ class SchedulingPolicy:
         pick = more_urgent(own, self.ready_training.peek())
         return pick.info if pick is not None else None
 
-    def _take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
+    def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         """The most urgent step with affinity to ``w`` or to nobody; else one to steal
         from another worker (then True)."""
         affine = self.ready_affine.get(w.address)
@@ -572,7 +528,7 @@ class SchedulingPolicy:
         grad), then the grad (measured seconds). None while a trainer has no GPU task
         (it takes the grad itself) or no grad has been measured."""
         grad_s = self._ref_grad
-        trainers = self._trainers()
+        trainers = self.trainers()
         if grad_s is None or not trainers or any(not t.inflight for t in trainers):
             return None
         return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
@@ -582,20 +538,13 @@ class SchedulingPolicy:
         start it, a step or grad no longer waits to be released."""
         if first_step(info):
             discard(self._unstarted, (info.iteration, info.policy_version), info.key)
-        if tracked(info):
-            discard(self._unreleased, (info.kind, info.iteration), info.key)
+        self.version_change.gone(info)
 
     def _not_released(self, info: TaskInfo) -> None:
         """``info`` went back to waiting (lost, or its release failed)."""
         if first_step(info):
             self._unstarted[info.iteration, info.policy_version].add(info.key)
-        if tracked(info):
-            self._unreleased[info.kind, info.iteration].add(info.key)
-
-    def _left(self, kind: str, iteration: int) -> bool:
-        """Whether a ``kind`` task (``denoise`` or ``grad``) of ``iteration`` is yet to
-        be released."""
-        return (kind, iteration) in self._unreleased
+        self.version_change.back(info)
 
     def _owed_chunks(self) -> int:
         """Chunks that may start now or at any moment: their first step has not been
@@ -626,40 +575,18 @@ class SchedulingPolicy:
             return None
         return top.info
 
-    def _can_wait(self, info: TaskInfo) -> bool:
-        """Whether rollout task ``info`` can wait for the next version change: it
-        finishes a chunk (a decode or a reward, not a denoise step) of a generation
-        whose every step has been released, and whose training reads a version not
-        published yet. Nothing needs it before the trainers publish that version, and
-        the version waits for their grads, then their optimizer step: work that can
-        wait goes after them, and fills the wait for the new version's weights."""
-        return (info.pool == ROLLOUT and info.kind != DENOISE
-                and info.iteration > self.version
-                and not self._left(DENOISE, info.iteration))
-
     def _lend_first(self, w: WorkerInfo, info: TaskInfo) -> TaskInfo | None:
         """A grad for rollout worker ``w`` to run before ``info``, the rollout task it
-        would take next, or None: when ``info`` can wait (:meth:`_can_wait`) and no
+        would take next, or None: when ``info`` can wait (:meth:`VersionChange.can_wait`) and no
         chunk may start now, a grad lent by :meth:`_lend`'s rule. (With RAT on there
         are pools, so ``w``, taking rollout work, is a rollout worker.)"""
-        if not self._rat_on() or not self._can_wait(info) or self._owed_chunks():
+        if (not self._rat_on() or not self.version_change.can_wait(info)
+                or self._owed_chunks()):
             return None
         theirs = self._trainers_reach()
         return self._lend(w, theirs) if theirs is not None else None
 
-    def _keeps_for_optimizer(self, w: WorkerInfo, info: TaskInfo) -> bool:
-        """Whether trainer ``w``, idle, keeps its slot for the optimizer step rather
-        than take ``info`` (TAG): ``info`` can wait (:meth:`_can_wait`), every grad of
-        the iteration being trained has been released, so its reduction and optimizer
-        step come next, and no other trainer is idle to take them. The optimizer step
-        would otherwise queue behind ``info``, and with it the version change both
-        pools wait for. (A denoise step is still taken: generation that cannot wait
-        may be what the run waits for.)"""
-        v = self.version
-        return (self._can_wait(info) and self._grads_from == v and not self._left(GRAD, v)
-                and not any(t is not w and not t.inflight for t in self._trainers()))
-
-    def _release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
+    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False, rat: bool = False) -> Decision:
         key = info.key
         info.state = RELEASED
@@ -671,10 +598,9 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            if info.kind == GRAD:
-                if self._grads_from is None or info.iteration > self._grads_from:
-                    self._grads_from = info.iteration
-            self._released_now(info)
+            if first_step(info):
+                discard(self._unstarted, (info.iteration, info.policy_version), key)
+            self.version_change.released(info)
             self.rebalance.released(w, info, now)
             if tag:
                 w.tag_inflight += 1
@@ -694,7 +620,7 @@ class SchedulingPolicy:
     def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes; without inputs on the pool, the
         next worker of the pool in turn."""
-        pool = self._pool_workers(info.pool)
+        pool = self.pool_workers(info.pool)
         if not pool:
             return None
         # Most bytes first, then the least loaded, then by name.
@@ -730,7 +656,7 @@ class SchedulingPolicy:
                      else self._place_cpu(info, self.ready_cpu[key]))
                 if w is not None:
                     del self.ready_cpu[key]
-                    out.append(self._release(self.tasks[key], w, now))
+                    out.append(self.release(self.tasks[key], w, now))
         candidates = self.dirty
         self.dirty = set()
         workers = self.workers
@@ -789,7 +715,7 @@ class SchedulingPolicy:
             for w in idle_rollout:
                 info = self._lend(w, theirs)
                 if info is not None:
-                    out.append(self._release(info, w, now, rat=True))
+                    out.append(self.release(info, w, now, rat=True))
         return out
 
     def _rat_on(self) -> bool:
@@ -802,22 +728,18 @@ class SchedulingPolicy:
         if not pools or pool == TRAINER:
             info = self._take_training(w)
             if info is not None:
-                return self._release(info, w, now)
+                return self.release(info, w, now)
         if not pools or pool == ROLLOUT:
-            info, stolen = self._take_rollout(w, now)
+            info, stolen = self.take_rollout(w, now)
             if info is not None:
                 lent = self._lend_first(w, info)
                 if lent is not None:
-                    return self._release(lent, w, now, rat=True)
-                return self._release(info, w, now, stolen=stolen)
+                    return self.release(lent, w, now, rat=True)
+                return self.release(info, w, now, stolen=stolen)
             info = self.background.take(w)
-            return self._release(info, w, now) if info is not None else None
+            return self.release(info, w, now) if info is not None else None
         # A trainer with no runnable training work: trainer-assisted generation.
-        if self.options.tag and not w.inflight and not self._runnable_training(w):
-            info, stolen = self._take_rollout(w, now)
-            if info is not None and not self._keeps_for_optimizer(w, info):
-                return self._release(info, w, now, tag=True, stolen=stolen)
-        return None
+        return self.tag.take(w, now)
 
     # ---------------------------------------------------------------- telemetry
 
@@ -839,10 +761,10 @@ class SchedulingPolicy:
         for info in self.tasks.values():
             if info.state is not READY:
                 continue
-            if (self._pool_workers(info.pool)
+            if (self.pool_workers(info.pool)
                     or (self.options.tag and info.pool == ROLLOUT
-                        and self._pool_workers(TRAINER))
-                    or (self._rat_on() and info.kind == GRAD and self._pool_workers(ROLLOUT))):
+                        and self.pool_workers(TRAINER))
+                    or (self._rat_on() and info.kind == GRAD and self.pool_workers(ROLLOUT))):
                 counts["slot"] += 1
             else:
                 counts["no-worker"] += 1
