@@ -88,12 +88,12 @@ from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
 from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.schedulers.policy.rules.tag import Tag
 from digenrl.schedulers.policy.rules.version_change import VersionChange
-from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA, Rebalance
+from digenrl.schedulers.policy.rules.rat import Rat
+from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
-                                             RELEASED, Decision, Key, TaskInfo, WorkerInfo,
-                                             discard, first_step)
+                                             RELEASED, Decision, Key, TaskInfo, WorkerInfo)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -116,9 +116,8 @@ class SchedulingPolicy:
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
                  "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
                  "ready_background", "ready_cpu", "staleness", "handoff", "background",
-                 "rebalance", "version_change", "gap", "tag", "dirty", "free", "_pool_lists", "_round_robin",
-                 "_new_rollout", "_new_training", "_ref_grad",
-                 "_unstarted", "_counts", "_released", "_ranked",
+                 "rebalance", "version_change", "gap", "tag", "rat", "dirty", "free", "_pool_lists", "_round_robin",
+                 "_new_rollout", "_new_training", "_counts", "_released", "_ranked",
                  "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
@@ -150,6 +149,7 @@ class SchedulingPolicy:
         self.version_change = VersionChange(self)
         self.gap = Gap(self)
         self.tag = Tag(self)
+        self.rat = Rat(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -160,10 +160,6 @@ class SchedulingPolicy:
         self._round_robin: dict[str, int] = defaultdict(int)
         self._new_rollout = False
         self._new_training = False
-        # Rollout-assisted training: speed-1 seconds of a grad micro-step, measured;
-        # and the first steps of chunks not released yet, by (iteration, version read).
-        self._ref_grad: float | None = None
-        self._unstarted: dict[tuple[int, int], set] = defaultdict(set)
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Telemetry (releases are counted apart: one is counted per task).
@@ -249,9 +245,7 @@ class SchedulingPolicy:
                 continue
             self.handoff.added(info)
             staleness.added(info)
-            if info.pool == ROLLOUT and info.kind not in BACKGROUND_KINDS:
-                if first_step(info):
-                    self._unstarted[info.iteration, info.policy_version].add(key)
+            self.rat.added(info)
             self.version_change.added(info)
         return rejected
 
@@ -360,14 +354,8 @@ class SchedulingPolicy:
             self.rebalance.observed(info, worker, duration)
         elif kind == NOISE and worker is not None:
             self.rebalance.noise_drawn(info, worker)
-        elif kind == GRAD and duration is not None and duration > 0 and worker is not None:
-            w = self.workers.get(worker)
-            if w is not None:
-                ref = duration * w.speed
-                a = STEP_EWMA
-                self._ref_grad = ref if self._ref_grad is None else (1 - a) * self._ref_grad + a * ref
-                if w.pool == ROLLOUT and self.options.pools:
-                    self._send_to_trainer(info)
+        elif kind == GRAD:
+            self.rat.grad_done(info, worker, duration)
         elif kind in MAKERS and worker is not None:
             self.handoff.made(info, worker)
         self._unrelease(info)
@@ -427,14 +415,9 @@ class SchedulingPolicy:
         else:
             self._released_now(info)
 
-    def _send_to_trainer(self, info: TaskInfo) -> None:
-        """``info``, a grad lent to a rollout worker, finished: a trainer (the least
-        loaded) copies its gradient now, while the trainers still compute, rather than
-        when the reduction that sums it becomes ready (which a trainer runs)."""
-        trainers = self.trainers()
-        if trainers:
-            to = min(trainers, key=lambda t: (len(t.inflight) + len(t.cpu_inflight), t.name))
-            self._copies.append((info.key, to.address))
+    def copy_ahead(self, key: Key, address: str) -> None:
+        """Have ``address`` copy the result of ``key`` ahead of need (:meth:`take_copies`)."""
+        self._copies.append((key, address))
 
     def take_copies(self) -> list[tuple[Key, str]]:
         """The results to copy ahead of need, each to a worker (in the order decided),
@@ -522,69 +505,16 @@ class SchedulingPolicy:
             return None, False
         return steal.info, True
 
-    def _trainers_reach(self) -> float | None:
-        """Seconds until a trainer would have finished the most urgent grad if it were
-        queued there now: once the GPU tasks released to it have run (each counted as a
-        grad), then the grad (measured seconds). None while a trainer has no GPU task
-        (it takes the grad itself) or no grad has been measured."""
-        grad_s = self._ref_grad
-        trainers = self.trainers()
-        if grad_s is None or not trainers or any(not t.inflight for t in trainers):
-            return None
-        return min((len(t.inflight) + 1) * grad_s / t.speed for t in trainers)
-
     def _released_now(self, info: TaskInfo) -> None:
         """``info`` was released (or forgotten): a chunk's first step no longer waits to
         start it, a step or grad no longer waits to be released."""
-        if first_step(info):
-            discard(self._unstarted, (info.iteration, info.policy_version), info.key)
+        self.rat.gone(info)
         self.version_change.gone(info)
 
     def _not_released(self, info: TaskInfo) -> None:
         """``info`` went back to waiting (lost, or its release failed)."""
-        if first_step(info):
-            self._unstarted[info.iteration, info.policy_version].add(info.key)
+        self.rat.back(info)
         self.version_change.back(info)
-
-    def _owed_chunks(self) -> int:
-        """Chunks that may start now or at any moment: their first step has not been
-        released, the staleness bound no longer holds their iteration back and the
-        version they read has been published. Their first steps become ready as soon as
-        the last inputs exist (the noise, the version's weights), a few milliseconds
-        after the publish that let them start, so a rollout worker idle now is not idle
-        for long. (A chunk waiting for a version not yet published is not owed: the
-        trainers publish it only after the grads they have queued.)"""
-        version, limit = self.version, self.version + self.options.max_staleness
-        return sum(len(keys) for (it, read), keys in self._unstarted.items()
-                   if it <= limit and read <= version)
-
-    def _lend(self, w: WorkerInfo, theirs: float) -> TaskInfo | None:
-        """The grad a rollout worker ``w`` takes (RAT), or None: the most urgent one of
-        the TSP queue, when every trainer is busy and ``w`` is expected to finish it,
-        after the GPU tasks released to it (each counted as a grad) and with its missing
-        inputs moved, no later than a trainer would (``theirs``: see
-        :meth:`_trainers_reach`). (Whether generation is owed to ``w`` is decided by
-        the caller.)"""
-        top = self.ready_training.peek()
-        if top is None or top.info.kind != GRAD:
-            return None
-        mine = (self.transfer_seconds(w, top.info)
-                + (len(w.inflight) + 1) * self._ref_grad / w.speed)
-        if mine > theirs:
-            self._counts["rat_declined"] += 1
-            return None
-        return top.info
-
-    def _lend_first(self, w: WorkerInfo, info: TaskInfo) -> TaskInfo | None:
-        """A grad for rollout worker ``w`` to run before ``info``, the rollout task it
-        would take next, or None: when ``info`` can wait (:meth:`VersionChange.can_wait`) and no
-        chunk may start now, a grad lent by :meth:`_lend`'s rule. (With RAT on there
-        are pools, so ``w``, taking rollout work, is a rollout worker.)"""
-        if (not self._rat_on() or not self.version_change.can_wait(info)
-                or self._owed_chunks()):
-            return None
-        theirs = self._trainers_reach()
-        return self._lend(w, theirs) if theirs is not None else None
 
     def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
                  stolen: bool = False, rat: bool = False) -> Decision:
@@ -598,8 +528,7 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            if first_step(info):
-                discard(self._unstarted, (info.iteration, info.policy_version), key)
+            self.rat.gone(info)
             self.version_change.released(info)
             self.rebalance.released(w, info, now)
             if tag:
@@ -677,10 +606,7 @@ class SchedulingPolicy:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self._new_rollout = self._new_training = False
         self.background.wake(candidates)
-        lending = self._rat_on() and self.ready_training.peek() is not None
-        if lending:
-            # Rollout-assisted training: idle rollout workers may take runnable grads.
-            candidates |= {a for a in self.free[ROLLOUT] if not workers[a].inflight}
+        lending = self.rat.wake(candidates)
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -702,26 +628,10 @@ class SchedulingPolicy:
                     if len(w.inflight) < w.slots:
                         still.append(w)
             active = still
-        # Rollout-assisted training, once every other worker has taken its share: a
-        # rollout worker still idle takes one grad, but each chunk that may start now
-        # keeps one idle rollout worker free for it (the generation it owes).
-        idle_rollout = [w for w in idle_rollout if not w.inflight]
-        theirs = self._trainers_reach() if idle_rollout else None
-        if theirs is not None:
-            owed = self._owed_chunks()
-            if owed:
-                self._counts["rat_declined"] += min(owed, len(idle_rollout))
-                idle_rollout = idle_rollout[owed:]
-            for w in idle_rollout:
-                info = self._lend(w, theirs)
-                if info is not None:
-                    out.append(self.release(info, w, now, rat=True))
+        if idle_rollout:
+            # Rollout-assisted training, once every other worker has taken its share.
+            out.extend(self.rat.lend_idle(idle_rollout, now))
         return out
-
-    def _rat_on(self) -> bool:
-        """Rollout-assisted training applies: RAT on, with pools and the TSP queue."""
-        o = self.options
-        return o.rat and o.pools and o.tsp
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         pools, pool = self.options.pools, w.pool
@@ -732,7 +642,7 @@ class SchedulingPolicy:
         if not pools or pool == ROLLOUT:
             info, stolen = self.take_rollout(w, now)
             if info is not None:
-                lent = self._lend_first(w, info)
+                lent = self.rat.lend(w, info)
                 if lent is not None:
                     return self.release(lent, w, now, rat=True)
                 return self.release(info, w, now, stolen=stolen)
@@ -764,7 +674,7 @@ class SchedulingPolicy:
             if (self.pool_workers(info.pool)
                     or (self.options.tag and info.pool == ROLLOUT
                         and self.pool_workers(TRAINER))
-                    or (self._rat_on() and info.kind == GRAD and self.pool_workers(ROLLOUT))):
+                    or (self.rat.on and info.kind == GRAD and self.pool_workers(ROLLOUT))):
                 counts["slot"] += 1
             else:
                 counts["no-worker"] += 1

@@ -39,7 +39,7 @@ class Background(Rule):
         or None (see the module's rule)."""
         policy = self.policy
         if (w.inflight or policy.ready_stealable.peek() is not None
-                or (policy._rat_on() and w.pool == ROLLOUT
+                or (policy.rat.on and w.pool == ROLLOUT
                     and policy.ready_training.peek() is not None)):
             return None
         top = policy.ready_background.peek()
