@@ -81,13 +81,15 @@ from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD,
-                                NOISE, POOLS, PUBLISH, RESTORE, ROLLOUT,
+                                NOISE, PUBLISH, RESTORE, ROLLOUT,
                                 TRAINER)
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
 from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.schedulers.policy.rules.tag import Tag
 from digenrl.schedulers.policy.rules.version_change import VersionChange
+from digenrl.schedulers.policy.rules.pools import Pools, pool_problem
+from digenrl.schedulers.policy.rules.tsp import Tsp
 from digenrl.schedulers.policy.rules.rat import Rat
 from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
@@ -104,9 +106,7 @@ HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
 
 def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
     """Why ``info`` can never run under ``options`` (None when it can)."""
-    if info.pool not in POOLS:
-        return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
-    return stale_training(info, options)
+    return pool_problem(info) or stale_training(info, options)
 
 
 class SchedulingPolicy:
@@ -116,8 +116,9 @@ class SchedulingPolicy:
                  "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
                  "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
                  "ready_background", "ready_cpu", "staleness", "handoff", "background",
-                 "rebalance", "version_change", "gap", "tag", "rat", "dirty", "free", "_pool_lists", "_round_robin",
-                 "_new_rollout", "_new_training", "_counts", "_released", "_ranked",
+                 "rebalance", "version_change", "gap", "tag", "rat", "pools", "tsp", "dirty",
+                 "free", "_pool_lists",
+                 "new_rollout", "new_training", "_counts", "_released", "_ranked",
                  "_copies")
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
@@ -150,6 +151,8 @@ class SchedulingPolicy:
         self.gap = Gap(self)
         self.tag = Tag(self)
         self.rat = Rat(self)
+        self.pools = Pools(self)
+        self.tsp = Tsp(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -157,9 +160,8 @@ class SchedulingPolicy:
         self.free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
         self._pool_lists: dict[str, list[WorkerInfo]] = {}
         self._ranked = True                        # every worker's rank is current
-        self._round_robin: dict[str, int] = defaultdict(int)
-        self._new_rollout = False
-        self._new_training = False
+        self.new_rollout = False
+        self.new_training = False
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Telemetry (releases are counted apart: one is counted per task).
@@ -173,11 +175,8 @@ class SchedulingPolicy:
         """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
         in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
         not used."""
-        if gpus < 1:
-            return
-        if not self.options.pools:
-            pool = COLOCATED
-        elif pool not in POOLS:
+        pool = self.pools.worker_pool(pool)
+        if gpus < 1 or pool is None:
             return
         self.workers[address] = WorkerInfo(address, name, pool, gpus,
                                            gpus * self.options.slots_per_worker, speed)
@@ -185,7 +184,7 @@ class SchedulingPolicy:
         self.free[pool].add(address)
         self._pool_lists.clear()
         self._ranked = False
-        self._repin()
+        self.tsp.repin()
 
     def remove_worker(self, address: str) -> list[Key]:
         """A worker left. Returns the tasks that were released to it (Dask brings them
@@ -205,7 +204,7 @@ class SchedulingPolicy:
                 info.where = None
                 if info.state is RELEASED:
                     info.state = ADDED
-        self._repin()
+        self.tsp.repin()
         return lost
 
     def pool_of(self, address: str) -> str | None:
@@ -283,7 +282,7 @@ class SchedulingPolicy:
         entry = self.gap.entry(info, next(self._seq), self.gap.defers(info))
         if info.kind in BACKGROUND_KINDS:
             self.ready_background.push(entry)
-            self._new_rollout = True   # (the free rollout workers are who may take it)
+            self.new_rollout = True   # (the free rollout workers are who may take it)
         elif info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == DENOISE:
                 aff = self.rebalance.first_step_home(info)
@@ -297,12 +296,12 @@ class SchedulingPolicy:
                 self.ready_stealable.push(entry)
             else:
                 self.ready_shared.push(entry)
-            self._new_rollout = True
+            self.new_rollout = True
         else:
-            pin = self._pin_of(info)
+            pin = self.tsp.pin_of(info)
             info.pin = pin
             (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
-            self._new_training = True
+            self.new_training = True
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
         best, best_bytes, tie = None, 0, False
@@ -314,30 +313,6 @@ class SchedulingPolicy:
             elif nbytes == best_bytes:
                 tie = True
         return None if tie else best
-
-    def _pin_of(self, info: TaskInfo) -> str | None:
-        if self.options.tsp or info.chunk is None:
-            return None
-        trainers = self.trainers()
-        if not trainers:
-            return None
-        return trainers[info.chunk % len(trainers)].address
-
-    def _repin(self) -> None:
-        """Trainer membership changed: re-target pinned ready tasks."""
-        if self.options.tsp:
-            return
-        entries = [e for heap in self.ready_pinned.values() for e in heap] + list(self.ready_training)
-        self.ready_pinned = defaultdict(ReadyHeap)
-        self.ready_training = ReadyHeap()
-        for entry in entries:
-            info = entry.info
-            if info.state is not READY:
-                continue
-            pin = self._pin_of(info)
-            info.pin = pin
-            (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
-        self._new_training = True
 
     def task_done(self, key: Key, worker: str | None = None,
                   duration: float | None = None) -> None:
@@ -481,17 +456,6 @@ class SchedulingPolicy:
 
     # ---------------------------------------------------------------- decisions
 
-    def runnable_training(self, w: WorkerInfo) -> bool:
-        pinned = self.ready_pinned.get(w.address)
-        return (self.ready_training.peek() is not None
-                or (pinned is not None and pinned.peek() is not None))
-
-    def _take_training(self, w: WorkerInfo) -> TaskInfo | None:
-        pinned = self.ready_pinned.get(w.address)
-        own = pinned.peek() if pinned is not None else None
-        pick = more_urgent(own, self.ready_training.peek())
-        return pick.info if pick is not None else None
-
     def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         """The most urgent step with affinity to ``w`` or to nobody; else one to steal
         from another worker (then True)."""
@@ -546,29 +510,6 @@ class SchedulingPolicy:
             self._counts["rat_released"] += 1
         return Decision(key, w.address, now, tag, stolen, rat, info)
 
-    def _place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
-        """The pool worker holding most input bytes; without inputs on the pool, the
-        next worker of the pool in turn."""
-        pool = self.pool_workers(info.pool)
-        if not pool:
-            return None
-        # Most bytes first, then the least loaded, then by name.
-        best, best_rank = None, None
-        workers, pools = self.workers, self.options.pools
-        for a, b in loc.items():
-            w = workers.get(a) if b > 0 else None
-            if w is None or (pools and w.pool != info.pool):
-                continue
-            rank = (-b, len(w.inflight) + len(w.cpu_inflight), w.name)
-            if best is None or rank < best_rank:
-                best, best_rank = w, rank
-        if best is not None:
-            return best
-        key = info.pool if self.options.pools else COLOCATED
-        i = self._round_robin[key] % len(pool)
-        self._round_robin[key] = i + 1
-        return pool[i]
-
     def decide(self) -> list[Decision]:
         """Releases to make now (each is final: the task goes to that worker).
 
@@ -582,14 +523,14 @@ class SchedulingPolicy:
             for key in sorted(self.ready_cpu, key=self.sort_key):
                 info = self.tasks[key]
                 w = (self.handoff.place(info) if info.kind == RESTORE
-                     else self._place_cpu(info, self.ready_cpu[key]))
+                     else self.pools.place_cpu(info, self.ready_cpu[key]))
                 if w is not None:
                     del self.ready_cpu[key]
                     out.append(self.release(self.tasks[key], w, now))
         candidates = self.dirty
         self.dirty = set()
         workers = self.workers
-        rollout, training = self._new_rollout, self._new_training
+        rollout, training = self.new_rollout, self.new_training
         if rollout or training:
             # The free workers that may take the new kind of work: any worker without
             # pools; rollout workers rollout work and trainers training work; with TAG,
@@ -604,7 +545,7 @@ class SchedulingPolicy:
                     candidates |= free[TRAINER]
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
-            self._new_rollout = self._new_training = False
+            self.new_rollout = self.new_training = False
         self.background.wake(candidates)
         lending = self.rat.wake(candidates)
         # The least loaded first, by name (ranks are unique: workers are never compared
@@ -636,7 +577,7 @@ class SchedulingPolicy:
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
         pools, pool = self.options.pools, w.pool
         if not pools or pool == TRAINER:
-            info = self._take_training(w)
+            info = self.tsp.take(w)
             if info is not None:
                 return self.release(info, w, now)
         if not pools or pool == ROLLOUT:

@@ -71,4 +71,4 @@ class Handoff(Rule):
         writing = self.checkpoints.get(info.policy_version)
         if writing is not None and writing.state is not DONE:
             return None
-        return policy._place_cpu(info, {})
+        return policy.pools.place_cpu(info, {})

@@ -1,0 +1,68 @@
+"""TSP (time-step parallelism): any trainer takes any micro-step.
+
+With TSP every micro-step of a chunk is an independent task in one training queue, so
+the micro-steps of a chunk spread over the trainers (and, with RAT, over idle rollout
+workers). Without TSP a chunk's micro-steps all run on the one trainer the chunk maps
+to (``trainers[chunk % n]``, by name), as in data-parallel training; when the trainers
+change, the waiting micro-steps are mapped again.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from digenrl.schedulers.policy.queues import ReadyHeap, more_urgent
+from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.state import READY, TaskInfo, WorkerInfo
+
+__all__ = ["Tsp"]
+
+
+class Tsp(Rule):
+    """Which trainer a ready training task waits for: any (TSP), or its chunk's."""
+
+    __slots__ = ()
+    name = "TSP"
+
+    def pin_of(self, info: TaskInfo) -> str | None:
+        """The trainer training task ``info`` must run on (None: any)."""
+        policy = self.policy
+        if policy.options.tsp or info.chunk is None:
+            return None
+        trainers = policy.trainers()
+        if not trainers:
+            return None
+        return trainers[info.chunk % len(trainers)].address
+
+    def repin(self) -> None:
+        """Trainer membership changed: re-target pinned ready tasks."""
+        policy = self.policy
+        if policy.options.tsp:
+            return
+        entries = ([e for heap in policy.ready_pinned.values() for e in heap]
+                   + list(policy.ready_training))
+        policy.ready_pinned = defaultdict(ReadyHeap)
+        policy.ready_training = ReadyHeap()
+        for entry in entries:
+            info = entry.info
+            if info.state is not READY:
+                continue
+            pin = self.pin_of(info)
+            info.pin = pin
+            (policy.ready_pinned[pin] if pin else policy.ready_training).push(entry)
+        policy.new_training = True
+
+    def runnable(self, w: WorkerInfo) -> bool:
+        """Whether trainer ``w`` has training work it may run."""
+        policy = self.policy
+        pinned = policy.ready_pinned.get(w.address)
+        return (policy.ready_training.peek() is not None
+                or (pinned is not None and pinned.peek() is not None))
+
+    def take(self, w: WorkerInfo) -> TaskInfo | None:
+        """The most urgent training task ``w`` may run (None: none)."""
+        policy = self.policy
+        pinned = policy.ready_pinned.get(w.address)
+        own = pinned.peek() if pinned is not None else None
+        pick = more_urgent(own, policy.ready_training.peek())
+        return pick.info if pick is not None else None
