@@ -152,17 +152,22 @@ class _Worker:
 
 
 class Simulator:
-    """Runs iterations of a layout on simulated workers under one policy."""
+    """Runs iterations of a layout on simulated workers under one policy.
+
+    ``trail``: how many decisions the policy keeps per task (its decision trail, in the
+    records' ``decisions`` column); 0, the default, records none, which keeps large
+    simulations at full speed."""
 
     def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
                  *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
                  queued_latency: float = 0.0,
                  output_bytes: Callable[[str, int], int] | None = None,
-                 clock: SimClock | None = None):
+                 clock: SimClock | None = None, trail: int = 0):
         # (The policy reads the clock object, not the simulator: nothing the run makes
         # refers back to the simulator, so reference counting frees it all.)
         self.clock = clock or SimClock()
-        self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"))
+        self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"),
+                                       trail=trail)
         self._workers = {w.name: _Worker(w) for w in workers}
         self.cost = cost
         self.transfer = transfer or (lambda kind, samples: 0.0)

@@ -1,75 +1,25 @@
-"""The scheduling policy: pure decisions, no Dask, no torch.
+"""The core of the scheduling policy: tasks, workers, ready queues, and the decision round.
 
 The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
 added, become ready, finish or are lost -- and asks it for decisions: which ready task to
-release to which worker. Every rule of docs/scheduling.md lives here:
+release to which worker. The core keeps what every rule reads (the tasks and their
+state, the workers and what is released to each, the ready queues, the newest published
+version) and asks each rule (:mod:`digenrl.schedulers.policy.rules`) for its say where
+the rule applies: whether a ready task is held, where it waits and in which order,
+which worker takes what, and what each finished task teaches.
 
-* **pools**: a task runs only on a worker of its pool (with ``pools`` off every GPU
-  worker is one ``colocated`` pool);
-* **GAP**: rollout tasks are ordered depth-first over chunks, so groups finish one after
-  another, and a group's training starts as soon as it is scored. While grads wait for
-  the trainers, a decode whose training reads a version not yet published goes after
-  its generation's steps instead, kept for the version change (work that can wait,
-  below), and takes its chunk's place again once that version is published. Without
-  GAP, rollout is breadth-first and an iteration's training waits until all its
-  rollout work is done (the barrier of the synchronous designs);
-* **TSP**: any trainer takes any micro-step. Without TSP a chunk's micro-steps all run
-  on the one trainer the chunk maps to (data-parallel training);
-* **TAG**: a trainer with no runnable training work takes one rollout task at a time;
-  once training work is runnable no rollout task is released to a trainer, nor a task
-  that can wait for the version change (below) once every grad of the iteration is
-  released and no other trainer is idle for the optimizer step;
-* **RAT** (rollout-assisted training): a rollout worker with nothing in flight and no
-  runnable rollout work takes one ``grad`` micro-step at a time (of the TSP queue) when
-  it would otherwise idle and the step delays no generation: no chunk that the
-  staleness bound already lets start is waiting for it (each such chunk keeps one idle
-  rollout worker for itself), every trainer is busy, and it is expected to finish the
-  step no later than the trainers would: the transfer of the inputs it lacks (the
-  trained version's weights among them) plus the step at its pace, against the
-  trainers' released work plus the step at theirs. The generation it would next run
-  waits for a version that the trainers cannot publish before they would have run the
-  step, so the step ends before that generation can start. Reductions, optimizer steps
-  and the rest stay on trainers: a lent step's gradient is copied to a trainer as soon
-  as it is computed (:meth:`SchedulingPolicy.take_copies`), so the reduction summing it
-  does not wait for that transfer. Rollout work that becomes runnable comes first again
-  at the worker's next release, except work that can wait for the version change: a
-  chunk's decode or reward whose generation has released every denoise step and whose
-  training reads a version not yet published. A rollout worker takes a grad before it
-  (by the same cost rule, counting its released tasks), so the version change those
-  grads lead to comes sooner and the finishing work fills the wait for its weights;
-* **bounded staleness**: a rollout task of iteration ``i`` is held until policy version
-  ``i - max_staleness`` has been published (whose weights every rollout worker starts
-  fetching as soon as it is); a training task that would consume samples
-  more than ``max_staleness`` versions old is rejected when it is added;
-* **background work** (held-out evaluation, ``BACKGROUND_KINDS``) comes last: a GPU
-  task of it is released only to a rollout (or co-located) worker with nothing in
-  flight, while no rollout step is ready anywhere and no grad waits that the worker
-  might be lent; it is never held, never counted in an iteration's rollout work, and
-  trainers never take it;
-* **hand-off of the trainer state**: the read-back of a policy version's state
-  (``restore``, what the version is published from) goes to the worker that made the
-  state (its optimizer step, or the initial state), whose memory still holds it while
-  the checkpoint is being written: the version is published without waiting for the
-  checkpoint's write and read. With that worker gone it waits until the checkpoint is
-  written, then goes to any worker of its pool and reads the checkpoint.
+A ready GPU task waits in a heap, most urgent first: rollout work with *affinity* to
+the worker holding most of its input bytes (a chain's previous step), or to nobody;
+training work in one queue, or one per trainer without TSP; background work apart.
+Tasks that need no GPU are released at once (:mod:`.rules.pools`). A decision round
+(:meth:`SchedulingPolicy.decide`) looks only at the workers whose slots changed and the
+free workers that can take a kind of work that has new ready tasks; they take one task
+per round, the least loaded first, so new work spreads over idle workers. A worker
+takes tasks with affinity to it or to nobody first, and only then a task waiting for
+another, busy worker (stealing, :mod:`.rules.rebalance`).
 
-GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
-(one runs, the others wait on the worker and hide the scheduler round trip). Tasks that
-need no GPU are released at once to the worker of their pool holding most of their
-input bytes. A ready task's *affinity* is the worker holding most of its input bytes; a
-worker first takes tasks with affinity to it or to nobody, and only then takes (steals)
-a task waiting for another, busy worker.
-
-**Rebalancing** (``rebalance``): the policy learns each worker's seconds per
-sample-step from its finished denoise tasks (before the first, from its declared speed
-and the other workers' measurements) and keeps when each worker's released work should
-end. A chunk's first step starts on whichever worker frees first. A worker with nothing
-of its own takes the most urgent step waiting for another worker when moving its input
-bytes (at ``transfer_bandwidth``) costs less than the step, and it would finish the step
-no later than the holder would finish it plus ``slots_per_worker`` more steps. So at
-every timestep boundary chunks move off slow or slowed-down workers, and stay where they
-are when the move costs more than it gains. Without rebalancing a chunk runs on the
-rollout worker that drew its noise (dealt round-robin: data-parallel generation).
+With a trail (``trail > 0``) every decision is noted on its task with the rule and the
+reason (:mod:`.trail`); with ``trail=0`` (the simulator's default) nothing is recorded.
 """
 
 from __future__ import annotations
@@ -80,22 +30,23 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD,
-                                NOISE, PUBLISH, RESTORE, ROLLOUT,
-                                TRAINER)
+from digenrl.schedulers.policy import trail as _trail
+from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
 from digenrl.schedulers.policy.rules.background import Background
-from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
 from digenrl.schedulers.policy.rules.gap import Gap
-from digenrl.schedulers.policy.rules.tag import Tag
-from digenrl.schedulers.policy.rules.version_change import VersionChange
+from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
 from digenrl.schedulers.policy.rules.pools import Pools, pool_problem
-from digenrl.schedulers.policy.rules.tsp import Tsp
 from digenrl.schedulers.policy.rules.rat import Rat
 from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
-from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
-from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY,
-                                             RELEASED, Decision, Key, TaskInfo, WorkerInfo)
+from digenrl.schedulers.policy.rules.tag import Tag
+from digenrl.schedulers.policy.rules.tsp import Tsp
+from digenrl.schedulers.policy.rules.version_change import VersionChange
+from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY, RELEASED,
+                                             Decision, Key, TaskInfo, WorkerInfo)
+from digenrl.schedulers.policy.trail import LOST, RETRIED, TRAIL_LENGTH, Entry
+from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, PUBLISH,
+                                RESTORE, ROLLOUT, TRAINER)
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
            "HELD_REASONS"]
@@ -110,31 +61,38 @@ def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
 
 
 class SchedulingPolicy:
-    """Feed it events; call :meth:`decide` for the releases to make now."""
+    """Feed it events; call :meth:`decide` for the releases to make now.
 
-    __slots__ = ("options", "clock",
-                 "tasks", "workers", "version", "rejected", "_seq", "_arrivals", "ready_shared",
-                 "ready_affine", "ready_stealable", "ready_training", "ready_pinned",
-                 "ready_background", "ready_cpu", "staleness", "handoff", "background",
-                 "rebalance", "version_change", "gap", "tag", "rat", "pools", "tsp", "dirty",
-                 "free", "_pool_lists",
-                 "new_rollout", "new_training", "_counts", "_released", "_ranked",
-                 "_copies")
+    ``trail``: how many decisions each task keeps in its trail (:mod:`.trail`; 0: none
+    are recorded).
+    """
 
-    def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time):
+    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
+                 "rejected",
+                 # the ready queues
+                 "ready_shared", "ready_affine", "ready_stealable", "ready_training",
+                 "ready_pinned", "ready_background", "ready_cpu",
+                 # the rules
+                 "pools", "staleness", "gap", "tsp", "tag", "rat", "version_change",
+                 "rebalance", "background", "handoff",
+                 # the decision round
+                 "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
+                 "_seq", "_arrivals", "_copies", "_counts", "_released")
+
+    def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
+                 *, trail: int = TRAIL_LENGTH):
         self.options = options
         self.clock = clock
+        self.trail_length = trail
         self.tasks: dict[Key, TaskInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.version = -1                          # newest published policy version
         self.rejected: dict[Key, str] = {}
-        self._seq = itertools.count()
-        self._arrivals = itertools.count()
         # Ready GPU rollout tasks: no affinity / affinity to a worker / the affine ones
         # again (for stealing).
         self.ready_shared = ReadyHeap()
         self.ready_affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
-        self.ready_stealable = ReadyHeap()              # the affine ones, for stealing
+        self.ready_stealable = ReadyHeap()
         # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
         self.ready_training = ReadyHeap()
         self.ready_pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
@@ -142,26 +100,28 @@ class SchedulingPolicy:
         self.ready_background = ReadyHeap()
         # Ready tasks needing no GPU slot, with their input locality.
         self.ready_cpu: dict[Key, Mapping[str, int]] = {}
-        # The rules.
+        # The rules, each asked where it applies.
+        self.pools = Pools(self)
         self.staleness = Staleness(self)
-        self.handoff = Handoff(self)
-        self.background = Background(self)
-        self.rebalance = Rebalance(self)
-        self.version_change = VersionChange(self)
         self.gap = Gap(self)
+        self.tsp = Tsp(self)
         self.tag = Tag(self)
         self.rat = Rat(self)
-        self.pools = Pools(self)
-        self.tsp = Tsp(self)
+        self.version_change = VersionChange(self)
+        self.rebalance = Rebalance(self)
+        self.background = Background(self)
+        self.handoff = Handoff(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
         # Workers with a free GPU slot, by pool.
         self.free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
-        self._pool_lists: dict[str, list[WorkerInfo]] = {}
-        self._ranked = True                        # every worker's rank is current
         self.new_rollout = False
         self.new_training = False
+        self._pool_lists: dict[str, list[WorkerInfo]] = {}
+        self._ranked = True                        # every worker's rank is current
+        self._seq = itertools.count()
+        self._arrivals = itertools.count()
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Telemetry (releases are counted apart: one is counted per task).
@@ -229,8 +189,9 @@ class SchedulingPolicy:
     def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
-        tasks, arrivals, staleness = self.tasks, self._arrivals, self.staleness
-        options = self.options
+        tasks, arrivals, options = self.tasks, self._arrivals, self.options
+        staleness, rat, changes, handoff = (self.staleness, self.rat, self.version_change,
+                                            self.handoff)
         for info in infos:
             key = info.key
             if tasks.setdefault(key, info) is not info:
@@ -242,10 +203,10 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
-            self.handoff.added(info)
+            handoff.added(info)
             staleness.added(info)
-            self.rat.added(info)
-            self.version_change.added(info)
+            rat.added(info)
+            changes.added(info)
         return rejected
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
@@ -258,8 +219,7 @@ class SchedulingPolicy:
     def ready(self, info: TaskInfo, locality: Mapping[str, int] | None = None) -> None:
         """:meth:`task_ready` for a caller that holds the task: ``info`` is the object
         it passed to :meth:`add_tasks` (the simulator's tasks are such objects)."""
-        key = info.key
-        if self.rejected and key in self.rejected:
+        if self.rejected and info.key in self.rejected:
             return
         if info.state in QUEUED:
             return  # a repeated event; DONE tasks may be recomputed after a loss
@@ -271,7 +231,9 @@ class SchedulingPolicy:
             self.enqueue(info, now)
 
     def enqueue(self, info: TaskInfo, now: float | None = None) -> None:
-        """``info`` is runnable: queue it (``now``: the clock, when the caller read it)."""
+        """``info`` is runnable: queue it (``now``: the clock, when the caller read it).
+        GAP gives its place in the order, rebalancing where a chunk's first step waits,
+        TSP which trainer a training task waits for."""
         info.state = READY
         if info.eligible_since is None:
             info.eligible_since = self.clock() if now is None else now
@@ -279,7 +241,8 @@ class SchedulingPolicy:
         if not info.gpu:
             self.ready_cpu[info.key] = loc
             return
-        entry = self.gap.entry(info, next(self._seq), self.gap.defers(info))
+        gap = self.gap
+        entry = gap.entry(info, next(self._seq), gap.defers(info))
         if info.kind in BACKGROUND_KINDS:
             self.ready_background.push(entry)
             self.new_rollout = True   # (the free rollout workers are who may take it)
@@ -304,6 +267,7 @@ class SchedulingPolicy:
             self.new_training = True
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
+        """The worker holding most of the input bytes ``loc`` (None: none, or a tie)."""
         best, best_bytes, tie = None, 0, False
         for addr, nbytes in loc.items():
             if addr not in self.workers or nbytes <= 0:
@@ -313,6 +277,11 @@ class SchedulingPolicy:
             elif nbytes == best_bytes:
                 tie = True
         return None if tie else best
+
+    def sort_key(self, key: Key) -> ReadyEntry:
+        """The order in which ready tasks without a heap are looked at (GAP's order)."""
+        info = self.tasks[key]
+        return self.gap.entry(info, info.order)
 
     def task_done(self, key: Key, worker: str | None = None,
                   duration: float | None = None) -> None:
@@ -325,6 +294,8 @@ class SchedulingPolicy:
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
         kind = info.kind
+        # What it teaches: step and grad times, where a chunk's noise is, who holds a
+        # trainer state.
         if kind == DENOISE:
             self.rebalance.observed(info, worker, duration)
         elif kind == NOISE and worker is not None:
@@ -354,11 +325,13 @@ class SchedulingPolicy:
         was lost): it is not runnable until it is ready again."""
         info = self.tasks.get(key)
         if info is not None:
+            if self.trail_length:
+                self.note(info, LOST, "", None, "its worker left or an input was lost")
             self._unrelease(info)
             info.state = ADDED
             self.ready_cpu.pop(key, None)
             self.handoff.result_gone(info)
-            self._not_released(info)
+            self._waits_again(info)
             info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
@@ -376,9 +349,10 @@ class SchedulingPolicy:
         if state is RELEASED:
             self._unrelease(info)
         elif state is not DONE:
-            # Held, or held once and then lost: drop it from the holds and the CPU queue.
+            # Held, or held once and then lost: drop it from the CPU queue (and below,
+            # the holds).
             self.ready_cpu.pop(key, None)
-        self.staleness.forgotten(info, state is not RELEASED and state is not DONE)
+        self.staleness.forgotten(info, held=state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
         info.locality = None
@@ -388,29 +362,24 @@ class SchedulingPolicy:
         if info.kind == NOISE:
             self.rebalance.noise_forgotten(info)
         else:
-            self._released_now(info)
-
-    def copy_ahead(self, key: Key, address: str) -> None:
-        """Have ``address`` copy the result of ``key`` ahead of need (:meth:`take_copies`)."""
-        self._copies.append((key, address))
-
-    def take_copies(self) -> list[tuple[Key, str]]:
-        """The results to copy ahead of need, each to a worker (in the order decided),
-        handed over: the caller asks each worker to fetch its results, where they are
-        still in memory and the worker is still there. They are a lent grad's gradient
-        (to a trainer) and a newly published version's weights (to every rollout
-        worker, or every worker without pools)."""
-        out, self._copies = self._copies, []
-        return out
+            self.rat.gone(info)
+            self.version_change.gone(info)
 
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
         info = self.tasks.get(key)
         if info is None or info.state is not RELEASED:
             return
+        if self.trail_length:
+            self.note(info, RETRIED, "", None, "its worker vanished before the release")
         self._unrelease(info)
-        self._not_released(info)
+        self._waits_again(info)
         self.enqueue(info)
+
+    def _waits_again(self, info: TaskInfo) -> None:
+        """``info`` went back to waiting to be released (lost, or its release failed)."""
+        self.rat.back(info)
+        self.version_change.back(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
         addr = info.where
@@ -432,83 +401,38 @@ class SchedulingPolicy:
         else:
             w.cpu_inflight.discard(info.key)
 
-    def count(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to a telemetry counter (:attr:`counters`)."""
-        self._counts[counter] += n
+    # ------------------------------------------------------------ copies ahead
 
-    def sort_key(self, key: Key) -> ReadyEntry:
-        info = self.tasks[key]
-        return self.gap.entry(info, info.order)
+    def copy_ahead(self, key: Key, address: str) -> None:
+        """Have ``address`` copy the result of ``key`` ahead of need (:meth:`take_copies`)."""
+        self._copies.append((key, address))
 
-    def expected_seconds(self, key: Key) -> float | None:
-        """Expected seconds of ``key``, a released GPU task, on its worker (the
-        progress watchdog's yardstick; see :meth:`Rebalance.expected_seconds`)."""
-        return self.rebalance.expected_seconds(key)
+    def take_copies(self) -> list[tuple[Key, str]]:
+        """The results to copy ahead of need, each to a worker (in the order decided),
+        handed over: the caller asks each worker to fetch its results, where they are
+        still in memory and the worker is still there. They are a lent grad's gradient
+        (to a trainer) and a newly published version's weights (to every rollout
+        worker, or every worker without pools)."""
+        out, self._copies = self._copies, []
+        return out
 
-    def longest_expected(self) -> float | None:
-        """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        return self.rebalance.longest_expected()
+    # ------------------------------------------------------------ expectations
 
     def transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
         """Seconds to move the input bytes of ``info`` that ``w`` lacks."""
         loc = info.locality or {}
         return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
 
+    def expected_seconds(self, key: Key) -> float | None:
+        """Expected seconds of ``key``, a released GPU task, on its worker (the
+        progress watchdog's yardstick: :meth:`.Rebalance.expected_seconds`)."""
+        return self.rebalance.expected_seconds(key)
+
+    def longest_expected(self) -> float | None:
+        """The longest :meth:`expected_seconds` a known task could have on any worker."""
+        return self.rebalance.longest_expected()
+
     # ---------------------------------------------------------------- decisions
-
-    def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
-        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
-        from another worker (then True)."""
-        affine = self.ready_affine.get(w.address)
-        own = affine.peek() if affine is not None else None
-        pick = more_urgent(own, self.ready_shared.peek())
-        if pick is not None:
-            return pick.info, False
-        steal = self.ready_stealable.peek()
-        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
-            return None, False
-        return steal.info, True
-
-    def _released_now(self, info: TaskInfo) -> None:
-        """``info`` was released (or forgotten): a chunk's first step no longer waits to
-        start it, a step or grad no longer waits to be released."""
-        self.rat.gone(info)
-        self.version_change.gone(info)
-
-    def _not_released(self, info: TaskInfo) -> None:
-        """``info`` went back to waiting (lost, or its release failed)."""
-        self.rat.back(info)
-        self.version_change.back(info)
-
-    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
-                 stolen: bool = False, rat: bool = False) -> Decision:
-        key = info.key
-        info.state = RELEASED
-        if info.affinity is not None and info.affinity == w.address:
-            self.ready_stealable.one_dead()   # its entry among the stealable ones
-        info.where = w.address
-        if info.gpu:
-            inflight = w.inflight
-            inflight.add(key)
-            if len(inflight) >= w.slots:
-                self.free[w.pool].discard(w.address)
-            self.rat.gone(info)
-            self.version_change.released(info)
-            self.rebalance.released(w, info, now)
-            if tag:
-                w.tag_inflight += 1
-            if rat:
-                w.rat_inflight += 1
-        else:
-            w.cpu_inflight.add(key)
-        self._released += 1
-        if tag:
-            self._counts["tag_released"] += 1
-        if stolen:
-            self._counts["stolen"] += 1
-        if rat:
-            self._counts["rat_released"] += 1
-        return Decision(key, w.address, now, tag, stolen, rat, info)
 
     def decide(self) -> list[Decision]:
         """Releases to make now (each is final: the task goes to that worker).
@@ -522,11 +446,11 @@ class SchedulingPolicy:
         if self.ready_cpu:
             for key in sorted(self.ready_cpu, key=self.sort_key):
                 info = self.tasks[key]
-                w = (self.handoff.place(info) if info.kind == RESTORE
-                     else self.pools.place_cpu(info, self.ready_cpu[key]))
+                rule = self.handoff if info.kind == RESTORE else self.pools
+                w = rule.place(info, self.ready_cpu[key])
                 if w is not None:
                     del self.ready_cpu[key]
-                    out.append(self.release(self.tasks[key], w, now))
+                    out.append(self.release(info, w, now))
         candidates = self.dirty
         self.dirty = set()
         workers = self.workers
@@ -558,8 +482,8 @@ class SchedulingPolicy:
         active = sorted((w for w in map(workers.get, candidates)
                          if w is not None and len(w.inflight) < w.slots),
                         key=lambda w: (len(w.inflight), w.rank))
-        idle_rollout = [w for w in active if w.pool == ROLLOUT and not w.inflight] \
-            if lending else []
+        idle_rollout = ([w for w in active if w.pool == ROLLOUT and not w.inflight]
+                        if lending else [])
         while active:
             still = []
             for w in active:
@@ -575,10 +499,15 @@ class SchedulingPolicy:
         return out
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
+        """What ``w`` takes in this round: its pool's work first (training for a
+        trainer, rollout for a rollout worker, a grad first when RAT says so), then
+        background work (rollout workers), or rollout work (TAG, trainers)."""
         pools, pool = self.options.pools, w.pool
         if not pools or pool == TRAINER:
             info = self.tsp.take(w)
             if info is not None:
+                if self.trail_length:
+                    self.tsp.note_taken(info, w)
                 return self.release(info, w, now)
         if not pools or pool == ROLLOUT:
             info, stolen = self.take_rollout(w, now)
@@ -586,13 +515,98 @@ class SchedulingPolicy:
                 lent = self.rat.lend(w, info)
                 if lent is not None:
                     return self.release(lent, w, now, rat=True)
+                if self.trail_length:
+                    self.note_rollout_taken(info, w, stolen, now)
                 return self.release(info, w, now, stolen=stolen)
             info = self.background.take(w)
             return self.release(info, w, now) if info is not None else None
         # A trainer with no runnable training work: trainer-assisted generation.
         return self.tag.take(w, now)
 
+    def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
+        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
+        from another worker, when rebalancing lets ``w`` (then True)."""
+        affine = self.ready_affine.get(w.address)
+        own = affine.peek() if affine is not None else None
+        pick = more_urgent(own, self.ready_shared.peek())
+        if pick is not None:
+            return pick.info, False
+        steal = self.ready_stealable.peek()
+        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
+            return None, False
+        return steal.info, True
+
+    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
+                stolen: bool = False, rat: bool = False) -> Decision:
+        """Release ``info`` to ``w`` (``tag``: a trainer generating; ``stolen``: from
+        another worker's affinity; ``rat``: a grad lent to a rollout worker)."""
+        key = info.key
+        info.state = RELEASED
+        if info.affinity is not None and info.affinity == w.address:
+            self.ready_stealable.one_dead()   # its entry among the stealable ones
+        info.where = w.address
+        if info.gpu:
+            inflight = w.inflight
+            inflight.add(key)
+            if len(inflight) >= w.slots:
+                self.free[w.pool].discard(w.address)
+            self.rat.gone(info)
+            self.version_change.released(info)
+            self.rebalance.released(w, info, now)
+            if tag:
+                w.tag_inflight += 1
+            if rat:
+                w.rat_inflight += 1
+        else:
+            w.cpu_inflight.add(key)
+        self._released += 1
+        if tag:
+            self._counts["tag_released"] += 1
+        if stolen:
+            self._counts["stolen"] += 1
+        if rat:
+            self._counts["rat_released"] += 1
+        return Decision(key, w.address, now, tag, stolen, rat, info)
+
+    # ---------------------------------------------------------------- the trail
+
+    def note(self, info: TaskInfo, verb: str, rule: str, w: WorkerInfo | None, reason: str,
+             *args: Any) -> None:
+        """Note a decision on ``info``'s trail: ``verb`` (:mod:`.trail`) by ``rule``, at
+        worker ``w``, because ``reason.format(*args)`` (formatted when read). Callers
+        test :attr:`trail_length` first, so a policy without a trail pays nothing."""
+        info.trail = _trail.note(info.trail,
+                                 Entry(self.clock(), verb, rule, w.name if w else "", reason,
+                                       args),
+                                 self.trail_length)
+
+    def note_rollout_taken(self, info: TaskInfo, w: WorkerInfo, stolen: bool,
+                           now: float) -> None:
+        """Note why ``w`` takes rollout task ``info``: stolen (rebalancing says why), its
+        inputs are there, or it waits for no worker in particular."""
+        if stolen:
+            self.rebalance.note_stolen(info, w, now)
+        elif info.affinity == w.address:
+            self.note(info, _trail.RELEASED, self.pools.name, w,
+                      "its inputs are on this worker ({} bytes)",
+                      (info.locality or {}).get(w.address, 0))
+        elif info.timestep == 0 and info.kind == DENOISE and self.options.rebalance:
+            self.note(info, _trail.RELEASED, self.rebalance.name, w,
+                      "a chunk's first step starts on whichever worker frees first")
+        else:
+            self.note(info, _trail.RELEASED, self.pools.name, w,
+                      "the most urgent rollout task; no single worker holds its inputs")
+
+    def trail_of(self, key: Key) -> list[Entry]:
+        """The decisions noted on ``key`` so far (empty when unknown or none)."""
+        info = self.tasks.get(key)
+        return list(info.trail or ()) if info is not None else []
+
     # ---------------------------------------------------------------- telemetry
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a telemetry counter (:attr:`counters`)."""
+        self._counts[counter] += n
 
     @property
     def counters(self) -> dict[str, int]:

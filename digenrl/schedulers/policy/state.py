@@ -51,6 +51,8 @@ class TaskInfo:
     affinity: str | None = field(default=None, compare=False, repr=False)
     pin: str | None = field(default=None, compare=False, repr=False)
     pending: bool = field(default=False, compare=False, repr=False)  # rollout outstanding
+    #: The decisions noted on it (:mod:`digenrl.schedulers.policy.trail`), or None.
+    trail: list | None = field(default=None, compare=False, repr=False)
     #: The sample-steps a ``denoise`` task computes: its samples, at least one.
     sample_steps: int = field(init=False, compare=False, repr=False)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import RELEASED
 from digenrl.vocabulary import COLOCATED, ROLLOUT
 
 __all__ = ["Background"]
@@ -43,4 +44,10 @@ class Background(Rule):
                     and policy.ready_training.peek() is not None)):
             return None
         top = policy.ready_background.peek()
-        return top.info if top is not None else None
+        if top is None:
+            return None
+        if policy.trail_length:
+            policy.note(top.info, RELEASED, self.name, w,
+                        "nothing else for this idle worker: no rollout step is ready and no "
+                        "grad waits to be lent")
+        return top.info

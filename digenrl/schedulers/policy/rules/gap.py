@@ -25,13 +25,14 @@ from collections import defaultdict
 from digenrl.schedulers.policy.queues import ReadyEntry
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import READY, TaskInfo
+from digenrl.schedulers.policy.trail import DEFERRED, REQUEUED
 from digenrl.vocabulary import DECODE, ROLLOUT, stage_of
 
-__all__ = ["Gap", "DEFERRED"]
+__all__ = ["Gap", "DEFER_OFFSET"]
 
 #: Added to the chunk in a deferred decode's priority (:meth:`Gap.defers`): it then
 #: comes after every step of its generation.
-DEFERRED = 1 << 20
+DEFER_OFFSET = 1 << 20
 
 
 class Gap(Rule):
@@ -51,7 +52,7 @@ class Gap(Rule):
         stage = stage_of(info.kind, info.timestep)
         chunk = 1 << 30 if info.chunk is None else info.chunk
         if deferred:
-            chunk += DEFERRED
+            chunk += DEFER_OFFSET
         # Training, and rollout with GAP: older iterations first, a chunk's steps in
         # timestep order; rollout without GAP: breadth-first over chunks.
         if self.policy.options.gap or info.pool != ROLLOUT:
@@ -67,6 +68,11 @@ class Gap(Rule):
                 and info.chunk is not None and info.iteration > policy.version
                 and policy.ready_training.peek() is not None):
             self.deferred[info.iteration].append(info)
+            if policy.trail_length:
+                policy.note(info, DEFERRED, self.name, None,
+                            "a decode kept for the version change while grads wait (its "
+                            "training reads version {}, published: {})", info.iteration,
+                            policy.version)
             return True
         return False
 
@@ -78,4 +84,8 @@ class Gap(Rule):
         for it in [i for i in self.deferred if i <= policy.version]:
             for info in self.deferred.pop(it):
                 if info.state is READY:
+                    if policy.trail_length:
+                        policy.note(info, REQUEUED, self.name, None,
+                                    "version {} published: back at its chunk's place",
+                                    policy.version)
                     policy.enqueue(info)

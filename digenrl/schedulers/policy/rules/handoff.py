@@ -11,8 +11,11 @@ checkpoint task in its graph, goes anywhere at once.
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import DONE, TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import PLACED, WAITS
 from digenrl.vocabulary import CHECKPOINT, INIT, OPTIMIZE
 
 __all__ = ["Handoff", "MAKERS"]
@@ -58,17 +61,30 @@ class Handoff(Rule):
         for v in [v for v, a in self.made_on.items() if a == address]:
             del self.made_on[v]
 
-    def place(self, info: TaskInfo) -> WorkerInfo | None:
+    def place(self, info: TaskInfo, loc: Mapping[str, int] | None = None) -> WorkerInfo | None:
         """Where the read-back ``info`` of a version's trainer state goes: to the worker
         that made the state, whose memory holds it (the task takes it from there); with
         that worker gone or unknown, to any worker of the pool once the version's
         checkpoint is written (or when no checkpoint task is known: a resumed run reads
-        one written before), and nowhere yet while it is being written."""
+        one written before), and nowhere yet while it is being written. (It has no
+        inputs: ``loc`` is not read.)"""
         policy = self.policy
-        maker = policy.workers.get(self.made_on.get(info.policy_version, ""))
+        v = info.policy_version
+        maker = policy.workers.get(self.made_on.get(v, ""))
         if maker is not None:
+            if policy.trail_length:
+                policy.note(info, PLACED, self.name, maker,
+                            "it made version {}'s state and holds it in memory", v)
             return maker
-        writing = self.checkpoints.get(info.policy_version)
+        writing = self.checkpoints.get(v)
         if writing is not None and writing.state is not DONE:
+            if policy.trail_length:
+                policy.note(info, WAITS, self.name, None,
+                            "the worker that made version {}'s state is gone and its "
+                            "checkpoint is being written", v)
             return None
-        return policy.pools.place_cpu(info, {})
+        w = policy.pools.pick(info, {})
+        if policy.trail_length and w is not None:
+            policy.note(info, PLACED, self.name, w,
+                        "no worker holds version {}'s state: it reads the checkpoint", v)
+        return w

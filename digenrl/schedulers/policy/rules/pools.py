@@ -21,6 +21,7 @@ from typing import Mapping
 
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import PLACED, WAITS
 from digenrl.vocabulary import COLOCATED, POOLS, ROLLOUT, TRAINER
 
 __all__ = ["Pools", "pool_problem"]
@@ -49,9 +50,9 @@ class Pools(Rule):
             return COLOCATED
         return tag if tag in POOLS else None
 
-    def place_cpu(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
-        """The pool worker holding most input bytes; without inputs on the pool, the
-        next worker of the pool in turn."""
+    def pick(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
+        """The pool worker holding most input bytes of ``info`` (``loc``: worker -> bytes
+        held); without inputs on the pool, the next worker of the pool in turn."""
         policy = self.policy
         pool = policy.pool_workers(info.pool)
         if not pool:
@@ -72,3 +73,19 @@ class Pools(Rule):
         i = self._round_robin[key] % len(pool)
         self._round_robin[key] = i + 1
         return pool[i]
+
+    def place(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
+        """Where ``info``, a task without a GPU slot, goes now (:meth:`pick`), noted."""
+        w = self.pick(info, loc)
+        policy = self.policy
+        if policy.trail_length:
+            held = loc.get(w.address, 0) if w is not None else 0
+            if w is None:
+                policy.note(info, WAITS, self.name, None, "no worker serves its pool")
+            elif held > 0:
+                policy.note(info, PLACED, self.name, w,
+                            "it holds most of the task's input bytes ({} bytes)", held)
+            else:
+                policy.note(info, PLACED, self.name, w,
+                            "no input on the pool: the next worker in turn")
+        return w

@@ -49,6 +49,7 @@ from collections import defaultdict
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo, discard, first_step
+from digenrl.schedulers.policy.trail import DECLINED, LENT
 from digenrl.vocabulary import GRAD, ROLLOUT
 
 __all__ = ["Rat"]
@@ -157,8 +158,15 @@ class Rat(Rule):
         (in the order :meth:`lend_idle` asks)."""
         if not self.on:
             return None
+        policy = self.policy
         if before is not None:
-            if not self.policy.version_change.can_wait(before) or self.owed_chunks():
+            if not policy.version_change.can_wait(before):
+                return None
+            owed = self.owed_chunks()
+            if owed:
+                if policy.trail_length:
+                    self._note_declined(w, "{} chunks may start: no grad goes ahead of {}",
+                                        owed, before.key)
                 return None
             theirs = self.trainers_reach()
             if theirs is None:
@@ -171,9 +179,11 @@ class Rat(Rule):
                 return None
             if self._kept < owed:
                 self._kept += 1
-                self.policy.count("rat_declined")
+                policy.count("rat_declined")
+                if policy.trail_length:
+                    self._note_declined(w, "the worker is kept free for a chunk that may "
+                                           "start ({} chunks may)", owed)
                 return None
-        policy = self.policy
         top = policy.ready_training.peek()
         if top is None or top.info.kind != GRAD:
             return None
@@ -181,8 +191,28 @@ class Rat(Rule):
                 + (len(w.inflight) + 1) * self.ref_grad / w.speed)
         if mine > theirs:
             policy.count("rat_declined")
+            if policy.trail_length:
+                self._note_declined(w, "a trainer finishes it sooner: {:.3g} s here > "
+                                       "{:.3g} s on the first trainer to free", mine, theirs)
             return None
+        if policy.trail_length:
+            if before is None:
+                policy.note(top.info, LENT, self.name, w,
+                            "the worker is idle and every trainer busy; it finishes the grad "
+                            "in {:.3g} s <= {:.3g} s on the first trainer to free",
+                            mine, theirs)
+            else:
+                policy.note(top.info, LENT, self.name, w,
+                            "ahead of {}, which can wait for the version change; it "
+                            "finishes the grad in {:.3g} s <= {:.3g} s on the first trainer "
+                            "to free", before.key, mine, theirs)
         return top.info
+
+    def _note_declined(self, w: WorkerInfo, reason: str, *args) -> None:
+        """Note on the grad ``w`` would be lent why it is not."""
+        top = self.policy.ready_training.peek()
+        if top is not None and top.info.kind == GRAD:
+            self.policy.note(top.info, DECLINED, self.name, w, reason, *args)
 
     def lend_idle(self, idle: list[WorkerInfo], now: float) -> list[Decision]:
         """Once every other worker has taken its share of the round: the grads lent to

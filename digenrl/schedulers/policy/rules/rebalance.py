@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import Key, TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import KEPT, STOLEN
 from digenrl.vocabulary import DENOISE, ROLLOUT
 
 __all__ = ["Rebalance", "STEP_EWMA"]
@@ -161,4 +162,37 @@ class Rebalance(Rule):
                 <= self.finish_time(owner, info, now) + policy.options.slots_per_worker * step):
             return True
         policy.count("kept")
+        if policy.trail_length:
+            policy.note(info, KEPT, self.name, w,
+                        "the move costs more than it gains: moving takes {:.3g} s for a "
+                        "{:.3g} s step; it would finish in {:.3g} s here, in {:.3g} s on {} "
+                        "(+ {} steps allowed)", policy.transfer_seconds(w, info), step,
+                        self.finish_time(w, info, now) - now,
+                        self.finish_time(owner, info, now) - now, owner.name,
+                        policy.options.slots_per_worker)
         return False
+
+    def note_stolen(self, info: TaskInfo, w: WorkerInfo, now: float) -> None:
+        """Note why ``w`` takes ``info``, a step waiting for another worker (before its
+        release, while the finish times :meth:`may_steal` compared still hold)."""
+        policy = self.policy
+        owner = policy.workers.get(info.affinity or "")
+        if owner is None:
+            policy.note(info, STOLEN, self.name, w, "the worker holding its inputs is gone")
+        elif not policy.options.rebalance:
+            policy.note(info, STOLEN, self.name, w,
+                        "from {}, a trainer: only a rollout worker keeps its chunk's steps",
+                        owner.name)
+        elif (info.kind != DENOISE or self.step_time(w) is None
+              or self.step_time(owner) is None):
+            policy.note(info, STOLEN, self.name, w,
+                        "from {}: nothing to compare yet (not a timestep, or no step "
+                        "measured), and an idle worker helps", owner.name)
+        else:
+            policy.note(info, STOLEN, self.name, w,
+                        "from {}: finishes in {:.3g} s here against {:.3g} s there "
+                        "(+ {} steps of {:.3g} s allowed); moving takes {:.3g} s", owner.name,
+                        self.finish_time(w, info, now) - now,
+                        self.finish_time(owner, info, now) - now,
+                        policy.options.slots_per_worker, self.expected(owner, info),
+                        policy.transfer_seconds(w, info))

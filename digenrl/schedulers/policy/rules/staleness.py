@@ -18,6 +18,7 @@ from collections import defaultdict
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy import trail
 from digenrl.schedulers.policy.state import HELD, TaskInfo
 from digenrl.vocabulary import BACKGROUND_KINDS, ROLLOUT
 
@@ -45,6 +46,8 @@ class Staleness(Rule):
 
     __slots__ = ("held_stale", "held_barrier", "rollout_pending", "barrier_open")
     name = "staleness"
+    #: The trail's name of the barrier (a hold of its own in the telemetry too).
+    barrier = "barrier"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
@@ -73,11 +76,19 @@ class Staleness(Rule):
             if it - policy.options.max_staleness > policy.version:
                 info.state = HELD
                 self.held_stale[it].add(info.key)
+                if policy.trail_length:
+                    policy.note(info, trail.HELD, self.name, None,
+                                "iteration {} waits for version {} (published: {})", it,
+                                it - policy.options.max_staleness, policy.version)
                 return True
         elif not policy.options.gap and it >= 0 and it not in self.barrier_open:
             if self.rollout_pending.get(it):
                 info.state = HELD
                 self.held_barrier[it].add(info.key)
+                if policy.trail_length:
+                    policy.note(info, trail.HELD, self.barrier, None,
+                                "without GAP iteration {}'s training waits for its rollout "
+                                "work ({} tasks left)", it, self.rollout_pending[it])
                 return True
             self.barrier_open.add(it)
         return False
@@ -108,17 +119,22 @@ class Staleness(Rule):
         policy = self.policy
         limit = policy.version + policy.options.max_staleness
         for it in sorted(i for i in self.held_stale if i <= limit):
-            self._enqueue_held(self.held_stale.pop(it))
+            self._enqueue_held(self.held_stale.pop(it), self.name,
+                               "version {} published", policy.version)
 
     def _open_barrier(self, iteration: int) -> None:
         self.barrier_open.add(iteration)
-        self._enqueue_held(self.held_barrier.pop(iteration, ()))
+        self._enqueue_held(self.held_barrier.pop(iteration, ()), self.barrier,
+                           "iteration {}'s rollout work is done", iteration)
 
-    def _enqueue_held(self, keys) -> None:
+    def _enqueue_held(self, keys, rule: str, reason: str, *args) -> None:
+        """Queue the held tasks ``keys`` (noted as eligible because of ``reason``)."""
         policy = self.policy
         for key in sorted(keys, key=policy.sort_key):
             info = policy.tasks[key]
             if info.state is HELD:
+                if policy.trail_length:
+                    policy.note(info, trail.ELIGIBLE, rule, None, reason, *args)
                 policy.enqueue(info)
 
     def counts(self) -> tuple[int, int]:

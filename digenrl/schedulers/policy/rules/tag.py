@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import KEPT, RELEASED
 
 __all__ = ["Tag"]
 
@@ -31,8 +32,21 @@ class Tag(Rule):
         policy = self.policy
         if policy.options.tag and not w.inflight and not policy.tsp.runnable(w):
             info, stolen = policy.take_rollout(w, now)
-            if info is not None and not self.keeps_for_optimizer(w, info):
-                return policy.release(info, w, now, tag=True, stolen=stolen)
+            if info is None:
+                return None
+            if self.keeps_for_optimizer(w, info):
+                if policy.trail_length:
+                    policy.note(info, KEPT, self.name, w,
+                                "the trainer keeps its slot for the optimizer step: every "
+                                "grad of iteration {} is released, no other trainer is "
+                                "idle, and this can wait for the version change",
+                                policy.version)
+                return None
+            if policy.trail_length:
+                if stolen:
+                    policy.rebalance.note_stolen(info, w, now)
+                policy.note(info, RELEASED, self.name, w, "no runnable training work")
+            return policy.release(info, w, now, tag=True, stolen=stolen)
         return None
 
     def keeps_for_optimizer(self, w: WorkerInfo, info: TaskInfo) -> bool:

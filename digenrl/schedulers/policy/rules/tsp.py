@@ -14,6 +14,7 @@ from collections import defaultdict
 from digenrl.schedulers.policy.queues import ReadyHeap, more_urgent
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import READY, TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import RELEASED
 
 __all__ = ["Tsp"]
 
@@ -58,6 +59,16 @@ class Tsp(Rule):
         pinned = policy.ready_pinned.get(w.address)
         return (policy.ready_training.peek() is not None
                 or (pinned is not None and pinned.peek() is not None))
+
+    def note_taken(self, info: TaskInfo, w: WorkerInfo) -> None:
+        """Note why ``w`` takes training task ``info`` (:meth:`take`)."""
+        policy = self.policy
+        if info.pin is not None:
+            policy.note(info, RELEASED, self.name, w,
+                        "TSP is off: chunk {} trains on this trainer", info.chunk)
+        else:
+            policy.note(info, RELEASED, policy.pools.name, w,
+                        "the most urgent training task (iteration {})", info.iteration)
 
     def take(self, w: WorkerInfo) -> TaskInfo | None:
         """The most urgent training task ``w`` may run (None: none)."""
