@@ -80,8 +80,8 @@ class Handoff(Rule):
         if writing is not None and writing.state is not DONE:
             if policy.trail_length:
                 policy.note(info, WAITS, self.name, None,
-                            "the worker that made version {}'s state is gone and its "
-                            "checkpoint is being written", v)
+                            "no worker holds version {}'s state (not made yet, or its "
+                            "maker is gone) and its checkpoint is not written yet", v)
             return None
         w = policy.pools.pick(info, {})
         if policy.trail_length and w is not None:
