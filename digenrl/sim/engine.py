@@ -29,6 +29,7 @@ from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key,
 from digenrl.records import SIMULATED_COLUMNS
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.policy.trail import trail_text
 from digenrl.sim.template import Batch, IterationSource, node_batch
 from digenrl.vocabulary import STATS
 
@@ -72,7 +73,7 @@ class SimResult:
             timestep=-1 if t.timestep is None else t.timestep,
             chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
             start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
-            rat=t.worker_rat)
+            rat=t.worker_rat, decisions=trail_text(t.trail))
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
