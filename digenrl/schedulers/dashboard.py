@@ -180,8 +180,7 @@ def task_story(plugin, key: str) -> str:
             w = policy.workers.get(info.where or "")
             return story({"key": str(info.key), "kind": info.kind,
                           "iteration": info.iteration, "policy_version": info.policy_version,
-                          "worker_name": f"{w.name} (now {info.state})" if w is not None
-                          else f"- (now {info.state})",
+                          "state": info.state, "worker_name": w.name if w is not None else "",
                           "ready": info.ready_since, "eligible": info.eligible_since,
                           "decisions": trail_text(info.trail)}, t0)
     record = next((r for k, r in reversed(list(telemetry.recent.items()))

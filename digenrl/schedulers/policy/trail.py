@@ -132,15 +132,19 @@ def story(record: Mapping[str, Any], t0: float = 0.0) -> str:
     """A task's story from its record (the columns of :data:`digenrl.records.TASK_COLUMNS`
     it has): its kind, when it became ready and eligible, was released, started and
     stopped (seconds after ``t0``), which worker ran it, and every decision the policy
-    noted on it, with the rule and the reason, in order."""
+    noted on it, with the rule and the reason, in order. A record of a task not
+    finished yet has its policy ``state`` instead (and the worker it is released to)."""
     key = record.get("key")
     lines = [f"{key}: {record.get('kind', '?')} of iteration {record.get('iteration', '?')}"
              f" (policy version {record.get('policy_version', '?')})"]
-    worker = record.get("worker_name") or record.get("worker") or "-"
+    worker = record.get("worker_name") or record.get("worker") or ""
     pool = record.get("pool") or ""
     flags = [name for name in ("tag", "rat", "stolen") if record.get(name)]
-    lines.append(f"  ran on {worker}" + (f" ({pool} pool)" if pool else "")
-                 + (f" [{', '.join(flags)}]" if flags else ""))
+    if "state" in record:       # a task not finished yet: where it is now
+        lines.append(f"  now {record['state']}" + (f" on {worker}" if worker else ""))
+    else:
+        lines.append(f"  ran on {worker or '-'}" + (f" ({pool} pool)" if pool else "")
+                     + (f" [{', '.join(flags)}]" if flags else ""))
     times = [(name, record[name]) for name in ("ready", "eligible", "released", "start",
                                                 "stop", "finished") if name in record]
     lines.append("  " + "  ".join(f"{name} {_time(v, t0)}" for name, v in times))
