@@ -11,24 +11,17 @@ decision with its rule and reason, in order.
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 
-from digenrl.schedulers.policy.trail import story
+from digenrl.schedulers.policy.trail import key_parts, story
 from digenrl.store import StoreError, open_run
 
-__all__ = ["why", "key_parts"]
+__all__ = ["why"]
 
 #: How many of the nearest keys an unknown key's message names.
 NEAREST = 3
-
-
-def key_parts(text: str) -> tuple[str, ...]:
-    """A key's elements as text, however it is written: as the store prints it
-    (``('grad', 3, 1, 2)``) or plainly (``grad,3,1,2``, ``grad 3 1 2``)."""
-    return tuple(re.findall(r"[^\s,()\[\]'\"]+", str(text)))
 
 
 def _distance(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[int, float]:

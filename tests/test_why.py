@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from digenrl.cli import main
-from digenrl.why import key_parts
+from digenrl.schedulers.policy.trail import key_parts
 
 from conftest import pipelined_config
 

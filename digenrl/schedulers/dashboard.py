@@ -20,7 +20,7 @@ from typing import Any
 
 from digenrl.schedulers.palette import KIND_COLOURS
 from digenrl.schedulers.policy import HELD_REASONS
-from digenrl.schedulers.policy.trail import story, trail_text
+from digenrl.schedulers.policy.trail import key_parts, story, trail_text
 from digenrl.vocabulary import COLOCATED, ROLLOUT, TRAINER
 
 __all__ = ["install", "ROUTE", "DigenRLPage", "task_story"]
@@ -168,8 +168,6 @@ def task_story(plugin, key: str) -> str:
     """The story of the task ``key`` (as the store prints keys, or plainly) of the run
     ``plugin`` schedules: a task the policy holds now, with its state and the decisions
     so far, or one of the last tasks that finished (:attr:`Telemetry.recent`)."""
-    from digenrl.why import key_parts
-
     want = key_parts(key)
     telemetry, policy = plugin.telemetry, plugin.policy
     t0 = telemetry.started

@@ -18,9 +18,10 @@ story from such a record (``digenrl why``, the dashboard page, the simulator's r
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable, Mapping, NamedTuple
 
-__all__ = ["TRAIL_LENGTH", "Entry", "Step", "trail_text", "parse_trail", "story",
+__all__ = ["TRAIL_LENGTH", "Entry", "Step", "trail_text", "parse_trail", "story", "key_parts",
            "HELD", "ELIGIBLE", "DEFERRED", "REQUEUED", "RELEASED", "PLACED", "LENT",
            "STOLEN", "KEPT", "DECLINED", "WAITS", "LOST", "RETRIED"]
 
@@ -120,12 +121,18 @@ def parse_trail(text: str) -> list[Step]:
     return steps
 
 
+def key_parts(text: str) -> tuple[str, ...]:
+    """A task key's elements as text, however it is written: as a store prints it
+    (``('grad', 3, 1, 2)``) or plainly (``grad,3,1,2``, ``grad 3 1 2``)."""
+    return tuple(re.findall(r"[^\s,()\[\]'\"]+", str(text)))
+
+
 def _time(value: Any, t0: float) -> str:
     try:
         v = float(value)
     except (TypeError, ValueError):
         return "-"
-    return "-" if math.isnan(v) or v <= 0 and t0 > 0 else f"{v - t0:.3f} s"
+    return "-" if math.isnan(v) or (v <= 0 < t0) else f"{v - t0:.3f} s"
 
 
 def story(record: Mapping[str, Any], t0: float = 0.0) -> str:
