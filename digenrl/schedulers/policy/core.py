@@ -77,7 +77,8 @@ class SchedulingPolicy:
                  "rebalance", "background", "handoff",
                  # the decision round
                  "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
-                 "_seq", "_arrivals", "_copies", "_counts", "_released")
+                 "_seq", "_arrivals", "_copies", "_counts", "_released",
+                 "__weakref__")      # (the rules hold the core weakly)
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
                  *, trail: int = TRAIL_LENGTH):

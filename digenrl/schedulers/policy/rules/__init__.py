@@ -7,6 +7,7 @@ reads, and reads the core's (tasks, workers, ready queues, the published version
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,12 +17,17 @@ __all__ = ["Rule"]
 
 
 class Rule:
-    """A rule of the policy, bound to the core that asks it."""
+    """A rule of the policy, bound to the core that asks it.
 
-    __slots__ = ("policy",)
+    The core holds its rules and a rule holds the core weakly (a proxy), so a policy and
+    its tasks are freed by reference counting as soon as its owner drops it (the
+    simulator makes and drops millions of tasks with the cyclic collector off)."""
+
+    __slots__ = ("policy", "options")
 
     #: The rule's name, as the decision trail and docs/scheduling.md give it.
     name = ""
 
     def __init__(self, policy: "SchedulingPolicy") -> None:
-        self.policy = policy
+        self.policy = weakref.proxy(policy)
+        self.options = policy.options

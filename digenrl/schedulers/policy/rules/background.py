@@ -31,7 +31,7 @@ class Background(Rule):
         workers looked at (what held it back may have gone to another worker)."""
         policy = self.policy
         if policy.ready_background.peek() is not None:
-            pool = ROLLOUT if policy.options.pools else COLOCATED
+            pool = ROLLOUT if self.options.pools else COLOCATED
             workers = policy.workers
             candidates |= {a for a in policy.free[pool] if not workers[a].inflight}
 

@@ -55,7 +55,7 @@ class Gap(Rule):
             chunk += DEFER_OFFSET
         # Training, and rollout with GAP: older iterations first, a chunk's steps in
         # timestep order; rollout without GAP: breadth-first over chunks.
-        if self.policy.options.gap or info.pool != ROLLOUT:
+        if self.options.gap or info.pool != ROLLOUT:
             return ReadyEntry((info.iteration, chunk, stage), tie, info)
         return ReadyEntry((info.iteration, stage, chunk), tie, info)
 
@@ -64,7 +64,7 @@ class Gap(Rule):
         (then recorded so): with GAP, a chunk's decode whose training reads a version not
         published yet, while grads wait in the TSP queue (the trainers are behind)."""
         policy = self.policy
-        if (policy.options.gap and info.kind == DECODE and info.pool == ROLLOUT
+        if (self.options.gap and info.kind == DECODE and info.pool == ROLLOUT
                 and info.chunk is not None and info.iteration > policy.version
                 and policy.ready_training.peek() is not None):
             self.deferred[info.iteration].append(info)

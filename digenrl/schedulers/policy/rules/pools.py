@@ -46,7 +46,7 @@ class Pools(Rule):
 
     def worker_pool(self, tag: str | None) -> str | None:
         """The pool a worker tagged ``tag`` serves (None: it is not used)."""
-        if not self.policy.options.pools:
+        if not self.options.pools:
             return COLOCATED
         return tag if tag in POOLS else None
 
@@ -59,7 +59,7 @@ class Pools(Rule):
             return None
         # Most bytes first, then the least loaded, then by name.
         best, best_rank = None, None
-        workers, pools = policy.workers, policy.options.pools
+        workers, pools = policy.workers, self.options.pools
         for a, b in loc.items():
             w = workers.get(a) if b > 0 else None
             if w is None or (pools and w.pool != info.pool):

@@ -63,7 +63,7 @@ class Rat(Rule):
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
-        o = policy.options
+        o = self.options
         #: Whether rollout-assisted training applies: RAT on, with pools and TSP.
         self.on = o.rat and o.pools and o.tsp
         # Speed-1 seconds of a grad micro-step, measured.
@@ -107,7 +107,7 @@ class Rat(Rule):
         ref = duration * w.speed
         a = STEP_EWMA
         self.ref_grad = ref if self.ref_grad is None else (1 - a) * self.ref_grad + a * ref
-        if w.pool == ROLLOUT and policy.options.pools:
+        if w.pool == ROLLOUT and self.options.pools:
             trainers = policy.trainers()
             if trainers:
                 to = min(trainers,
@@ -135,7 +135,7 @@ class Rat(Rule):
         for long. (A chunk waiting for a version not yet published is not owed: the
         trainers publish it only after the grads they have queued.)"""
         policy = self.policy
-        version, limit = policy.version, policy.version + policy.options.max_staleness
+        version, limit = policy.version, policy.version + self.options.max_staleness
         return sum(len(keys) for (it, read), keys in self.unstarted.items()
                    if it <= limit and read <= version)
 

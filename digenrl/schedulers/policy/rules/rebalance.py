@@ -104,7 +104,7 @@ class Rebalance(Rule):
         """GPU task ``info`` was released to ``w``: its work ends later."""
         if info.kind == DENOISE:
             w.step_samples += info.sample_steps
-        if self.policy.options.rebalance:
+        if self.options.rebalance:
             # (Only denoise steps are expected to take time.)
             w.busy_until = max(now, w.busy_until) + self.expected(w, info)
 
@@ -112,7 +112,7 @@ class Rebalance(Rule):
         """GPU task ``info`` left ``w`` (finished, lost or forgotten)."""
         if info.kind == DENOISE:
             w.step_samples -= info.sample_steps
-        if self.policy.options.rebalance:
+        if self.options.rebalance:
             n = w.step_samples
             step = self.step_time(w) if n else None
             w.busy_until = self.policy.clock() + (step * n if step is not None else 0.0)
@@ -138,7 +138,7 @@ class Rebalance(Rule):
         on the rollout worker that drew its noise: noise is dealt round-robin, so each
         worker gets an equal share of the chunks, as in data-parallel generation."""
         policy = self.policy
-        if policy.options.rebalance:
+        if self.options.rebalance:
             return None
         home = self.chunk_home.get((info.iteration, info.chunk))
         return home if home in policy.workers else None
@@ -149,7 +149,7 @@ class Rebalance(Rule):
         owner = policy.workers.get(info.affinity or "")
         if owner is None or owner is w:
             return True
-        if not policy.options.rebalance:
+        if not self.options.rebalance:
             # Pinned: a chunk waits for the rollout worker holding its latents.
             return owner.pool != ROLLOUT
         if info.kind != DENOISE or self.step_time(w) is None or self.step_time(owner) is None:
@@ -159,7 +159,7 @@ class Rebalance(Rule):
         # the owner would get through its released work, this step and the slots' worth
         # after it: an idle worker is capacity, but not at any delay to the chunk.
         if (policy.transfer_seconds(w, info) < step and self.finish_time(w, info, now)
-                <= self.finish_time(owner, info, now) + policy.options.slots_per_worker * step):
+                <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
             return True
         policy.count("kept")
         if policy.trail_length:
@@ -169,7 +169,7 @@ class Rebalance(Rule):
                         "(+ {} steps allowed)", policy.transfer_seconds(w, info), step,
                         self.finish_time(w, info, now) - now,
                         self.finish_time(owner, info, now) - now, owner.name,
-                        policy.options.slots_per_worker)
+                        self.options.slots_per_worker)
         return False
 
     def note_stolen(self, info: TaskInfo, w: WorkerInfo, now: float) -> None:
@@ -179,7 +179,7 @@ class Rebalance(Rule):
         owner = policy.workers.get(info.affinity or "")
         if owner is None:
             policy.note(info, STOLEN, self.name, w, "the worker holding its inputs is gone")
-        elif not policy.options.rebalance:
+        elif not self.options.rebalance:
             policy.note(info, STOLEN, self.name, w,
                         "from {}, a trainer: only a rollout worker keeps its chunk's steps",
                         owner.name)
@@ -194,5 +194,5 @@ class Rebalance(Rule):
                         "(+ {} steps of {:.3g} s allowed); moving takes {:.3g} s", owner.name,
                         self.finish_time(w, info, now) - now,
                         self.finish_time(owner, info, now) - now,
-                        policy.options.slots_per_worker, self.expected(owner, info),
+                        self.options.slots_per_worker, self.expected(owner, info),
                         policy.transfer_seconds(w, info))

@@ -73,15 +73,15 @@ class Staleness(Rule):
         if info.kind in BACKGROUND_KINDS:
             return False
         if info.pool == ROLLOUT:
-            if it - policy.options.max_staleness > policy.version:
+            if it - self.options.max_staleness > policy.version:
                 info.state = HELD
                 self.held_stale[it].add(info.key)
                 if policy.trail_length:
                     policy.note(info, trail.HELD, self.name, None,
                                 "iteration {} waits for version {} (published: {})", it,
-                                it - policy.options.max_staleness, policy.version)
+                                it - self.options.max_staleness, policy.version)
                 return True
-        elif not policy.options.gap and it >= 0 and it not in self.barrier_open:
+        elif not self.options.gap and it >= 0 and it not in self.barrier_open:
             if self.rollout_pending.get(it):
                 info.state = HELD
                 self.held_barrier[it].add(info.key)
@@ -117,7 +117,7 @@ class Staleness(Rule):
     def published(self) -> None:
         """A newer version was published: the rollout it lets start is queued."""
         policy = self.policy
-        limit = policy.version + policy.options.max_staleness
+        limit = policy.version + self.options.max_staleness
         for it in sorted(i for i in self.held_stale if i <= limit):
             self._enqueue_held(self.held_stale.pop(it), self.name,
                                "version {} published", policy.version)

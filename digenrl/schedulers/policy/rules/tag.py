@@ -30,7 +30,7 @@ class Tag(Rule):
     def take(self, w: WorkerInfo, now: float) -> Decision | None:
         """The rollout task trainer ``w`` takes, released (None: it takes none)."""
         policy = self.policy
-        if policy.options.tag and not w.inflight and not policy.tsp.runnable(w):
+        if self.options.tag and not w.inflight and not policy.tsp.runnable(w):
             info, stolen = policy.take_rollout(w, now)
             if info is None:
                 return None

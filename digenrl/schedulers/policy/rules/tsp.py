@@ -28,7 +28,7 @@ class Tsp(Rule):
     def pin_of(self, info: TaskInfo) -> str | None:
         """The trainer training task ``info`` must run on (None: any)."""
         policy = self.policy
-        if policy.options.tsp or info.chunk is None:
+        if self.options.tsp or info.chunk is None:
             return None
         trainers = policy.trainers()
         if not trainers:
@@ -38,7 +38,7 @@ class Tsp(Rule):
     def repin(self) -> None:
         """Trainer membership changed: re-target pinned ready tasks."""
         policy = self.policy
-        if policy.options.tsp:
+        if self.options.tsp:
             return
         entries = ([e for heap in policy.ready_pinned.values() for e in heap]
                    + list(policy.ready_training))
