@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import trail as _trail
-from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap, more_urgent
+from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
@@ -64,14 +64,12 @@ class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now.
 
     ``trail``: how many decisions each task keeps in its trail (:mod:`.trail`; 0: none
-    are recorded).
+    are recorded), fixed when the policy is made.
     """
 
     __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
                  "rejected",
-                 # the ready queues
-                 "ready_shared", "ready_affine", "ready_stealable", "ready_training",
-                 "ready_pinned", "ready_background", "ready_cpu",
+                 "queues",
                  # the rules
                  "pools", "staleness", "gap", "tsp", "tag", "rat", "version_change",
                  "rebalance", "background", "handoff",
@@ -89,26 +87,15 @@ class SchedulingPolicy:
         self.workers: dict[str, WorkerInfo] = {}
         self.version = -1                          # newest published policy version
         self.rejected: dict[Key, str] = {}
-        # Ready GPU rollout tasks: no affinity / affinity to a worker / the affine ones
-        # again (for stealing).
-        self.ready_shared = ReadyHeap()
-        self.ready_affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
-        self.ready_stealable = ReadyHeap()
-        # Ready GPU training tasks: one heap (TSP) or one per pinned trainer.
-        self.ready_training = ReadyHeap()
-        self.ready_pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
-        # Ready GPU background tasks (evaluation): taken only by idle workers.
-        self.ready_background = ReadyHeap()
-        # Ready tasks needing no GPU slot, with their input locality.
-        self.ready_cpu: dict[Key, Mapping[str, int]] = {}
-        # The rules, each asked where it applies.
+        self.queues = ReadyQueues()
+        # The rules, each asked where it applies (a rule may hold one made before it).
         self.pools = Pools(self)
         self.staleness = Staleness(self)
+        self.version_change = VersionChange(self)
         self.gap = Gap(self)
         self.tsp = Tsp(self)
         self.tag = Tag(self)
         self.rat = Rat(self)
-        self.version_change = VersionChange(self)
         self.rebalance = Rebalance(self)
         self.background = Background(self)
         self.handoff = Handoff(self)
@@ -191,8 +178,7 @@ class SchedulingPolicy:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
         tasks, arrivals, options = self.tasks, self._arrivals, self.options
-        staleness, rat, changes, handoff = (self.staleness, self.rat, self.version_change,
-                                            self.handoff)
+        staleness, changes, handoff = self.staleness, self.version_change, self.handoff
         for info in infos:
             key = info.key
             if tasks.setdefault(key, info) is not info:
@@ -206,7 +192,6 @@ class SchedulingPolicy:
                 continue
             handoff.added(info)
             staleness.added(info)
-            rat.added(info)
             changes.added(info)
         return rejected
 
@@ -240,12 +225,12 @@ class SchedulingPolicy:
             info.eligible_since = self.clock() if now is None else now
         loc = info.locality or {}
         if not info.gpu:
-            self.ready_cpu[info.key] = loc
+            self.queues.cpu[info.key] = loc
             return
         gap = self.gap
         entry = gap.entry(info, next(self._seq), gap.defers(info))
         if info.kind in BACKGROUND_KINDS:
-            self.ready_background.push(entry)
+            self.queues.background.push(entry)
             self.new_rollout = True   # (the free rollout workers are who may take it)
         elif info.pool == ROLLOUT:
             if info.timestep == 0 and info.kind == DENOISE:
@@ -254,17 +239,17 @@ class SchedulingPolicy:
                 aff = self._affinity_of(loc)
             info.affinity = aff
             if aff:
-                self.ready_affine[aff].push(entry)
+                self.queues.affine[aff].push(entry)
                 # Only steps waiting for a worker can be stolen: every worker sees the
                 # shared ones first anyway.
-                self.ready_stealable.push(entry)
+                self.queues.stealable.push(entry)
             else:
-                self.ready_shared.push(entry)
+                self.queues.shared.push(entry)
             self.new_rollout = True
         else:
             pin = self.tsp.pin_of(info)
             info.pin = pin
-            (self.ready_pinned[pin] if pin else self.ready_training).push(entry)
+            (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
             self.new_training = True
 
     def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
@@ -330,9 +315,9 @@ class SchedulingPolicy:
                 self.note(info, LOST, "", None, "its worker left or an input was lost")
             self._unrelease(info)
             info.state = ADDED
-            self.ready_cpu.pop(key, None)
+            self.queues.cpu.pop(key, None)
             self.handoff.result_gone(info)
-            self._waits_again(info)
+            self.version_change.back(info)
             info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
@@ -352,7 +337,7 @@ class SchedulingPolicy:
         elif state is not DONE:
             # Held, or held once and then lost: drop it from the CPU queue (and below,
             # the holds).
-            self.ready_cpu.pop(key, None)
+            self.queues.cpu.pop(key, None)
         self.staleness.forgotten(info, held=state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
@@ -363,7 +348,6 @@ class SchedulingPolicy:
         if info.kind == NOISE:
             self.rebalance.noise_forgotten(info)
         else:
-            self.rat.gone(info)
             self.version_change.gone(info)
 
     def release_failed(self, key: Key) -> None:
@@ -374,13 +358,8 @@ class SchedulingPolicy:
         if self.trail_length:
             self.note(info, RETRIED, "", None, "its worker vanished before the release")
         self._unrelease(info)
-        self._waits_again(info)
-        self.enqueue(info)
-
-    def _waits_again(self, info: TaskInfo) -> None:
-        """``info`` went back to waiting to be released (lost, or its release failed)."""
-        self.rat.back(info)
         self.version_change.back(info)
+        self.enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
         addr = info.where
@@ -444,13 +423,13 @@ class SchedulingPolicy:
         """
         now = self.clock()
         out: list[Decision] = []
-        if self.ready_cpu:
-            for key in sorted(self.ready_cpu, key=self.sort_key):
+        if self.queues.cpu:
+            for key in sorted(self.queues.cpu, key=self.sort_key):
                 info = self.tasks[key]
                 rule = self.handoff if info.kind == RESTORE else self.pools
-                w = rule.place(info, self.ready_cpu[key])
+                w = rule.place(info, self.queues.cpu[key])
                 if w is not None:
-                    del self.ready_cpu[key]
+                    del self.queues.cpu[key]
                     out.append(self.release(info, w, now))
         candidates = self.dirty
         self.dirty = set()
@@ -527,12 +506,12 @@ class SchedulingPolicy:
     def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
         """The most urgent step with affinity to ``w`` or to nobody; else one to steal
         from another worker, when rebalancing lets ``w`` (then True)."""
-        affine = self.ready_affine.get(w.address)
+        affine = self.queues.affine.get(w.address)
         own = affine.peek() if affine is not None else None
-        pick = more_urgent(own, self.ready_shared.peek())
+        pick = more_urgent(own, self.queues.shared.peek())
         if pick is not None:
             return pick.info, False
-        steal = self.ready_stealable.peek()
+        steal = self.queues.stealable.peek()
         if steal is None or not self.rebalance.may_steal(w, steal.info, now):
             return None, False
         return steal.info, True
@@ -544,14 +523,13 @@ class SchedulingPolicy:
         key = info.key
         info.state = RELEASED
         if info.affinity is not None and info.affinity == w.address:
-            self.ready_stealable.one_dead()   # its entry among the stealable ones
+            self.queues.stealable.one_dead()   # its entry among the stealable ones
         info.where = w.address
         if info.gpu:
             inflight = w.inflight
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            self.rat.gone(info)
             self.version_change.released(info)
             self.rebalance.released(w, info, now)
             if tag:

@@ -7,11 +7,12 @@ rebalancing rules); the heaps only keep the order and drop what is no longer rea
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+from collections import defaultdict
+from typing import Mapping, NamedTuple
 
-from digenrl.schedulers.policy.state import READY, TaskInfo
+from digenrl.schedulers.policy.state import READY, Key, TaskInfo
 
-__all__ = ["ReadyEntry", "ReadyHeap", "more_urgent"]
+__all__ = ["ReadyEntry", "ReadyHeap", "ReadyQueues", "more_urgent"]
 
 
 class ReadyEntry(NamedTuple):
@@ -71,3 +72,23 @@ class ReadyHeap:
             self.entries = [e for e in self.entries if e.info.state is READY]
             heapq.heapify(self.entries)
             self.dead = 0
+
+
+class ReadyQueues:
+    """Where the ready tasks wait: the core's, read by the rules."""
+
+    __slots__ = ("shared", "affine", "stealable", "training", "pinned", "background", "cpu")
+
+    def __init__(self) -> None:
+        # GPU rollout tasks: with no affinity, with affinity to a worker (by worker), and
+        # the affine ones again (those another worker may steal).
+        self.shared = ReadyHeap()
+        self.affine: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        self.stealable = ReadyHeap()
+        # GPU training tasks: one heap (TSP), or one per trainer a task is pinned to.
+        self.training = ReadyHeap()
+        self.pinned: dict[str, ReadyHeap] = defaultdict(ReadyHeap)
+        # GPU background tasks (evaluation): taken only by idle workers.
+        self.background = ReadyHeap()
+        # Tasks needing no GPU slot, with their input locality.
+        self.cpu: dict[Key, Mapping[str, int]] = {}

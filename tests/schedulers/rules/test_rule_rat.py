@@ -43,7 +43,7 @@ def test_a_grad_is_not_lent_when_a_trainer_finishes_it_sooner():
     # Moving 10 GB at 1 GB/s costs more than waiting for the trainer.
     _busy_trainer(p, loc={"t0": 10 ** 10})
     assert all(d.worker == "t0" for d in p.decide())
-    top = p.ready_training.peek().info
+    top = p.queues.training.peek().info
     declined = [s for s in steps(p, top.key) if s.verb == "declined"]
     assert [(s.rule, s.worker) for s in declined] == [("RAT", "rollout-0")]
     assert declined[0].reason == ("a trainer finishes it sooner: 11 s here > 3 s on the "
@@ -57,7 +57,7 @@ def test_an_idle_rollout_worker_is_kept_for_a_chunk_that_may_start():
     _busy_trainer(p)
     assert p.rat.owed_chunks() == 1
     assert [d.worker for d in p.decide()] == ["t0"]
-    top = p.ready_training.peek().info
+    top = p.queues.training.peek().info
     [s] = [s for s in steps(p, top.key) if s.verb == "declined"]
     assert (s.rule, s.worker) == ("RAT", "rollout-0")
     assert s.reason == "the worker is kept free for a chunk that may start (1 chunks may)"

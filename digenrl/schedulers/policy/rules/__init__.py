@@ -21,9 +21,11 @@ class Rule:
 
     The core holds its rules and a rule holds the core weakly (a proxy), so a policy and
     its tasks are freed by reference counting as soon as its owner drops it (the
-    simulator makes and drops millions of tasks with the cyclic collector off)."""
+    simulator makes and drops millions of tasks with the cyclic collector off). What
+    the rules read at every decision (the options, the tasks, the workers, the ready
+    queues, whether decisions are noted on a trail) they hold directly."""
 
-    __slots__ = ("policy", "options")
+    __slots__ = ("policy", "options", "tasks", "workers", "queues", "noting")
 
     #: The rule's name, as the decision trail and docs/scheduling.md give it.
     name = ""
@@ -31,3 +33,8 @@ class Rule:
     def __init__(self, policy: "SchedulingPolicy") -> None:
         self.policy = weakref.proxy(policy)
         self.options = policy.options
+        self.tasks = policy.tasks
+        self.workers = policy.workers
+        self.queues = policy.queues
+        #: Whether the rule notes its decisions (:meth:`SchedulingPolicy.note`).
+        self.noting = policy.trail_length > 0

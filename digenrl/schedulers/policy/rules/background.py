@@ -23,30 +23,34 @@ __all__ = ["Background"]
 class Background(Rule):
     """Gives idle rollout workers the background work nothing else wants."""
 
-    __slots__ = ()
+    __slots__ = ("_rat",)
     name = "background"
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy)
+        self._rat = policy.rat         # rollout-assisted training comes first
 
     def wake(self, candidates: set[str]) -> None:
         """While background work waits, add every idle worker that may take it to the
         workers looked at (what held it back may have gone to another worker)."""
         policy = self.policy
-        if policy.ready_background.peek() is not None:
+        if self.queues.background.peek() is not None:
             pool = ROLLOUT if self.options.pools else COLOCATED
-            workers = policy.workers
+            workers = self.workers
             candidates |= {a for a in policy.free[pool] if not workers[a].inflight}
 
     def take(self, w: WorkerInfo) -> TaskInfo | None:
         """The most urgent background task for ``w``, which has nothing else to take,
         or None (see the module's rule)."""
         policy = self.policy
-        if (w.inflight or policy.ready_stealable.peek() is not None
-                or (policy.rat.on and w.pool == ROLLOUT
-                    and policy.ready_training.peek() is not None)):
+        if (w.inflight or self.queues.stealable.peek() is not None
+                or (self._rat.on and w.pool == ROLLOUT
+                    and self.queues.training.peek() is not None)):
             return None
-        top = policy.ready_background.peek()
+        top = self.queues.background.peek()
         if top is None:
             return None
-        if policy.trail_length:
+        if self.noting:
             policy.note(top.info, RELEASED, self.name, w,
                         "nothing else for this idle worker: no rollout step is ready and no "
                         "grad waits to be lent")

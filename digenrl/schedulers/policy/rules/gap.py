@@ -66,9 +66,9 @@ class Gap(Rule):
         policy = self.policy
         if (self.options.gap and info.kind == DECODE and info.pool == ROLLOUT
                 and info.chunk is not None and info.iteration > policy.version
-                and policy.ready_training.peek() is not None):
+                and self.queues.training.peek() is not None):
             self.deferred[info.iteration].append(info)
-            if policy.trail_length:
+            if self.noting:
                 policy.note(info, DEFERRED, self.name, None,
                             "a decode kept for the version change while grads wait (its "
                             "training reads version {}, published: {})", info.iteration,
@@ -84,7 +84,7 @@ class Gap(Rule):
         for it in [i for i in self.deferred if i <= policy.version]:
             for info in self.deferred.pop(it):
                 if info.state is READY:
-                    if policy.trail_length:
+                    if self.noting:
                         policy.note(info, REQUEUED, self.name, None,
                                     "version {} published: back at its chunk's place",
                                     policy.version)

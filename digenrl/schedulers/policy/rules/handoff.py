@@ -70,21 +70,21 @@ class Handoff(Rule):
         inputs: ``loc`` is not read.)"""
         policy = self.policy
         v = info.policy_version
-        maker = policy.workers.get(self.made_on.get(v, ""))
+        maker = self.workers.get(self.made_on.get(v, ""))
         if maker is not None:
-            if policy.trail_length:
+            if self.noting:
                 policy.note(info, PLACED, self.name, maker,
                             "it made version {}'s state and holds it in memory", v)
             return maker
         writing = self.checkpoints.get(v)
         if writing is not None and writing.state is not DONE:
-            if policy.trail_length:
+            if self.noting:
                 policy.note(info, WAITS, self.name, None,
                             "no worker holds version {}'s state (not made yet, or its "
                             "maker is gone) and its checkpoint is not written yet", v)
             return None
         w = policy.pools.pick(info, {})
-        if policy.trail_length and w is not None:
+        if self.noting and w is not None:
             policy.note(info, PLACED, self.name, w,
                         "no worker holds version {}'s state: it reads the checkpoint", v)
         return w

@@ -59,7 +59,7 @@ class Pools(Rule):
             return None
         # Most bytes first, then the least loaded, then by name.
         best, best_rank = None, None
-        workers, pools = policy.workers, self.options.pools
+        workers, pools = self.workers, self.options.pools
         for a, b in loc.items():
             w = workers.get(a) if b > 0 else None
             if w is None or (pools and w.pool != info.pool):
@@ -78,7 +78,7 @@ class Pools(Rule):
         """Where ``info``, a task without a GPU slot, goes now (:meth:`pick`), noted."""
         w = self.pick(info, loc)
         policy = self.policy
-        if policy.trail_length:
+        if self.noting:
             held = loc.get(w.address, 0) if w is not None else 0
             if w is None:
                 policy.note(info, WAITS, self.name, None, "no worker serves its pool")

@@ -44,11 +44,10 @@ gradient is copied to the least loaded trainer as soon as it is computed
 
 from __future__ import annotations
 
-from collections import defaultdict
 
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
-from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo, discard, first_step
+from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import DECLINED, LENT
 from digenrl.vocabulary import GRAD, ROLLOUT
 
@@ -58,7 +57,7 @@ __all__ = ["Rat"]
 class Rat(Rule):
     """Lends idle rollout workers to training."""
 
-    __slots__ = ("on", "ref_grad", "unstarted", "_round", "_kept")
+    __slots__ = ("on", "ref_grad", "_changes", "_round", "_kept")
     name = "RAT"
 
     def __init__(self, policy) -> None:
@@ -68,30 +67,15 @@ class Rat(Rule):
         self.on = o.rat and o.pools and o.tsp
         # Speed-1 seconds of a grad micro-step, measured.
         self.ref_grad: float | None = None
-        # The first steps of chunks not released yet, by (iteration, version read).
-        self.unstarted: dict[tuple[int, int], set] = defaultdict(set)
+        # What can wait for the version change, and the chunks not started yet.
+        self._changes = policy.version_change
         # Lending to the workers idle after a round (see lend_idle): the trainers' reach
         # and the owed chunks (neither changes while grads are lent), and how many idle
         # workers were kept for those chunks.
         self._round: tuple[float | None, int] | None = None
         self._kept = 0
 
-    # ------------------------------------------------------------ what it tracks
-
-    def added(self, info: TaskInfo) -> None:
-        if first_step(info):
-            self.unstarted[info.iteration, info.policy_version].add(info.key)
-
-    def gone(self, info: TaskInfo) -> None:
-        """``info`` was released (or forgotten): a chunk's first step no longer waits
-        to start it."""
-        if first_step(info):
-            discard(self.unstarted, (info.iteration, info.policy_version), info.key)
-
-    def back(self, info: TaskInfo) -> None:
-        """``info`` went back to waiting (lost, or its release failed)."""
-        if first_step(info):
-            self.unstarted[info.iteration, info.policy_version].add(info.key)
+    # ------------------------------------------------------------ what it learns
 
     def grad_done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """Grad ``info`` computed for ``duration`` seconds on ``worker``: measured; when
@@ -101,7 +85,7 @@ class Rat(Rule):
         if duration is None or duration <= 0 or worker is None:
             return
         policy = self.policy
-        w = policy.workers.get(worker)
+        w = self.workers.get(worker)
         if w is None:
             return
         ref = duration * w.speed
@@ -120,9 +104,9 @@ class Rat(Rule):
         """Whether a grad waits that an idle rollout worker might be lent; if so, every
         idle rollout worker is added to the workers looked at."""
         policy = self.policy
-        if not self.on or policy.ready_training.peek() is None:
+        if not self.on or self.queues.training.peek() is None:
             return False
-        workers = policy.workers
+        workers = self.workers
         candidates |= {a for a in policy.free[ROLLOUT] if not workers[a].inflight}
         return True
 
@@ -136,7 +120,7 @@ class Rat(Rule):
         trainers publish it only after the grads they have queued.)"""
         policy = self.policy
         version, limit = policy.version, policy.version + self.options.max_staleness
-        return sum(len(keys) for (it, read), keys in self.unstarted.items()
+        return sum(len(keys) for (it, read), keys in self._changes.unstarted.items()
                    if it <= limit and read <= version)
 
     def trainers_reach(self) -> float | None:
@@ -160,11 +144,11 @@ class Rat(Rule):
             return None
         policy = self.policy
         if before is not None:
-            if not policy.version_change.can_wait(before):
+            if not self._changes.can_wait(before):
                 return None
             owed = self.owed_chunks()
             if owed:
-                if policy.trail_length:
+                if self.noting:
                     self._note_declined(w, "{} chunks may start: no grad goes ahead of {}",
                                         owed, before.key)
                 return None
@@ -180,22 +164,22 @@ class Rat(Rule):
             if self._kept < owed:
                 self._kept += 1
                 policy.count("rat_declined")
-                if policy.trail_length:
+                if self.noting:
                     self._note_declined(w, "the worker is kept free for a chunk that may "
                                            "start ({} chunks may)", owed)
                 return None
-        top = policy.ready_training.peek()
+        top = self.queues.training.peek()
         if top is None or top.info.kind != GRAD:
             return None
         mine = (policy.transfer_seconds(w, top.info)
                 + (len(w.inflight) + 1) * self.ref_grad / w.speed)
         if mine > theirs:
             policy.count("rat_declined")
-            if policy.trail_length:
+            if self.noting:
                 self._note_declined(w, "a trainer finishes it sooner: {:.3g} s here > "
                                        "{:.3g} s on the first trainer to free", mine, theirs)
             return None
-        if policy.trail_length:
+        if self.noting:
             if before is None:
                 policy.note(top.info, LENT, self.name, w,
                             "the worker is idle and every trainer busy; it finishes the grad "
@@ -210,7 +194,7 @@ class Rat(Rule):
 
     def _note_declined(self, w: WorkerInfo, reason: str, *args) -> None:
         """Note on the grad ``w`` would be lent why it is not."""
-        top = self.policy.ready_training.peek()
+        top = self.queues.training.peek()
         if top is not None and top.info.kind == GRAD:
             self.policy.note(top.info, DECLINED, self.name, w, reason, *args)
 

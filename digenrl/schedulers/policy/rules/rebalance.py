@@ -39,7 +39,7 @@ STEP_EWMA = 0.5
 class Rebalance(Rule):
     """Measures step times and decides whether an idle worker may steal a step."""
 
-    __slots__ = ("ref_step", "chunk_home")
+    __slots__ = ("ref_step", "chunk_home", "_clock")
     name = "rebalance"
 
     def __init__(self, policy) -> None:
@@ -48,13 +48,14 @@ class Rebalance(Rule):
         self.ref_step: float | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self.chunk_home: dict[tuple, str] = {}
+        self._clock = policy.clock
 
     # ------------------------------------------------------------------ measuring
 
     def observed(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """Denoise step ``info`` computed for ``duration`` seconds on ``worker``."""
         if duration is not None and duration > 0 and worker is not None:
-            w = self.policy.workers.get(worker)
+            w = self.workers.get(worker)
             if w is not None:
                 per_sample = duration / info.sample_steps
                 a = STEP_EWMA
@@ -82,8 +83,8 @@ class Rebalance(Rule):
         task's samples (a denoise step and a training micro-step go over the same
         samples). None before any measurement."""
         policy = self.policy
-        info = policy.tasks.get(key)
-        w = policy.workers.get(info.where) if info is not None and info.where else None
+        info = self.tasks.get(key)
+        w = self.workers.get(info.where) if info is not None and info.where else None
         step = self.step_time(w) if w is not None and info.gpu else None
         if step is None:
             return None
@@ -91,11 +92,10 @@ class Rebalance(Rule):
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        policy = self.policy
-        steps = [s for s in map(self.step_time, policy.workers.values()) if s is not None]
+        steps = [s for s in map(self.step_time, self.workers.values()) if s is not None]
         if not steps:
             return None
-        samples = max((info.samples for info in policy.tasks.values() if info.gpu), default=1)
+        samples = max((info.samples for info in self.tasks.values() if info.gpu), default=1)
         return max(steps) * max(samples, 1)
 
     # ------------------------------------------------------- released work per worker
@@ -115,7 +115,7 @@ class Rebalance(Rule):
         if self.options.rebalance:
             n = w.step_samples
             step = self.step_time(w) if n else None
-            w.busy_until = self.policy.clock() + (step * n if step is not None else 0.0)
+            w.busy_until = self._clock() + (step * n if step is not None else 0.0)
 
     def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
         """When ``w`` would finish ``info`` if it took it now: after its released work,
@@ -137,16 +137,15 @@ class Rebalance(Rule):
         on whichever worker frees first, so faster workers start more chunks. Without,
         on the rollout worker that drew its noise: noise is dealt round-robin, so each
         worker gets an equal share of the chunks, as in data-parallel generation."""
-        policy = self.policy
         if self.options.rebalance:
             return None
         home = self.chunk_home.get((info.iteration, info.chunk))
-        return home if home in policy.workers else None
+        return home if home in self.workers else None
 
     def may_steal(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
         """Whether ``w`` may take ``info``, a step waiting for another worker."""
         policy = self.policy
-        owner = policy.workers.get(info.affinity or "")
+        owner = self.workers.get(info.affinity or "")
         if owner is None or owner is w:
             return True
         if not self.options.rebalance:
@@ -162,7 +161,7 @@ class Rebalance(Rule):
                 <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
             return True
         policy.count("kept")
-        if policy.trail_length:
+        if self.noting:
             policy.note(info, KEPT, self.name, w,
                         "the move costs more than it gains: moving takes {:.3g} s for a "
                         "{:.3g} s step; it would finish in {:.3g} s here, in {:.3g} s on {} "
@@ -176,7 +175,7 @@ class Rebalance(Rule):
         """Note why ``w`` takes ``info``, a step waiting for another worker (before its
         release, while the finish times :meth:`may_steal` compared still hold)."""
         policy = self.policy
-        owner = policy.workers.get(info.affinity or "")
+        owner = self.workers.get(info.affinity or "")
         if owner is None:
             policy.note(info, STOLEN, self.name, w, "the worker holding its inputs is gone")
         elif not self.options.rebalance:

@@ -76,7 +76,7 @@ class Staleness(Rule):
             if it - self.options.max_staleness > policy.version:
                 info.state = HELD
                 self.held_stale[it].add(info.key)
-                if policy.trail_length:
+                if self.noting:
                     policy.note(info, trail.HELD, self.name, None,
                                 "iteration {} waits for version {} (published: {})", it,
                                 it - self.options.max_staleness, policy.version)
@@ -85,7 +85,7 @@ class Staleness(Rule):
             if self.rollout_pending.get(it):
                 info.state = HELD
                 self.held_barrier[it].add(info.key)
-                if policy.trail_length:
+                if self.noting:
                     policy.note(info, trail.HELD, self.barrier, None,
                                 "without GAP iteration {}'s training waits for its rollout "
                                 "work ({} tasks left)", it, self.rollout_pending[it])
@@ -131,9 +131,9 @@ class Staleness(Rule):
         """Queue the held tasks ``keys`` (noted as eligible because of ``reason``)."""
         policy = self.policy
         for key in sorted(keys, key=policy.sort_key):
-            info = policy.tasks[key]
+            info = self.tasks[key]
             if info.state is HELD:
-                if policy.trail_length:
+                if self.noting:
                     policy.note(info, trail.ELIGIBLE, rule, None, reason, *args)
                 policy.enqueue(info)
 

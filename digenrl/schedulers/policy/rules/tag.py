@@ -35,14 +35,14 @@ class Tag(Rule):
             if info is None:
                 return None
             if self.keeps_for_optimizer(w, info):
-                if policy.trail_length:
+                if self.noting:
                     policy.note(info, KEPT, self.name, w,
                                 "the trainer keeps its slot for the optimizer step: every "
                                 "grad of iteration {} is released, no other trainer is "
                                 "idle, and this can wait for the version change",
                                 policy.version)
                 return None
-            if policy.trail_length:
+            if self.noting:
                 if stolen:
                     policy.rebalance.note_stolen(info, w, now)
                 policy.note(info, RELEASED, self.name, w, "no runnable training work")

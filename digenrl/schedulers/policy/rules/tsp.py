@@ -40,24 +40,23 @@ class Tsp(Rule):
         policy = self.policy
         if self.options.tsp:
             return
-        entries = ([e for heap in policy.ready_pinned.values() for e in heap]
-                   + list(policy.ready_training))
-        policy.ready_pinned = defaultdict(ReadyHeap)
-        policy.ready_training = ReadyHeap()
+        entries = ([e for heap in self.queues.pinned.values() for e in heap]
+                   + list(self.queues.training))
+        self.queues.pinned = defaultdict(ReadyHeap)
+        self.queues.training = ReadyHeap()
         for entry in entries:
             info = entry.info
             if info.state is not READY:
                 continue
             pin = self.pin_of(info)
             info.pin = pin
-            (policy.ready_pinned[pin] if pin else policy.ready_training).push(entry)
+            (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
         policy.new_training = True
 
     def runnable(self, w: WorkerInfo) -> bool:
         """Whether trainer ``w`` has training work it may run."""
-        policy = self.policy
-        pinned = policy.ready_pinned.get(w.address)
-        return (policy.ready_training.peek() is not None
+        pinned = self.queues.pinned.get(w.address)
+        return (self.queues.training.peek() is not None
                 or (pinned is not None and pinned.peek() is not None))
 
     def note_taken(self, info: TaskInfo, w: WorkerInfo) -> None:
@@ -72,8 +71,7 @@ class Tsp(Rule):
 
     def take(self, w: WorkerInfo) -> TaskInfo | None:
         """The most urgent training task ``w`` may run (None: none)."""
-        policy = self.policy
-        pinned = policy.ready_pinned.get(w.address)
+        pinned = self.queues.pinned.get(w.address)
         own = pinned.peek() if pinned is not None else None
-        pick = more_urgent(own, policy.ready_training.peek())
+        pick = more_urgent(own, self.queues.training.peek())
         return pick.info if pick is not None else None

@@ -14,8 +14,9 @@ trains on a version not published yet (:meth:`VersionChange.can_wait`). Three ru
 act on it: GAP keeps decodes for the version change (:mod:`.gap`), a rollout worker is
 lent a grad before such work (:mod:`.rat`), and the last idle trainer does not take it
 while the optimizer step comes next (:mod:`.tag`). This module keeps what they read:
-which denoise steps and grads of each iteration are yet to be released, and the newest
-iteration whose grads have started.
+which denoise steps and grads of each iteration are yet to be released, the newest
+iteration whose grads have started, and which chunks have not started (their first
+step not released: the generation RAT may owe).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = ["VersionChange"]
 class VersionChange(Rule):
     """Which work of each iteration is yet to be released, and what can wait."""
 
-    __slots__ = ("unreleased", "grads_from")
+    __slots__ = ("unreleased", "unstarted", "grads_from")
     name = "version change"
 
     def __init__(self, policy) -> None:
@@ -40,12 +41,13 @@ class VersionChange(Rule):
         # Denoise steps and grads not released yet, by (kind, iteration): whether an
         # iteration's generation has steps left to run, and its training grads.
         self.unreleased: dict[tuple[str, int], set] = defaultdict(set)
+        # The first steps of chunks not released yet, by (iteration, version read).
+        self.unstarted: dict[tuple[int, int], set] = defaultdict(set)
         # The newest iteration a grad has been released of (None before the first).
         self.grads_from: int | None = None
 
     def added(self, info: TaskInfo) -> None:
-        if tracked(info):
-            self.unreleased[info.kind, info.iteration].add(info.key)
+        self.back(info)
 
     def released(self, info: TaskInfo) -> None:
         """GPU task ``info`` was released."""
@@ -58,11 +60,15 @@ class VersionChange(Rule):
         """``info`` no longer waits to be released (released, or forgotten)."""
         if tracked(info):
             discard(self.unreleased, (info.kind, info.iteration), info.key)
+            if info.timestep == 0 and info.kind == DENOISE:     # a chunk's first step
+                discard(self.unstarted, (info.iteration, info.policy_version), info.key)
 
     def back(self, info: TaskInfo) -> None:
-        """``info`` went back to waiting (lost, or its release failed)."""
+        """``info`` waits to be released (added, lost, or its release failed)."""
         if tracked(info):
             self.unreleased[info.kind, info.iteration].add(info.key)
+            if info.timestep == 0 and info.kind == DENOISE:     # a chunk's first step
+                self.unstarted[info.iteration, info.policy_version].add(info.key)
 
     def left(self, kind: str, iteration: int) -> bool:
         """Whether a ``kind`` task (``denoise`` or ``grad``) of ``iteration`` is yet to
