@@ -44,7 +44,6 @@ gradient is copied to the least loaded trainer as soon as it is computed
 
 from __future__ import annotations
 
-
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo

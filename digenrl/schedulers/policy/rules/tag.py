@@ -1,9 +1,9 @@
 """TAG (trainer-assisted generation): idle trainers take rollout work.
 
 A trainer with no runnable training work and nothing in flight takes one rollout task
-at a time (its own heap's affinity rules apply: it may steal a step waiting for a
-rollout worker, :mod:`.rebalance`). Once training work is runnable no rollout task is
-released to a trainer. An idle trainer does not take work that can wait for the
+at a time, as a rollout worker would (a step waiting for another worker only when
+rebalancing lets it: :mod:`.rebalance`). Once training work is runnable no rollout task
+is released to a trainer. An idle trainer does not take work that can wait for the
 version change (:mod:`.version_change`) once every grad of the iteration being trained
 has been released and no other trainer is idle: the reduction and the optimizer step
 come next, and on a trainer busy with a decode the optimizer step would queue behind
