@@ -25,7 +25,7 @@ Key = Hashable
 class Telemetry:
     """One run's telemetry, kept on the scheduler."""
 
-    def __init__(self, timeline_samples: int = 20_000, recent: int = 20_000) -> None:
+    def __init__(self, timeline_samples: int = 20_000, recent: int = 5_000) -> None:
         #: Finished tasks' records (:data:`digenrl.records.TASK_COLUMNS`), from index
         #: ``record_offset`` of the run's on: the driver's reads drop those before.
         self.records: list[dict[str, Any]] = []

@@ -8,7 +8,8 @@ transition log; the same decision taken again in a row (a worker declining the s
 grad round after round) is counted on the entry rather than repeated. An entry is a
 compact tuple whose reason is a template and its arguments: the text is formatted only
 when the trail is read (:func:`trail_text`), so recording costs a tuple per decision,
-and nothing at all with the trail off (a policy made with ``trail=0``).
+and with the trail off (a policy made with ``trail=0``) a test where a decision is
+taken.
 
 The plugin stores each finished task's trail in the ``decisions`` column of its task
 record (:mod:`digenrl.records`), one decision per line; :func:`story` tells a task's
@@ -39,7 +40,7 @@ LENT = "lent"             # a grad released to a rollout worker (RAT)
 STOLEN = "stolen"         # taken from the worker holding its inputs (rebalance)
 KEPT = "kept"             # not taken by a worker that could have (rebalance, TAG)
 DECLINED = "declined"     # not lent to a rollout worker (RAT)
-WAITS = "waits"           # ready, but no worker may take it yet (hand-off)
+WAITS = "waits"           # ready, but no worker may take it yet (hand-off, pools)
 LOST = "lost"             # back to waiting: its worker left or an input was lost
 RETRIED = "retried"       # its release could not be applied: queued again
 
