@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--version", type=int,
                      help="the policy version (default: the newest the store holds: the "
                           "final weights of a finished run, else the newest checkpoint)")
+    why = sub.add_parser("why", help="why a task ran where and when it did: the "
+                                     "scheduling decisions on it, from a run's store")
+    why.add_argument("store", help="a digenrl store (finished or running)")
+    why.add_argument("key", help="the task's key as the store prints it, e.g. "
+                                 "\"('grad', 3, 1, 2)\", or plainly: grad,3,1,2")
+    why.add_argument("--quiet", action="store_true")
+    why.add_argument("--debug", action="store_true")
     sim = sub.add_parser("simulate", help="the scheduling policy on a simulated cluster")
     sim.add_argument("profile", help="a shipped cost profile or a YAML file")
     sim.add_argument("--gpus", type=int, help="scale the profile to this many GPUs")
@@ -471,6 +478,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(text)
     for path in written:
         logger.info("wrote %s", path)
+    return 0
+
+
+def _cmd_why(args: argparse.Namespace) -> int:
+    from digenrl.why import why
+
+    print(why(args.store, args.key))
     return 0
 
 
@@ -783,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _stop_on_signals(args):
             return {"run": _cmd_run, "bench": _cmd_bench, "report": _cmd_report,
-                    "export": _cmd_export, "simulate": _cmd_simulate,
+                    "export": _cmd_export, "simulate": _cmd_simulate, "why": _cmd_why,
                     "reward-server": _cmd_reward_server,
                     "deploy": _cmd_deploy}[args.command](args)
     except Stopped as e:

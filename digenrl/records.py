@@ -52,13 +52,17 @@ TASK_COLUMNS: dict[str, Column] = {
     "transfer": Column(np.float64, "seconds of fetches from other workers Dask attached to it"),
     "transfer_start": Column(np.float64, "when the first of those fetches started"),
     "transfer_stop": Column(np.float64, "when the last of those fetches stopped"),
+    "decisions": Column(str, "the scheduling policy's decisions on it, one a line: time "
+                             "(scheduler clock), what it did, rule, worker, reason, times "
+                             "taken again, when last (tab-separated; digenrl why prints "
+                             "them)"),
 }
 
 #: The columns the simulator records (it has no worker addresses apart from names, no
 #: clock offsets and no data sizes): a worker's name stands in its ``worker`` column.
 SIMULATED_COLUMNS = ("key", "kind", "worker", "pool", "iteration", "policy_version",
                      "timestep", "chunk", "ready", "released", "start", "stop", "tag", "gpu",
-                     "rat")
+                     "rat", "decisions")
 
 
 def task_columns(records: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:

@@ -82,6 +82,13 @@ def small_config(**overrides):
     return config_from_dict(apply_overrides(SMALL, overrides))
 
 
+def pipelined_config(**overrides):
+    """small_config with work to pipeline: twelve chains (more than the clusters run at
+    once), two of the six groups generated with the previous version, four iterations."""
+    return small_config(**{"iterations": 4, "data.prompts_per_iteration": 6,
+                           "rollout.chunk_size": 1, "schedule.stale_groups": 2, **overrides})
+
+
 def _cluster(rollout: int, trainer: int):
     from digenrl.cluster import start_cluster
 

@@ -8,7 +8,7 @@ from digenrl.report import summarise
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
-from conftest import assert_same_results, small_config
+from conftest import assert_same_results, pipelined_config, small_config
 from invariants import assert_schedule_invariants
 
 
@@ -47,13 +47,6 @@ def test_max_staleness_zero_is_bit_identical_to_disaggregated(cluster_2x2, share
     assert np.array_equal(da["samples"].reward.values, db["samples"].reward.values)
     wa, wb = a.final_weights.tensors, b.final_weights.tensors
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def pipelined_config(**kw):
-    # Twelve chains (more than the clusters run at once, or there is nothing to
-    # pipeline); two of the six groups may be generated with the previous version.
-    return small_config(**{"iterations": 4, "data.prompts_per_iteration": 6,
-                           "rollout.chunk_size": 1, "schedule.stale_groups": 2, **kw})
 
 
 @pytest.mark.parametrize("cluster", ["cluster_1x1", "cluster_2x2"])

@@ -1,6 +1,7 @@
 """Straggler rebalancing on a real local cluster: a rollout worker made slow loses its
-timesteps to the others at timestep boundaries, and the results stay bit-identical
-(the chunks keep their shapes; every draw is keyed by sample and timestep)."""
+timesteps to the others at timestep boundaries (``digenrl why`` tells why each moved),
+and the results stay bit-identical (the chunks keep their shapes; every draw is keyed by
+sample and timestep)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_a_slow_rollout_worker_loses_its_timesteps_and_nothing_changes(
         cluster_2x2, reference_run, tmp_path):
     from digenrl.runner import Runner
     from digenrl.store import open_run
+    from digenrl.why import why
 
     client = cluster_2x2.client
     slow = _address(client, "rollout-1")
@@ -46,4 +48,8 @@ def test_a_slow_rollout_worker_loses_its_timesteps_and_nothing_changes(
         moved += [t for t in range(1, len(names))
                   if names[t - 1] == "rollout-1" and names[t] != "rollout-1" and stolen[t]]
     assert moved, steps[["iteration", "chunk", "timestep", "worker_name", "stolen"]]
+    # digenrl why tells each stolen step's move: the rebalancing rule and its reason.
+    for step in steps[steps.stolen].itertuples():
+        text = why(str(path), step.key)
+        assert f"stolen by {step.worker_name}: rebalance -- from " in text, text
     assert_same_results(ds, result.final_weights.tensors, reference_run)

@@ -3,7 +3,9 @@
 It shows, updating live: the run and its schedule, the current policy version, the
 workers of each pool and what they are doing, pool utilisation and trainer-assisted
 generation over time, the tasks held back and why, the staleness of the samples trained
-so far, and the reward curve. :func:`install` adds the page to a running scheduler's
+so far, and the reward curve; and, for a task key typed in (``/digenrl?key=...``
+fills it in), the task's story: the policy's decisions on it with their rules and
+reasons (:func:`task_story`, what ``digenrl why`` prints from a store). :func:`install` adds the page to a running scheduler's
 dashboard (and its navigation bar), so it works whether the plugin was preloaded into
 ``dask scheduler`` or registered by ``digenrl run``.
 """
@@ -18,9 +20,10 @@ from typing import Any
 
 from digenrl.schedulers.palette import KIND_COLOURS
 from digenrl.schedulers.policy import HELD_REASONS
+from digenrl.schedulers.policy.trail import key_parts, story, trail_text
 from digenrl.vocabulary import COLOCATED, ROLLOUT, TRAINER
 
-__all__ = ["install", "ROUTE", "DigenRLPage"]
+__all__ = ["install", "ROUTE", "DigenRLPage", "task_story"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +34,9 @@ POOL_COLOURS = {ROLLOUT: "#1f77b4", TRAINER: "#d62728", COLOCATED: "#9467bd"}
 class DigenRLPage:
     """The Bokeh models of the page and their update from the plugin's state."""
 
-    def __init__(self, scheduler, plugin_name: str = "digenrl"):
+    def __init__(self, scheduler, plugin_name: str = "digenrl", key: str = ""):
         from bokeh.layouts import column, row
-        from bokeh.models import (ColumnDataSource, DataTable, Div, TableColumn)
+        from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn, TextInput
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -79,9 +82,14 @@ class DigenRLPage:
             f'margin-right:4px">{html.escape(k)}</span>' for k, c in KIND_COLOURS.items())
         self.kinds = Div(text=f"<b>task kinds</b> (task stream colours): {legend}",
                          name="digenrl-kinds", sizing_mode="stretch_width")
+        self.why_key = TextInput(title="why: a task's story (its key, e.g. "
+                                       "('grad', 3, 1, 2) or grad,3,1,2)", value=key,
+                                 name="digenrl-why-key", width=420)
+        self.why = Div(name="digenrl-why", sizing_mode="stretch_width")
+        self.why_key.on_change("value", lambda attr, old, new: self.update_story())
         self.root = column(self.status, self.kinds, row(self.pools, self.held, self.stale),
-                           self.util, self.reward, sizing_mode="stretch_width",
-                           name="digenrl-root")
+                           self.util, self.reward, self.why_key, self.why,
+                           sizing_mode="stretch_width", name="digenrl-root")
         self._last_timeline = 0.0
 
     # ------------------------------------------------------------------ update
@@ -115,6 +123,14 @@ class DigenRLPage:
             "iteration": [m["iteration"] for m in metrics],
             "reward": [m.get("reward_mean", float("nan")) for m in metrics]}
         self._update_timeline(plugin)
+        self.update_story()
+
+    def update_story(self) -> None:
+        """Tell the story of the task whose key is typed in (nothing when none is)."""
+        key = self.why_key.value.strip()
+        plugin = self._plugin()
+        text = task_story(plugin, key) if key and plugin is not None else ""
+        self.why.text = f"<pre>{html.escape(text)}</pre>" if text else ""
 
     def _update_timeline(self, plugin) -> None:
         timeline = plugin.telemetry.timeline
@@ -148,6 +164,31 @@ class DigenRLPage:
         self.util_source.data = data
 
 
+def task_story(plugin, key: str) -> str:
+    """The story of the task ``key`` (as the store prints keys, or plainly) of the run
+    ``plugin`` schedules: a task the policy holds now, with its state and the decisions
+    so far, or one of the last tasks that finished (:attr:`Telemetry.recent`)."""
+    want = key_parts(key)
+    telemetry, policy = plugin.telemetry, plugin.policy
+    t0 = telemetry.started
+    if policy is not None:
+        info = next((i for k, i in list(policy.tasks.items()) if key_parts(str(k)) == want),
+                    None)
+        if info is not None and info.state != "done":
+            w = policy.workers.get(info.where or "")
+            return story({"key": str(info.key), "kind": info.kind,
+                          "iteration": info.iteration, "policy_version": info.policy_version,
+                          "state": info.state, "worker_name": w.name if w is not None else "",
+                          "ready": info.ready_since, "eligible": info.eligible_since,
+                          "decisions": trail_text(info.trail)}, t0)
+    record = next((r for k, r in reversed(list(telemetry.recent.items()))
+                   if key_parts(k) == want), None)
+    if record is None:
+        return (f"{key}: no such task among those the scheduler holds or the last "
+                f"{len(telemetry.recent)} that finished")
+    return story(record, t0)
+
+
 def _ratio(pool: dict | None, field: str) -> float:
     if not pool or not pool.get("workers"):
         return 0.0
@@ -176,7 +217,8 @@ def _status_html(state: dict[str, Any]) -> str:
 def _doc(plugin_name: str, scheduler, extra, doc) -> None:
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    page = DigenRLPage(scheduler, plugin_name)
+    key = doc.session_context.request.arguments.get("key") if doc.session_context else None
+    page = DigenRLPage(scheduler, plugin_name, key[0].decode() if key else "")
     page.update()
     doc.title = "Dask: DigenRL"
     doc.add_root(page.root)

@@ -14,6 +14,7 @@ from collections import defaultdict, deque
 from typing import Any, Hashable
 
 from digenrl.schedulers.policy import Decision, SchedulingPolicy
+from digenrl.schedulers.policy.trail import trail_text
 from digenrl.vocabulary import GRAD
 
 __all__ = ["Telemetry"]
@@ -24,7 +25,7 @@ Key = Hashable
 class Telemetry:
     """One run's telemetry, kept on the scheduler."""
 
-    def __init__(self, timeline_samples: int = 20_000) -> None:
+    def __init__(self, timeline_samples: int = 20_000, recent: int = 5_000) -> None:
         #: Finished tasks' records (:data:`digenrl.records.TASK_COLUMNS`), from index
         #: ``record_offset`` of the run's on: the driver's reads drop those before.
         self.records: list[dict[str, Any]] = []
@@ -37,10 +38,16 @@ class Telemetry:
         #: Samples of (time, policy version, per-pool busy/TAG workers, held tasks).
         self.timeline: deque[dict[str, Any]] = deque(maxlen=timeline_samples)
         self._last_sample = 0.0
+        #: When the run began (what the dashboard's task stories count from).
+        self.started = time.time()
         #: Samples trained so far by staleness (first trained timestep of each chunk).
         self.staleness_counts: dict[int, int] = defaultdict(int)
         #: Per-iteration metrics the driver reports (reward curve on the dashboard).
         self.metrics: list[dict[str, float]] = []
+        #: The last ``recent`` finished tasks' records by key (as text), kept after the
+        #: driver has read them: the dashboard tells their story.
+        self.recent: dict[str, dict[str, Any]] = {}
+        self._recent_limit = recent
 
     # ---------------------------------------------------------------- task events
 
@@ -74,7 +81,7 @@ class Telemetry:
         ready = self._ready_at.get(key) or policy.ready_since(key) or 0.0
         if meta["kind"] == GRAD and meta.get("timestep") == 0 and bv is not None:
             self.staleness_counts[meta["policy_version"] - bv] += int(meta.get("samples") or 0)
-        self.records.append({
+        record = {
             "key": str(key),
             "kind": meta["kind"],
             "gpu": bool(meta.get("gpu")),
@@ -101,7 +108,14 @@ class Telemetry:
             "transfer": fetch,
             "transfer_start": fetch_start,
             "transfer_stop": fetch_stop,
-        })
+            "decisions": trail_text(policy.trail_of(key)),
+        }
+        self.records.append(record)
+        recent = self.recent
+        recent.pop(record["key"], None)
+        recent[record["key"]] = record
+        if len(recent) > self._recent_limit:
+            del recent[next(iter(recent))]
         return stop - start if start is not None and stop is not None else None
 
     # ---------------------------------------------------------------- the timeline

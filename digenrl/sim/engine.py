@@ -29,6 +29,7 @@ from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key,
 from digenrl.records import SIMULATED_COLUMNS
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.policy.trail import trail_text
 from digenrl.sim.template import Batch, IterationSource, node_batch
 from digenrl.vocabulary import STATS
 
@@ -72,7 +73,7 @@ class SimResult:
             timestep=-1 if t.timestep is None else t.timestep,
             chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
             start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
-            rat=t.worker_rat)
+            rat=t.worker_rat, decisions=trail_text(t.trail))
             for t in self.finished]
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
@@ -152,17 +153,22 @@ class _Worker:
 
 
 class Simulator:
-    """Runs iterations of a layout on simulated workers under one policy."""
+    """Runs iterations of a layout on simulated workers under one policy.
+
+    ``trail``: how many decisions the policy keeps per task (its decision trail, in the
+    records' ``decisions`` column); 0, the default, records none, which keeps large
+    simulations at full speed."""
 
     def __init__(self, options: ScheduleOptions, workers: Sequence[SimWorker], cost: CostFn,
                  *, transfer: TransferFn | None = None, dispatch_latency: float = 0.0,
                  queued_latency: float = 0.0,
                  output_bytes: Callable[[str, int], int] | None = None,
-                 clock: SimClock | None = None):
+                 clock: SimClock | None = None, trail: int = 0):
         # (The policy reads the clock object, not the simulator: nothing the run makes
         # refers back to the simulator, so reference counting frees it all.)
         self.clock = clock or SimClock()
-        self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"))
+        self.policy = SchedulingPolicy(options, clock=partial(getattr, self.clock, "now"),
+                                       trail=trail)
         self._workers = {w.name: _Worker(w) for w in workers}
         self.cost = cost
         self.transfer = transfer or (lambda kind, samples: 0.0)

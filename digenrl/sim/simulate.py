@@ -69,7 +69,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
              stale_groups: int | None = None, dispatch_latency: float = 0.005,
              queued_latency: float = 0.0, skip: int = 1, drain: int = 1,
              slowdown: Callable[[str, float], float] | None = None,
-             speeds: Mapping[str, float] | None = None) -> SimulationReport:
+             speeds: Mapping[str, float] | None = None, trail: int = 0) -> SimulationReport:
     """Simulate ``iterations`` of ``profile`` under ``options``.
 
     ``dispatch_latency``: seconds (in the profile's time) between a task's release and
@@ -78,7 +78,8 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     durations of a worker's tasks starting at ``now`` (stragglers; default: the profile's
     ``slowdowns``). ``speeds``: per-worker speeds (``rollout-0``...) instead of the
     profile's; the ideal bound counts each worker at its speed. The policy's rebalancing
-    assumes the profile's network bandwidth.
+    assumes the profile's network bandwidth. ``trail``: decisions kept per task in the
+    records' ``decisions`` column (0, the default, records none).
     """
     options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
     if slowdown is None and profile.slowdowns:
@@ -114,7 +115,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                     transfer=transfer, dispatch_latency=dispatch_latency,
                     queued_latency=queued_latency,
                     output_bytes=lambda kind, samples: max(samples, 1),
-                    clock=clock)
+                    clock=clock, trail=trail)
     t = time.perf_counter()
     result = sim.run(layout, plans)
     wall = time.perf_counter() - t

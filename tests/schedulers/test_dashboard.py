@@ -1,4 +1,5 @@
-"""The digenrl page of the Dask dashboard, loaded in headless Chromium; the task stream."""
+"""The digenrl page of the Dask dashboard, loaded in headless Chromium (with a task's
+story); the task stream."""
 
 from __future__ import annotations
 
@@ -71,6 +72,59 @@ def test_the_digenrl_page_renders_pools_and_policy_version(dashboard_run):
         assert f"digenrl-{name}" in page["rendered"], (name, page["rendered"])
     assert seen["errors"] == []
     assert seen["png"][:8] == b"\x89PNG\r\n\x1a\n" and len(seen["png"]) > 20_000
+
+
+STORY = """(() => {
+  if (!window.Bokeh || !Bokeh.documents.length) return null;
+  const why = Bokeh.documents[0].get_model_by_name('digenrl-why');
+  const key = Bokeh.documents[0].get_model_by_name('digenrl-why-key');
+  return why && why.text.includes('grad of iteration')
+    ? JSON.stringify({text: why.text, key: key.value}) : null;
+})()"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason=INSTALL_HINT)
+def test_the_page_tells_the_story_of_a_task_named_in_its_address(dashboard_run):
+    base = dashboard_run.dashboard_link.rsplit("/", 1)[0]
+    browser = Browser()
+    try:
+        seen = browser.visit(f"{base}/digenrl?key=grad,1,0,0", STORY)
+    finally:
+        browser.close()
+    assert seen["value"], f"the page never told the story (errors: {seen['errors']})"
+    page = json.loads(seen["value"])
+    assert page["key"] == "grad,1,0,0"
+    assert "(&#x27;grad&#x27;, 1, 0, 0): grad of iteration 1" in page["text"]
+    assert any(f"{verb} to " in page["text"] for verb in ("released", "lent"))
+    assert seen["errors"] == []
+
+
+def test_a_story_is_told_for_a_waiting_task_a_finished_one_and_none_for_a_stranger():
+    from digenrl.schedulers.dashboard import task_story
+    from digenrl.schedulers.options import MODES, ScheduleOptions
+    from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+    from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+
+    plugin = DigenRLSchedulerPlugin()     # (not started: no scheduler is needed here)
+    plugin.policy = p = SchedulingPolicy(ScheduleOptions(mode="digenrl", **MODES["digenrl"]))
+    p.add_worker("r0", "rollout-0", "rollout", 1)
+    p.version = 0
+    waiting = TaskInfo(("denoise", 3, 0, 0), "denoise", "rollout", 3, 2, True, timestep=0,
+                       chunk=0)
+    p.add_tasks([waiting])
+    p.task_ready(waiting.key)
+    text = task_story(plugin, "denoise,3,0,0")
+    assert text.splitlines()[:2] == ["('denoise', 3, 0, 0): denoise of iteration 3 (policy "
+                                     "version 2)", "  now held"]
+    assert "held: staleness -- iteration 3 waits for version 2 (published: 0)" in text
+    plugin.telemetry.recent["('grad', 0, 0, 0)"] = {
+        "key": "('grad', 0, 0, 0)", "kind": "grad", "iteration": 0, "policy_version": 0,
+        "worker_name": "trainer-0", "decisions": ""}
+    assert task_story(plugin, "(grad, 0, 0, 0)").startswith(
+        "('grad', 0, 0, 0): grad of iteration 0 (policy version 0)\n  ran on trainer-0")
+    assert task_story(plugin, "grad,7,0,0") == (
+        "grad,7,0,0: no such task among those the scheduler holds or the last 1 that "
+        "finished")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason=INSTALL_HINT)

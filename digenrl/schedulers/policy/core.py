@@ -1,0 +1,648 @@
+"""The core of the scheduling policy: tasks, workers, ready queues, and the decision round.
+
+The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
+added, become ready, finish or are lost -- and asks it for decisions: which ready task to
+release to which worker. The core keeps what every rule reads (the tasks and their
+state, the workers and what is released to each, the ready queues, the newest published
+version) and asks each rule (:mod:`digenrl.schedulers.policy.rules`) for its say where
+the rule applies: whether a ready task is held, where it waits and in which order,
+which worker takes what, and what each finished task teaches.
+
+A ready GPU task waits in a heap, most urgent first: rollout work with *affinity* to
+the worker holding most of its input bytes (a chain's previous step), or to nobody;
+training work in one queue, or one per trainer without TSP; background work apart.
+Tasks that need no GPU are released at once (:mod:`.rules.pools`). A decision round
+(:meth:`SchedulingPolicy.decide`) looks only at the workers whose slots changed and the
+free workers that can take a kind of work that has new ready tasks; they take one task
+per round, the least loaded first, so new work spreads over idle workers. A worker
+takes tasks with affinity to it or to nobody first, and only then a task waiting for
+another, busy worker (stealing, :mod:`.rules.rebalance`).
+
+With a trail (``trail > 0``) every decision is noted on its task with the rule and the
+reason (:mod:`.trail`); with ``trail=0`` (the simulator's default) nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Mapping
+
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.policy import trail as _trail
+from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
+from digenrl.schedulers.policy.rules.background import Background
+from digenrl.schedulers.policy.rules.gap import Gap
+from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
+from digenrl.schedulers.policy.rules.pools import Pools, pool_problem
+from digenrl.schedulers.policy.rules.rat import Rat
+from digenrl.schedulers.policy.rules.rebalance import Rebalance
+from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
+from digenrl.schedulers.policy.rules.tag import Tag
+from digenrl.schedulers.policy.rules.tsp import Tsp
+from digenrl.schedulers.policy.rules.version_change import VersionChange
+from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY, RELEASED,
+                                             Decision, Key, TaskInfo, WorkerInfo)
+from digenrl.schedulers.policy.trail import LOST, RETRIED, TRAIL_LENGTH, Entry
+from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, PUBLISH,
+                                RESTORE, ROLLOUT, TRAINER)
+
+__all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
+           "HELD_REASONS"]
+
+#: Why a ready task is not running yet (telemetry).
+HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
+
+
+def validate_task(info: TaskInfo, options: ScheduleOptions) -> str | None:
+    """Why ``info`` can never run under ``options`` (None when it can)."""
+    return pool_problem(info) or stale_training(info, options)
+
+
+class SchedulingPolicy:
+    """Feed it events; call :meth:`decide` for the releases to make now.
+
+    ``trail``: how many decisions each task keeps in its trail (:mod:`.trail`; 0: none
+    are recorded), fixed when the policy is made.
+    """
+
+    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
+                 "rejected",
+                 "queues",
+                 # the rules
+                 "pools", "staleness", "gap", "tsp", "tag", "rat", "version_change",
+                 "rebalance", "background", "handoff",
+                 # the decision round
+                 "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
+                 "_seq", "_arrivals", "_copies", "_counts", "_released",
+                 "__weakref__")      # (the rules hold the core weakly)
+
+    def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
+                 *, trail: int = TRAIL_LENGTH):
+        self.options = options
+        self.clock = clock
+        self.trail_length = trail
+        self.tasks: dict[Key, TaskInfo] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.version = -1                          # newest published policy version
+        self.rejected: dict[Key, str] = {}
+        self.queues = ReadyQueues()
+        # The rules, each asked where it applies (a rule may hold one made before it).
+        self.pools = Pools(self)
+        self.staleness = Staleness(self)
+        self.version_change = VersionChange(self)
+        self.gap = Gap(self)
+        self.tsp = Tsp(self)
+        self.tag = Tag(self)
+        self.rat = Rat(self)
+        self.rebalance = Rebalance(self)
+        self.background = Background(self)
+        self.handoff = Handoff(self)
+        # Which workers decide() must look at: those whose slots changed, and the free
+        # workers of a kind of work that has new ready tasks.
+        self.dirty: set[str] = set()
+        # Workers with a free GPU slot, by pool.
+        self.free: dict[str, set[str]] = {ROLLOUT: set(), TRAINER: set(), COLOCATED: set()}
+        self.new_rollout = False
+        self.new_training = False
+        self._pool_lists: dict[str, list[WorkerInfo]] = {}
+        self._ranked = True                        # every worker's rank is current
+        self._seq = itertools.count()
+        self._arrivals = itertools.count()
+        # Results to copy to a worker ahead of need (see take_copies).
+        self._copies: list[tuple[Key, str]] = []
+        # Telemetry (releases are counted apart: one is counted per task).
+        self._counts: dict[str, int] = defaultdict(int)
+        self._released = 0
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, address: str, name: str, pool: str | None, gpus: int,
+                   speed: float = 1.0) -> None:
+        """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
+        in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
+        not used."""
+        pool = self.pools.worker_pool(pool)
+        if gpus < 1 or pool is None:
+            return
+        self.workers[address] = WorkerInfo(address, name, pool, gpus,
+                                           gpus * self.options.slots_per_worker, speed)
+        self.dirty.add(address)
+        self.free[pool].add(address)
+        self._pool_lists.clear()
+        self._ranked = False
+        self.tsp.repin()
+
+    def remove_worker(self, address: str) -> list[Key]:
+        """A worker left. Returns the tasks that were released to it (Dask brings them
+        back as ready once their inputs exist again)."""
+        w = self.workers.pop(address, None)
+        self.dirty.discard(address)
+        self._pool_lists.clear()
+        self._ranked = False
+        if w is None:
+            return []
+        self.free[w.pool].discard(address)
+        self.handoff.worker_left(address)
+        lost = list(w.inflight | w.cpu_inflight)
+        for key in lost:
+            info = self.tasks.get(key)
+            if info is not None:
+                info.where = None
+                if info.state is RELEASED:
+                    info.state = ADDED
+        self.tsp.repin()
+        return lost
+
+    def pool_of(self, address: str) -> str | None:
+        w = self.workers.get(address)
+        return w.pool if w else None
+
+    def pool_workers(self, pool: str) -> list[WorkerInfo]:
+        """The workers serving ``pool``, by name (cached until membership changes)."""
+        key = pool if self.options.pools else COLOCATED
+        cached = self._pool_lists.get(key)
+        if cached is None:
+            cached = sorted((w for w in self.workers.values()
+                             if not self.options.pools or w.pool == pool), key=lambda w: w.name)
+            self._pool_lists[key] = cached
+        return cached
+
+    def trainers(self) -> list[WorkerInfo]:
+        return self.pool_workers(TRAINER)
+
+    # -------------------------------------------------------------------- tasks
+
+    def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
+        """Tasks entered the scheduler. Returns the rejected ones with the reason."""
+        rejected = {}
+        tasks, arrivals, options = self.tasks, self._arrivals, self.options
+        staleness, changes, handoff = self.staleness, self.version_change, self.handoff
+        for info in infos:
+            key = info.key
+            if tasks.setdefault(key, info) is not info:
+                continue   # known already
+            info.state = ADDED
+            info.order = next(arrivals)
+            why = validate_task(info, options)
+            if why is not None:
+                self.rejected[key] = why
+                rejected[key] = why
+                continue
+            handoff.added(info)
+            staleness.added(info)
+            changes.added(info)
+        return rejected
+
+    def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
+        """All inputs of ``key`` exist; ``locality`` maps worker -> input bytes held
+        (the policy keeps the mapping: pass one the caller no longer changes)."""
+        info = self.tasks.get(key)
+        if info is not None:
+            self.ready(info, locality)
+
+    def ready(self, info: TaskInfo, locality: Mapping[str, int] | None = None) -> None:
+        """:meth:`task_ready` for a caller that holds the task: ``info`` is the object
+        it passed to :meth:`add_tasks` (the simulator's tasks are such objects)."""
+        if self.rejected and info.key in self.rejected:
+            return
+        if info.state in QUEUED:
+            return  # a repeated event; DONE tasks may be recomputed after a loss
+        info.locality = locality if locality is not None else {}
+        now = None
+        if info.ready_since is None:
+            info.ready_since = now = self.clock()
+        if not self.staleness.holds(info):
+            self.enqueue(info, now)
+
+    def enqueue(self, info: TaskInfo, now: float | None = None) -> None:
+        """``info`` is runnable: queue it (``now``: the clock, when the caller read it).
+        GAP gives its place in the order, rebalancing where a chunk's first step waits,
+        TSP which trainer a training task waits for."""
+        info.state = READY
+        if info.eligible_since is None:
+            info.eligible_since = self.clock() if now is None else now
+        loc = info.locality or {}
+        if not info.gpu:
+            self.queues.cpu[info.key] = loc
+            return
+        gap = self.gap
+        entry = gap.entry(info, next(self._seq), gap.defers(info))
+        if info.kind in BACKGROUND_KINDS:
+            self.queues.background.push(entry)
+            self.new_rollout = True   # (the free rollout workers are who may take it)
+        elif info.pool == ROLLOUT:
+            if info.timestep == 0 and info.kind == DENOISE:
+                aff = self.rebalance.first_step_home(info)
+            else:
+                aff = self._affinity_of(loc)
+            info.affinity = aff
+            if aff:
+                self.queues.affine[aff].push(entry)
+                # Only steps waiting for a worker can be stolen: every worker sees the
+                # shared ones first anyway.
+                self.queues.stealable.push(entry)
+            else:
+                self.queues.shared.push(entry)
+            self.new_rollout = True
+        else:
+            pin = self.tsp.pin_of(info)
+            info.pin = pin
+            (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
+            self.new_training = True
+
+    def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
+        """The worker holding most of the input bytes ``loc`` (None: none, or a tie)."""
+        best, best_bytes, tie = None, 0, False
+        for addr, nbytes in loc.items():
+            if addr not in self.workers or nbytes <= 0:
+                continue
+            if nbytes > best_bytes:
+                best, best_bytes, tie = addr, nbytes, False
+            elif nbytes == best_bytes:
+                tie = True
+        return None if tie else best
+
+    def sort_key(self, key: Key) -> ReadyEntry:
+        """The order in which ready tasks without a heap are looked at (GAP's order)."""
+        info = self.tasks[key]
+        return self.gap.entry(info, info.order)
+
+    def task_done(self, key: Key, worker: str | None = None,
+                  duration: float | None = None) -> None:
+        """``key`` finished on ``worker`` after computing for ``duration`` seconds."""
+        info = self.tasks.get(key)
+        if info is not None:
+            self.done(info, worker, duration)
+
+    def done(self, info: TaskInfo, worker: str | None = None,
+             duration: float | None = None) -> None:
+        """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
+        kind = info.kind
+        # What it teaches: step and grad times, where a chunk's noise is, who holds a
+        # trainer state.
+        if kind == DENOISE:
+            self.rebalance.observed(info, worker, duration)
+        elif kind == NOISE and worker is not None:
+            self.rebalance.noise_drawn(info, worker)
+        elif kind == GRAD:
+            self.rat.grad_done(info, worker, duration)
+        elif kind in MAKERS and worker is not None:
+            self.handoff.made(info, worker)
+        self._unrelease(info)
+        info.state = DONE
+        info.locality = info.ready_since = info.eligible_since = None
+        if info.pool == ROLLOUT:
+            self.staleness.done(info)
+        if kind == PUBLISH and info.policy_version > self.version:
+            self.version = info.policy_version
+            self.staleness.published()
+            self.gap.published()
+            # The rollout workers generate with it next: they fetch it now, while the
+            # chunks it lets start draw their noise, not once their first steps are
+            # released.
+            pool = ROLLOUT if self.options.pools else COLOCATED
+            self._copies.extend((info.key, w.address) for w in self.pool_workers(pool)
+                                if w.address != worker)
+
+    def task_lost(self, key: Key) -> None:
+        """A released or ready task went back to waiting (its worker died, or an input
+        was lost): it is not runnable until it is ready again."""
+        info = self.tasks.get(key)
+        if info is not None:
+            if self.trail_length:
+                self.note(info, LOST, "", None, "its worker left or an input was lost")
+            self._unrelease(info)
+            info.state = ADDED
+            self.queues.cpu.pop(key, None)
+            self.handoff.result_gone(info)
+            self.version_change.back(info)
+            info.locality = info.ready_since = info.eligible_since = None
+
+    def task_failed(self, key: Key) -> None:
+        info = self.tasks.get(key)
+        if info is not None:
+            self._unrelease(info)
+            info.state = DONE
+            info.ready_since = info.eligible_since = None
+
+    def task_forgotten(self, key: Key) -> None:
+        info = self.tasks.pop(key, None)
+        if info is None:
+            return
+        state = info.state
+        if state is RELEASED:
+            self._unrelease(info)
+        elif state is not DONE:
+            # Held, or held once and then lost: drop it from the CPU queue (and below,
+            # the holds).
+            self.queues.cpu.pop(key, None)
+        self.staleness.forgotten(info, held=state is not RELEASED and state is not DONE)
+        # Queued heap entries of a forgotten task are dead: its state is no longer READY.
+        info.state = FORGOTTEN
+        info.locality = None
+        if self.rejected:
+            self.rejected.pop(key, None)
+        self.handoff.forgotten(info)
+        if info.kind == NOISE:
+            self.rebalance.noise_forgotten(info)
+        else:
+            self.version_change.gone(info)
+
+    def release_failed(self, key: Key) -> None:
+        """The adapter could not place a released task (its worker vanished): retry."""
+        info = self.tasks.get(key)
+        if info is None or info.state is not RELEASED:
+            return
+        if self.trail_length:
+            self.note(info, RETRIED, "", None, "its worker vanished before the release")
+        self._unrelease(info)
+        self.version_change.back(info)
+        self.enqueue(info)
+
+    def _unrelease(self, info: TaskInfo) -> None:
+        addr = info.where
+        if addr is None:
+            return
+        info.where = None
+        w = self.workers.get(addr)
+        if w is None:
+            return
+        if info.gpu:   # (released GPU tasks are in inflight, others in cpu_inflight)
+            w.inflight.discard(info.key)
+            self.dirty.add(addr)
+            self.free[w.pool].add(addr)
+            self.rebalance.unreleased(w, info)
+            if w.pool == TRAINER and info.pool == ROLLOUT:
+                w.tag_inflight -= 1
+            elif w.pool == ROLLOUT and info.pool == TRAINER:
+                w.rat_inflight -= 1
+        else:
+            w.cpu_inflight.discard(info.key)
+
+    # ------------------------------------------------------------ copies ahead
+
+    def copy_ahead(self, key: Key, address: str) -> None:
+        """Have ``address`` copy the result of ``key`` ahead of need (:meth:`take_copies`)."""
+        self._copies.append((key, address))
+
+    def take_copies(self) -> list[tuple[Key, str]]:
+        """The results to copy ahead of need, each to a worker (in the order decided),
+        handed over: the caller asks each worker to fetch its results, where they are
+        still in memory and the worker is still there. They are a lent grad's gradient
+        (to a trainer) and a newly published version's weights (to every rollout
+        worker, or every worker without pools)."""
+        out, self._copies = self._copies, []
+        return out
+
+    # ------------------------------------------------------------ expectations
+
+    def transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
+        """Seconds to move the input bytes of ``info`` that ``w`` lacks."""
+        loc = info.locality or {}
+        return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
+
+    def expected_seconds(self, key: Key) -> float | None:
+        """Expected seconds of ``key``, a released GPU task, on its worker (the
+        progress watchdog's yardstick: :meth:`.Rebalance.expected_seconds`)."""
+        return self.rebalance.expected_seconds(key)
+
+    def longest_expected(self) -> float | None:
+        """The longest :meth:`expected_seconds` a known task could have on any worker."""
+        return self.rebalance.longest_expected()
+
+    # ---------------------------------------------------------------- decisions
+
+    def decide(self) -> list[Decision]:
+        """Releases to make now (each is final: the task goes to that worker).
+
+        Only workers whose slots changed, and the free workers that can take a kind of
+        work that has new ready tasks, are looked at; they take one task per round, the
+        least loaded first, so new work spreads over idle workers.
+        """
+        now = self.clock()
+        out: list[Decision] = []
+        if self.queues.cpu:
+            for key in sorted(self.queues.cpu, key=self.sort_key):
+                info = self.tasks[key]
+                rule = self.handoff if info.kind == RESTORE else self.pools
+                w = rule.place(info, self.queues.cpu[key])
+                if w is not None:
+                    del self.queues.cpu[key]
+                    out.append(self.release(info, w, now))
+        candidates = self.dirty
+        self.dirty = set()
+        workers = self.workers
+        rollout, training = self.new_rollout, self.new_training
+        if rollout or training:
+            # The free workers that may take the new kind of work: any worker without
+            # pools; rollout workers rollout work and trainers training work; with TAG,
+            # trainers with nothing released rollout work too.
+            free = self.free
+            if not self.options.pools:
+                candidates |= free[COLOCATED]
+            else:
+                if rollout:
+                    candidates |= free[ROLLOUT]
+                if training:
+                    candidates |= free[TRAINER]
+                elif self.options.tag:
+                    candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
+            self.new_rollout = self.new_training = False
+        self.background.wake(candidates)
+        lending = self.rat.wake(candidates)
+        # The least loaded first, by name (ranks are unique: workers are never compared
+        # themselves).
+        if not self._ranked:
+            ordered = sorted(workers.values(), key=lambda w: (w.name, w.address))
+            for rank, w in enumerate(ordered):
+                w.rank = rank
+            self._ranked = True
+        active = sorted((w for w in map(workers.get, candidates)
+                         if w is not None and len(w.inflight) < w.slots),
+                        key=lambda w: (len(w.inflight), w.rank))
+        idle_rollout = ([w for w in active if w.pool == ROLLOUT and not w.inflight]
+                        if lending else [])
+        while active:
+            still = []
+            for w in active:
+                d = self._decide_one(w, now)
+                if d is not None:
+                    out.append(d)
+                    if len(w.inflight) < w.slots:
+                        still.append(w)
+            active = still
+        if idle_rollout:
+            # Rollout-assisted training, once every other worker has taken its share.
+            out.extend(self.rat.lend_idle(idle_rollout, now))
+        return out
+
+    def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
+        """What ``w`` takes in this round: its pool's work first (training for a
+        trainer, rollout for a rollout worker, a grad first when RAT says so), then
+        background work (rollout workers), or rollout work (TAG, trainers)."""
+        pools, pool = self.options.pools, w.pool
+        if not pools or pool == TRAINER:
+            info = self.tsp.take(w)
+            if info is not None:
+                if self.trail_length:
+                    self.tsp.note_taken(info, w)
+                return self.release(info, w, now)
+        if not pools or pool == ROLLOUT:
+            info, stolen = self.take_rollout(w, now)
+            if info is not None:
+                lent = self.rat.lend(w, info)
+                if lent is not None:
+                    return self.release(lent, w, now, rat=True)
+                if self.trail_length:
+                    self.note_rollout_taken(info, w, stolen, now)
+                return self.release(info, w, now, stolen=stolen)
+            info = self.background.take(w)
+            return self.release(info, w, now) if info is not None else None
+        # A trainer with no runnable training work: trainer-assisted generation.
+        return self.tag.take(w, now)
+
+    def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
+        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
+        from another worker, when rebalancing lets ``w`` (then True)."""
+        affine = self.queues.affine.get(w.address)
+        own = affine.peek() if affine is not None else None
+        pick = more_urgent(own, self.queues.shared.peek())
+        if pick is not None:
+            return pick.info, False
+        steal = self.queues.stealable.peek()
+        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
+            return None, False
+        return steal.info, True
+
+    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
+                stolen: bool = False, rat: bool = False) -> Decision:
+        """Release ``info`` to ``w`` (``tag``: a trainer generating; ``stolen``: from
+        another worker's affinity; ``rat``: a grad lent to a rollout worker)."""
+        key = info.key
+        info.state = RELEASED
+        if info.affinity is not None and info.affinity == w.address:
+            self.queues.stealable.one_dead()   # its entry among the stealable ones
+        info.where = w.address
+        if info.gpu:
+            inflight = w.inflight
+            inflight.add(key)
+            if len(inflight) >= w.slots:
+                self.free[w.pool].discard(w.address)
+            self.version_change.released(info)
+            self.rebalance.released(w, info, now)
+            if tag:
+                w.tag_inflight += 1
+            if rat:
+                w.rat_inflight += 1
+        else:
+            w.cpu_inflight.add(key)
+        self._released += 1
+        if tag:
+            self._counts["tag_released"] += 1
+        if stolen:
+            self._counts["stolen"] += 1
+        if rat:
+            self._counts["rat_released"] += 1
+        return Decision(key, w.address, now, tag, stolen, rat, info)
+
+    # ---------------------------------------------------------------- the trail
+
+    def note(self, info: TaskInfo, verb: str, rule: str, w: WorkerInfo | None, reason: str,
+             *args: Any) -> None:
+        """Note a decision on ``info``'s trail: ``verb`` (:mod:`.trail`) by ``rule``, at
+        worker ``w``, because ``reason.format(*args)`` (formatted when read). Callers
+        test :attr:`trail_length` first, so a policy without a trail pays nothing."""
+        info.trail = _trail.note(info.trail,
+                                 Entry(self.clock(), verb, rule, w.name if w else "", reason,
+                                       args),
+                                 self.trail_length)
+
+    def note_rollout_taken(self, info: TaskInfo, w: WorkerInfo, stolen: bool,
+                           now: float) -> None:
+        """Note why ``w`` takes rollout task ``info``: stolen (rebalancing says why), its
+        inputs are there, or it waits for no worker in particular."""
+        if stolen:
+            self.rebalance.note_stolen(info, w, now)
+        elif info.affinity == w.address:
+            self.note(info, _trail.RELEASED, self.pools.name, w,
+                      "its inputs are on this worker ({} bytes)",
+                      (info.locality or {}).get(w.address, 0))
+        elif info.timestep == 0 and info.kind == DENOISE and self.options.rebalance:
+            self.note(info, _trail.RELEASED, self.rebalance.name, w,
+                      "a chunk's first step starts on whichever worker frees first")
+        else:
+            self.note(info, _trail.RELEASED, self.pools.name, w,
+                      "the most urgent rollout task; no single worker holds its inputs")
+
+    def trail_of(self, key: Key) -> list[Entry]:
+        """The decisions noted on ``key`` so far (empty when unknown or none)."""
+        info = self.tasks.get(key)
+        return list(info.trail or ()) if info is not None else []
+
+    # ---------------------------------------------------------------- telemetry
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to a telemetry counter (:attr:`counters`)."""
+        self._counts[counter] += n
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Telemetry: tasks ``released`` (of them ``tag_released`` to trainers and
+        ``stolen`` from another worker's affinity, ``rat_released`` grads to rollout
+        workers), steps ``kept`` on a slower worker, grads a rollout worker declined
+        (``rat_declined``) because a trainer would finish them sooner or a chunk that
+        may start was waiting for it."""
+        counts = defaultdict(int, self._counts)
+        counts["released"] = self._released
+        return counts
+
+    def held(self) -> dict[str, int]:
+        """How many ready tasks wait, by reason."""
+        counts = dict.fromkeys(HELD_REASONS, 0)
+        counts["staleness"], counts["barrier"] = self.staleness.counts()
+        for info in self.tasks.values():
+            if info.state is not READY:
+                continue
+            if (self.pool_workers(info.pool)
+                    or (self.options.tag and info.pool == ROLLOUT
+                        and self.pool_workers(TRAINER))
+                    or (self.rat.on and info.kind == GRAD and self.pool_workers(ROLLOUT))):
+                counts["slot"] += 1
+            else:
+                counts["no-worker"] += 1
+        return counts
+
+    def ready_since(self, key: Key) -> float | None:
+        info = self.tasks.get(key)
+        return info.ready_since if info is not None else None
+
+    def eligible_since(self, key: Key) -> float | None:
+        """When ``key`` became ready and passed every hold (staleness, barrier)."""
+        info = self.tasks.get(key)
+        return info.eligible_since if info is not None else None
+
+    def snapshot(self) -> dict[str, Any]:
+        pools: dict[str, dict[str, Any]] = {}
+        for w in self.workers.values():
+            p = pools.setdefault(w.pool, {"workers": 0, "slots": 0, "busy": 0, "tag": 0,
+                                          "rat": 0})
+            p["workers"] += 1
+            p["slots"] += w.slots
+            p["busy"] += min(len(w.inflight), 1)
+            p["tag"] += min(w.tag_inflight, 1)
+            p["rat"] += min(w.rat_inflight, 1)
+        return {
+            "options": self.options.as_dict(),
+            "policy_version": self.version,
+            "pools": pools,
+            "workers": {w.address: {"name": w.name, "pool": w.pool,
+                                    "inflight": len(w.inflight),
+                                    "tag": w.tag_inflight,
+                                    "rat": w.rat_inflight} for w in self.workers.values()},
+            "held": self.held(),
+            "rejected": {repr(k): v for k, v in self.rejected.items()},
+            "counters": dict(self.counters),
+            "tasks": len(self.tasks),
+        }

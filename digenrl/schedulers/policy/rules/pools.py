@@ -1,0 +1,91 @@
+"""Pools: a task runs only on a worker of its pool.
+
+Rollout tasks (``noise``, ``denoise``, ``decode``, ``reward``, evaluation) run on
+``rollout`` workers and training tasks on ``trainer`` workers; with ``pools`` off every
+GPU worker is one ``colocated`` pool. A worker's pool comes from its own resources
+(``rollout=1`` or ``trainer=1`` beside ``GPU=1``), never from worker order; an untagged
+worker, or one without a GPU slot, is not used. TAG and RAT lend workers across the
+pools (:mod:`.tag`, :mod:`.rat`); nothing else crosses them.
+
+GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at once
+(one runs, the others wait on the worker and hide the scheduler round trip). Tasks
+that need no GPU are released at once to the worker of their pool holding most of
+their input bytes (then the least loaded, then by name); without inputs on the pool,
+to the next worker of the pool in turn.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Mapping
+
+from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
+from digenrl.schedulers.policy.trail import PLACED, WAITS
+from digenrl.vocabulary import COLOCATED, POOLS, ROLLOUT, TRAINER
+
+__all__ = ["Pools", "pool_problem"]
+
+
+def pool_problem(info: TaskInfo) -> str | None:
+    """Why ``info``'s pool is none a worker can serve (None when it is one)."""
+    if info.pool not in POOLS:
+        return f"pool: expected {ROLLOUT!r} or {TRAINER!r}, got {info.pool!r}"
+    return None
+
+
+class Pools(Rule):
+    """Which pool a worker serves, and where tasks without a GPU go."""
+
+    __slots__ = ("_round_robin",)
+    name = "pools"
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy)
+        self._round_robin: dict[str, int] = defaultdict(int)
+
+    def worker_pool(self, tag: str | None) -> str | None:
+        """The pool a worker tagged ``tag`` serves (None: it is not used)."""
+        if not self.options.pools:
+            return COLOCATED
+        return tag if tag in POOLS else None
+
+    def pick(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
+        """The pool worker holding most input bytes of ``info`` (``loc``: worker -> bytes
+        held); without inputs on the pool, the next worker of the pool in turn."""
+        policy = self.policy
+        pool = policy.pool_workers(info.pool)
+        if not pool:
+            return None
+        # Most bytes first, then the least loaded, then by name.
+        best, best_rank = None, None
+        workers, pools = self.workers, self.options.pools
+        for a, b in loc.items():
+            w = workers.get(a) if b > 0 else None
+            if w is None or (pools and w.pool != info.pool):
+                continue
+            rank = (-b, len(w.inflight) + len(w.cpu_inflight), w.name)
+            if best is None or rank < best_rank:
+                best, best_rank = w, rank
+        if best is not None:
+            return best
+        key = info.pool if pools else COLOCATED
+        i = self._round_robin[key] % len(pool)
+        self._round_robin[key] = i + 1
+        return pool[i]
+
+    def place(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
+        """Where ``info``, a task without a GPU slot, goes now (:meth:`pick`), noted."""
+        w = self.pick(info, loc)
+        policy = self.policy
+        if self.noting:
+            held = loc.get(w.address, 0) if w is not None else 0
+            if w is None:
+                policy.note(info, WAITS, self.name, None, "no worker serves its pool")
+            elif held > 0:
+                policy.note(info, PLACED, self.name, w,
+                            "it holds most of the task's input bytes ({} bytes)", held)
+            else:
+                policy.note(info, PLACED, self.name, w,
+                            "no input on the pool: the next worker in turn")
+        return w
