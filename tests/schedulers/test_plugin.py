@@ -115,3 +115,33 @@ async def test_the_dashboard_page_reads_the_runs_telemetry(c, s, r, t):
     assert page.stale_source.data == {"staleness": [0], "samples": [3]}
     assert page.reward_source.data == {"iteration": [0], "reward": [0.5]}
     assert (await c.scheduler.digenrl_state())["records"] == 2
+
+
+def test_the_preload_starts_the_plugin_once():
+    """``dask scheduler --preload digenrl.schedulers.preload``: the scheduler starts the
+    plugin with its others, once (one progress guard, one set of handlers)."""
+    import asyncio
+
+    from distributed import Scheduler
+
+    from digenrl.schedulers import plugin as plugin_module
+
+    starts = []
+    original = plugin_module.DigenRLSchedulerPlugin.start
+
+    async def counted(self, scheduler):
+        starts.append(self)
+        await original(self, scheduler)
+
+    async def main():
+        async with Scheduler(dashboard_address=":0", preload=["digenrl.schedulers.preload"],
+                             port=0) as s:
+            return s.plugins[plugin_module.PLUGIN_NAME], s
+
+    plugin_module.DigenRLSchedulerPlugin.start = counted
+    try:
+        installed, s = asyncio.run(main())
+    finally:
+        plugin_module.DigenRLSchedulerPlugin.start = original
+    assert starts == [installed]
+    assert s.handlers["digenrl_state"] == installed.state
