@@ -490,8 +490,10 @@ def _cmd_why(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from digenrl.bench import bench_config, bench_profile, format_table
+    from digenrl.resolve import check_world
 
     config = config_from_args(args)
+    check_world(config)  # before the cluster starts
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.emulate:
         from digenrl.sim.profile import ProfileError, load_profile
@@ -714,7 +716,8 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
     import importlib
 
     from digenrl import reward_server as rs
-    from digenrl.tasks.rewards import REWARDS, get_reward, resolve_rewards
+    from digenrl.tasks.reward_sources import resolve_rewards
+    from digenrl.tasks.rewards import REWARDS, get_reward
 
     for module in args.modules:
         try:
@@ -722,7 +725,13 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ConfigError(f"--import: expected an importable module, got {module!r} "
                               f"({e})") from None
-    models = {} if args.config is None else load_config(args.config).reward.models
+    models = {}
+    if args.config is not None:
+        from digenrl.resolve import check_rewards
+
+        reward = load_config(args.config).reward
+        check_rewards(reward)
+        models = reward.models
     if args.reward in models:
         spec = resolve_rewards({args.reward: 1.0}, models=models)[0][0]
     elif args.config is not None and args.reward not in REWARDS:

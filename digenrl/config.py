@@ -1,8 +1,13 @@
 """Run configuration: one frozen dataclass per component, validated at construction.
 
 Every check names the field (dotted path from the top of the config), what was expected
-and what arrived. Nothing here imports torch, Dask or task code, so the scheduler plugin
-and the simulator can read a configuration too.
+and what arrived. The checks here are the config's own: types, ranges and rules between
+fields. What a config names elsewhere (a model folder's family, prompt sets and files,
+registered rewards, LoRA target modules, the tokenizers' view of the prompts) is
+checked by :func:`digenrl.resolve.check_world`, which every entry point calls before it
+starts any cluster. Nothing here imports torch, Dask or another digenrl module but the
+schedule's switches, so the scheduler plugin and the simulator can read a configuration
+too.
 """
 
 from __future__ import annotations
@@ -179,11 +184,7 @@ class ModelConfig:
                 _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
             _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
-            from digenrl.models.registry import family
-
-            family(self).check_folder()
-            family(self).check_size()
-            return
+            return  # the folder's own checks: digenrl.resolve.check_world
         _positive_int(self.latent_channels, f"{p}.latent_channels")
         _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
                  and all(_is_int(c) and c > 0 and c % 8 == 0 for c in self.vae_channels),
@@ -286,16 +287,11 @@ class DataConfig:
         _require(isinstance(self.prompts, tuple)
                  and all(isinstance(s, str) and s.strip() for s in self.prompts),
                  f"{p}.prompts", "a list of non-empty strings", self.prompts)
-        from digenrl.prompts import PROMPT_SETS, load_prompt_file
-
-        if not self.prompts:
-            _choice(self.prompt_set, f"{p}.prompt_set", PROMPT_SETS)
         for name in ("prompt_file", "eval_prompt_file"):
             path = getattr(self, name)
             if path is not None:
                 _require(isinstance(path, str) and path != "", f"{p}.{name}",
                          "a path to a .txt or .jsonl prompt file, or null", path)
-                load_prompt_file(path, f"{p}.{name}")
         if self.prompt_file is not None:
             _require(not self.prompts, f"{p}.prompts",
                      f"an empty list when {p}.prompt_file is set", self.prompts)
@@ -531,8 +527,6 @@ class RewardConfig:
     """Name -> a reward that owns a model, resident on the workers (the fields below); the name is then usable in components."""
 
     def validate(self, p: str = "reward") -> None:
-        from digenrl.tasks.rewards import REWARDS
-
         for group, cls, what, fields in (
                 ("remote", RemoteRewardConfig, "server settings", "url, protocol, ..."),
                 ("models", RewardModelConfig, "model settings", "kind, path, ...")):
@@ -544,8 +538,6 @@ class RewardConfig:
                 # The name becomes the store's reward_NAME column.
                 _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
                          sub, "a name of letters, digits, '_', '-' and '.'", name)
-                _require(name not in REWARDS, sub, "a name that is not a registered reward's",
-                         name)
                 _require(group == "remote" or name not in self.remote, sub,
                          "a name that is not also under reward.remote", name)
                 _require(isinstance(settings, cls), sub, f"a mapping of {what} ({fields})",
@@ -555,7 +547,6 @@ class RewardConfig:
                  f"{p}.components", "a non-empty mapping of reward name to weight",
                  self.components)
         for name, weight in self.components.items():
-            _choice(name, f"{p}.components", set(REWARDS) | set(self.remote) | set(self.models))
             _finite(weight, f"{p}.components.{name}")
         _choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
 
@@ -868,13 +859,6 @@ class RunConfig:
         for name in ("model", "sampler", "data", "rollout", "reward", "train",
                      "schedule", "cluster", "store", "eval"):
             getattr(self, name).validate(name)
-        if self.eval.on:
-            from digenrl.prompts import has_held_out_prompts
-
-            _require(has_held_out_prompts(self.data), "eval.every",
-                     "0 when there are no held-out prompts (set data.eval_prompt_file: the "
-                     "built-in held-out prompts go with a built-in data.prompt_set only)",
-                     self.eval.every)
         spp = self.data.samples_per_prompt
         chunk = self.rollout.chunk_size
         _require(spp % chunk == 0 or chunk % spp == 0, "rollout.chunk_size",
@@ -883,36 +867,6 @@ class RunConfig:
         _require(total % chunk == 0, "rollout.chunk_size",
                  f"a divisor of the samples per iteration (data.prompts_per_iteration x "
                  f"data.samples_per_prompt = {total})", chunk)
-        from digenrl.lora import check_targets
-
-        check_targets(self.model, self.train)
-        if self.model.path is not None:
-            self._check_prompts()
-            from digenrl.models.registry import family
-
-            _require(not (self.store.save_latents and family(self.model).video),
-                     "store.save_latents", "false for a video model (steps.latent holds "
-                     "image latents)", self.store.save_latents)
-
-    def _check_prompts(self) -> None:
-        """Every prompt (and the negative one) is text the model's tokenizers encode."""
-        from digenrl.models.registry import family
-        from digenrl.prompts import PROMPT_SETS
-
-        d = self.data
-        if d.prompts:
-            named = [(f"data.prompts[{i}]", p) for i, p in enumerate(d.prompts)]
-        else:
-            named = [(f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p)
-                     for i, p in enumerate(PROMPT_SETS[d.prompt_set])]
-        if self.eval.on:
-            from digenrl.prompts import held_out_prompts
-
-            named += [(f"held-out prompt {i}", p)
-                      for i, p in enumerate(held_out_prompts(d).prompts)]
-        if max(self.sampler.guidance_scale, self.eval.sampler(self.sampler).guidance_scale) > 1.0:
-            named.append(("model.negative_prompt", self.model.negative_prompt))
-        family(self.model).check_prompts(named)
 
     # Derived totals, logged at start.
     @property

@@ -89,6 +89,16 @@ def pipelined_config(**overrides):
                            "rollout.chunk_size": 1, "schedule.stale_groups": 2, **overrides})
 
 
+def checked_config(**overrides):
+    """small_config checked against what it names (model folder, prompt files, rewards,
+    LoRA targets), as every entry point checks a config before it starts a cluster."""
+    from digenrl.resolve import check_world
+
+    cfg = small_config(**overrides)
+    check_world(cfg)
+    return cfg
+
+
 def _cluster(rollout: int, trainer: int):
     from digenrl.cluster import start_cluster
 
@@ -268,8 +278,9 @@ def tiny_pipelines(tmp_path_factory):
 
 
 def pipeline_config(folder, family: str, **overrides):
-    """small_config on a tiny saved pipeline of ``family`` (its model settings set)."""
+    """small_config on a tiny saved pipeline of ``family`` (its model settings set),
+    checked against the folder as a run checks it."""
     from pipelines import MODEL_SETTINGS
 
     settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[family].items()}
-    return small_config(**{"model.path": str(folder), **settings, **overrides})
+    return checked_config(**{"model.path": str(folder), **settings, **overrides})

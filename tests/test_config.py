@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config
+from digenrl.resolve import check_world
 
 TINY = Path(__file__).parent.parent / "workflows" / "configs" / "tiny.yaml"
 
@@ -51,7 +52,7 @@ def test_derived_totals():
 ])
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(TINY, overrides)
+        check_world(load_config(TINY, overrides))  # what a run checks before it starts
 
 
 def test_bad_yaml_files(tmp_path):

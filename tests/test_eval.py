@@ -12,7 +12,7 @@ from digenrl.config import ConfigError
 from digenrl.report import write_report
 from digenrl.vocabulary import GRAD, ROLLOUT, ROLLOUT_KINDS
 
-from conftest import REFERENCE_ITERATIONS, assert_same_results, small_config
+from conftest import REFERENCE_ITERATIONS, assert_same_results, checked_config, small_config
 from invariants import assert_schedule_invariants
 
 #: Held-out prompts (one with metadata): fewer than a chunk's worth in the last chunk.
@@ -106,7 +106,7 @@ def test_evaluation_without_held_out_prompts_is_refused(tmp_path, capsys):
     from digenrl.cli import main
 
     with pytest.raises(ConfigError) as e:
-        small_config(**{"eval.every": 2, "data.prompts": ["a cat", "a dog"]})
+        checked_config(**{"eval.every": 2, "data.prompts": ["a cat", "a dog"]})
     assert str(e.value).startswith("eval.every: expected 0 when there are no held-out "
                                    "prompts") and "\n" not in str(e.value)
     # The command line says so in one line, before any work (no scheduler listens).

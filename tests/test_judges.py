@@ -29,7 +29,8 @@ from tornado.web import Application, RequestHandler
 from digenrl.config import ConfigError, RemoteRewardConfig
 from digenrl.tasks.judges import DEFAULT_QUESTIONS, OpenAIJudge
 from digenrl.tasks.remote import decode_image
-from digenrl.tasks.rewards import RewardError, evaluate_rewards, resolve_rewards
+from digenrl.tasks.reward_sources import resolve_rewards
+from digenrl.tasks.rewards import RewardError, evaluate_rewards
 
 from conftest import small_config
 

@@ -8,6 +8,7 @@ import torch
 from digenrl.config import ConfigError, config_from_dict
 from digenrl.graph.build import GraphContext
 from digenrl.models import build_transformer, predict_velocity
+from digenrl.resolve import check_world
 from digenrl.tasks import rollout, train
 from digenrl.tasks.resident import resident
 from digenrl.tasks.types import AdvantageOut
@@ -130,7 +131,7 @@ def test_float16_gradients_are_loss_scaled_and_match_float32():
 ])
 def test_bad_values_fail_naming_the_field(changes, message):
     with pytest.raises(ConfigError) as e:
-        config_from_dict(changes)
+        check_world(config_from_dict(changes))
     assert message in str(e.value), str(e.value)
 
 

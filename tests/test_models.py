@@ -5,8 +5,9 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
-from digenrl.config import ConfigError, ModelConfig, SamplerConfig
+from digenrl.config import ConfigError, ModelConfig, RunConfig, SamplerConfig
 from digenrl.models import PromptEncoder, build_transformer, build_vae, flow_sigmas
+from digenrl.resolve import check_world
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
@@ -82,4 +83,4 @@ def test_an_incomplete_folder_is_refused(tmp_path):
     (tmp_path / "transformer" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="model.path: expected a diffusers pipeline folder "
                                           "with vae/config.json"):
-        ModelConfig(path=str(tmp_path)).validate()
+        check_world(RunConfig(model=ModelConfig(path=str(tmp_path))))

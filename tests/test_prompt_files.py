@@ -17,7 +17,7 @@ from digenrl.prompts import epoch_indices, epoch_order, load_prompt_file, prompt
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
-from conftest import assert_complete, small_config
+from conftest import assert_complete, checked_config, small_config
 from metadata_rewards import metadata_score
 
 
@@ -63,7 +63,7 @@ def test_bad_prompt_files_are_refused_naming_field_file_and_line(tmp_path, name,
                                                                  message, field):
     path = _write(tmp_path / name, lines)
     with pytest.raises(ConfigError) as e:
-        small_config(**{f"data.{field}": path})
+        checked_config(**{f"data.{field}": path})
     expected = f"data.{field}: " + message.format(path=path)
     assert str(e.value).startswith(expected), str(e.value)
     assert "\n" not in str(e.value)
@@ -73,7 +73,7 @@ def test_missing_files_and_ambiguous_prompts_are_refused(tmp_path):
     missing = str(tmp_path / "nowhere.txt")
     with pytest.raises(ConfigError, match=rf"^data.prompt_file: expected an existing prompt "
                                           rf"file, got '{missing}' \(No such file"):
-        small_config(**{"data.prompt_file": missing})
+        checked_config(**{"data.prompt_file": missing})
     path = _write(tmp_path / "p.txt", ["a cat"])
     with pytest.raises(ConfigError, match=r"^data.prompts: expected an empty list when "
                                           r"data.prompt_file is set"):

@@ -21,10 +21,11 @@ from digenrl.runner import Runner
 from digenrl.store import open_run
 from digenrl.tasks import reward_models
 from digenrl.tasks.reward_models import ModelReward, model_reward, reward_model_loads
-from digenrl.tasks.rewards import evaluate_rewards, resolve_rewards
+from digenrl.tasks.reward_sources import resolve_rewards
+from digenrl.tasks.rewards import evaluate_rewards
 
 from clip_models import IMAGE_SIZE, PROJECTION, aesthetic_head_state, save_tiny_clip
-from conftest import small_config
+from conftest import checked_config, small_config
 
 IMAGES = np.random.default_rng(0).integers(0, 256, (5, IMAGE_SIZE, IMAGE_SIZE, 3),
                                            dtype=np.uint8)
@@ -195,7 +196,7 @@ def test_a_clip_folder_without_weights_or_tokenizer_is_refused(clip_folder, tmp_
 def test_names_of_model_rewards_are_checked(clip_folder):
     with pytest.raises(ConfigError, match=r"^reward.models.brightness: expected a name that "
                                           r"is not a registered reward's"):
-        small_config(**{"reward.models": {"brightness": {"path": str(clip_folder)}}})
+        checked_config(**{"reward.models": {"brightness": {"path": str(clip_folder)}}})
     with pytest.raises(ConfigError, match=r"^reward.models.x: expected a name that is not "
                                           r"also under reward.remote"):
         small_config(**{"reward.remote": {"x": {"url": "http://h/"}},

@@ -31,10 +31,12 @@ from digenrl.config import ConfigError, RemoteRewardConfig
 from digenrl.runner import Runner
 from digenrl.store import committed_iterations, open_run
 from digenrl.tasks.remote import RemoteReward, RemoteRewardError, encode_image
+from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import (RewardError, brightness, evaluate_rewards,
-                                   jpeg_compressibility, resolve_rewards)
+                                   jpeg_compressibility)
 
-from conftest import REFERENCE_ITERATIONS, assert_complete, assert_same_results, small_config
+from conftest import (REFERENCE_ITERATIONS, assert_complete, assert_same_results,
+                      checked_config, small_config)
 from metadata_rewards import metadata_score
 
 TESTS = Path(__file__).resolve().parent
@@ -441,7 +443,7 @@ def test_a_server_killed_mid_run_stops_it_naming_reward_and_url(cluster_1x1, tmp
 ])
 def test_remote_settings_are_checked_naming_the_field(remote, message):
     with pytest.raises(ConfigError) as e:
-        small_config(**{"reward.remote": remote, "reward.components": {"brightness": 1.0}})
+        checked_config(**{"reward.remote": remote, "reward.components": {"brightness": 1.0}})
     assert str(e.value).startswith(message), str(e.value)
 
 

@@ -2,8 +2,9 @@
 
     python workflows/flow_grpo.py workflows/configs/tiny.yaml --out runs/tiny.zarr
 
-Takes the same flags as ``digenrl run``. Stages: load and validate the config, start
-or connect to the cluster, train (writing the store iteration by iteration), summarise.
+Takes the same flags as ``digenrl run``. Stages: load and validate the config (and check
+it against the model, prompts and rewards it names), start or connect to the cluster,
+train (writing the store iteration by iteration), summarise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from digenrl.cli import build_parser, config_from_args
 from digenrl.cluster import start_cluster
 from digenrl.config import ConfigError, config_to_dict
+from digenrl.resolve import check_world
 from digenrl.runner import Runner
 
 log = logging.getLogger("digenrl.workflow")
@@ -24,6 +26,7 @@ log = logging.getLogger("digenrl.workflow")
 def stage_config(argv):
     args = build_parser().parse_args(["run", *argv])
     config = config_from_args(args)
+    check_world(config)  # before the cluster starts
     log.info("config: %s", json.dumps(config_to_dict(config)["schedule"]))
     return args, config
 

@@ -19,9 +19,11 @@ from digenrl.graph.structure import (GraphLayout, Node, eval_nodes, init_nodes,
 from digenrl.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
+from digenrl.resolve import check_world
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
-from digenrl.tasks.rewards import RewardSpec, resolve_rewards, rewards_need_gpu
+from digenrl.tasks.reward_sources import resolve_rewards
+from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -43,6 +45,10 @@ class GraphContext:
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
+        """The context of ``config``, checked against the world first
+        (:func:`~digenrl.resolve.check_world`): a context exists only for a config
+        whose model, prompts, rewards and LoRA targets are there."""
+        check_world(config)
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)

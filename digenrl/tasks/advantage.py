@@ -19,7 +19,7 @@ def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration:
           metadata: Sequence[str] = ()) -> RewardOut:
     """The reward task: the weighted reward of each decoded image of a chunk.
 
-    ``rewards`` are :func:`~digenrl.tasks.rewards.resolve_rewards` pairs: the task
+    ``rewards`` are :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs: the task
     carries the reward functions themselves. ``metadata`` is each sample's prompt
     metadata as JSON text (none when empty)."""
     total, per, valid, problems = evaluate_rewards(

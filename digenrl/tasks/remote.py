@@ -51,10 +51,9 @@ import numpy as np
 import urllib3
 from PIL import Image
 
-from digenrl.config import REMOTE_MAX_CONCURRENCY, ConfigError, RemoteRewardConfig
-from digenrl.tasks.rewards import RewardSpec
+from digenrl.config import REMOTE_MAX_CONCURRENCY
 
-__all__ = ["ProtocolError", "RemoteRewardError", "RemoteReward", "remote_reward", "post",
+__all__ = ["ProtocolError", "RemoteRewardError", "RemoteReward", "post",
            "encode_image", "decode_image", "encode_request", "decode_request",
            "encode_response", "decode_response", "JSON_TYPE", "MSGPACK_TYPES", "PICKLE_TYPE"]
 
@@ -425,25 +424,3 @@ def _error_text(content_type: str | None, body: bytes) -> str:
     return " ".join(str(error).split())
 
 
-def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
-    """The spec of the reward ``name`` scored by the server ``config`` describes (a
-    ``cpu`` reward taking metadata). Reads the token from ``config.token_env`` now: an
-    unset variable is a :class:`ConfigError` before any work starts."""
-    import os
-
-    token = None
-    if config.token_env is not None:
-        token = os.environ.get(config.token_env)
-        if not token:
-            raise ConfigError(f"reward.remote.{name}.token_env: expected a set environment "
-                              f"variable holding the server's token, got "
-                              f"{config.token_env!r} (not set)")
-    if config.protocol == "openai":
-        from digenrl.tasks.judges import openai_judge
-
-        return RewardSpec(name, openai_judge(name, config, token), "cpu",
-                          f"judged by {config.model} at {config.url}", takes_metadata=True)
-    fn = RemoteReward(name, config.url, config.protocol, config.timeout, config.retries,
-                      config.backoff, config.batch_size, token)
-    return RewardSpec(name, fn, "cpu", f"scored by the reward server at {config.url}",
-                      takes_metadata=True)

@@ -7,9 +7,10 @@ keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in one
 model weights. ``device="gpu"`` marks a reward that runs a torch module and so needs a GPU
 slot on the worker that runs it. A reward named under ``reward.remote`` is scored by a
 reward server (:mod:`digenrl.tasks.remote`), one named under ``reward.models`` by a model
-resident on the worker (:mod:`digenrl.tasks.reward_models`); :func:`resolve_rewards`
-makes their specs, and from there on they are rewards like the others (a remote reward is
-a ``cpu`` one: it holds no GPU slot while it waits; a model reward is a ``gpu`` one).
+resident on the worker (:mod:`digenrl.tasks.reward_models`);
+:func:`~digenrl.tasks.reward_sources.resolve_rewards` makes their specs, and from there
+on they are rewards like the others (a remote reward is a ``cpu`` one: it holds no GPU
+slot while it waits; a model reward is a ``gpu`` one).
 
 A reward declares what it scores: ``scores="image"`` (the default) or ``"video"``
 (batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
@@ -29,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
-           "evaluate_rewards", "resolve_rewards", "rewards_need_gpu", "decode_metadata"]
+           "evaluate_rewards", "rewards_need_gpu", "decode_metadata"]
 
 RewardFn = Callable[..., np.ndarray]
 
@@ -120,41 +121,9 @@ def get_reward(name: str) -> RewardSpec:
         raise ValueError(f"reward: expected one of {sorted(REWARDS)}, got {name!r}") from None
 
 
-def resolve_rewards(components: Mapping[str, float],
-                    remote: Mapping[str, Any] | None = None,
-                    models: Mapping[str, Any] | None = None,
-                    ) -> tuple[tuple[RewardSpec, float], ...]:
-    """Each named reward's spec with its weight, in order: a registered reward's, for a
-    name in ``remote`` (``reward.remote``: name -> RemoteRewardConfig) a reward scored by
-    that server, and for a name in ``models`` (``reward.models``: name ->
-    RewardModelConfig) a reward scored by a model resident on the worker. Raises
-    ConfigError for settings found wrong only now (an unset token variable, an aesthetic
-    head that does not fit its CLIP model): call it before any work starts.
-
-    The reward task carries these rather than the names: its function travels with the
-    task (a module-level function by reference, so the worker imports the module that
-    defines it; anything else by value), and a worker -- including one that joins or is
-    restarted mid-run -- needs no registration of its own.
-    """
-    remote = remote or {}
-    models = models or {}
-
-    def spec(name: str) -> RewardSpec:
-        if name in remote:
-            from digenrl.tasks.remote import remote_reward
-
-            return remote_reward(name, remote[name])
-        if name in models:
-            from digenrl.tasks.reward_models import model_reward
-
-            return model_reward(name, models[name])
-        return get_reward(name)
-
-    return tuple((spec(name), float(weight)) for name, weight in components.items())
-
-
 def rewards_need_gpu(rewards: Sequence[tuple[RewardSpec, float]]) -> bool:
-    """Whether the reward task of these :func:`resolve_rewards` pairs needs a GPU slot."""
+    """Whether the reward task of these
+    :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs needs a GPU slot."""
     return any(spec.device == "gpu" for spec, _ in rewards)
 
 
@@ -209,9 +178,10 @@ def evaluate_rewards(
 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
     """The weighted sum of ``components`` for each image.
 
-    ``components`` maps registered reward names to weights, or is the
-    ``(spec, weight)`` pairs of :func:`resolve_rewards`. ``metadata`` (one dict per
-    image, none by default) reaches the rewards that take it. Returns ``(total,
+    ``components`` maps registered reward names to weights, or is the ``(spec,
+    weight)`` pairs of :func:`~digenrl.tasks.reward_sources.resolve_rewards`.
+    ``metadata`` (one dict per image, none by default) reaches the rewards that take
+    it. Returns ``(total,
     per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
     returns NaN/inf for some samples is a :class:`RewardError` naming the reward and
     those samples (and ``iteration`` when given) when ``on_error == "raise"``; with
@@ -221,7 +191,8 @@ def evaluate_rewards(
     n = len(images)
     ids = list(sample_ids)
     where = f" of iteration {iteration}" if iteration is not None else ""
-    pairs = resolve_rewards(components) if isinstance(components, Mapping) else components
+    pairs = ([(get_reward(name), float(w)) for name, w in components.items()]
+             if isinstance(components, Mapping) else components)
     total = np.zeros(n, dtype=np.float64)
     valid = np.ones(n, dtype=bool)
     per: dict[str, np.ndarray] = {}

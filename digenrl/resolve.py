@@ -1,0 +1,83 @@
+"""A configuration checked against the world it names, before any cluster starts.
+
+:mod:`digenrl.config` checks a config by itself: types, ranges, rules between fields.
+What it names elsewhere is checked here, each in one line naming the field as the
+config's own checks do: the model folder's family, its size and what its tokenizers
+make of every prompt; the built-in prompt set and the prompt files; the reward names
+(registered, or under ``reward.remote`` / ``reward.models``); the held-out prompts an
+evaluation needs; the LoRA target modules of the transformer.
+
+:func:`check_world` is what every entry point calls before it starts a cluster:
+``digenrl run`` (with ``--check`` too) and the runner through the workload's
+:meth:`GraphContext.from_config <digenrl.graph.build.GraphContext.from_config>`, which
+starts with it; ``digenrl bench`` and ``workflows/flow_grpo.py`` before their cluster.
+"""
+
+from __future__ import annotations
+
+# The config's own message helpers: a check here reads like one in digenrl.config.
+from digenrl.config import RewardConfig, RunConfig, _choice, _require, _sub_path
+from digenrl.lora import check_targets
+from digenrl.models.registry import family
+from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
+                             load_prompt_file)
+from digenrl.tasks.rewards import REWARDS
+
+__all__ = ["check_world", "check_rewards"]
+
+
+def check_world(config: RunConfig) -> None:
+    """Everything ``config`` names outside itself exists and fits; raises
+    :class:`~digenrl.config.ConfigError` naming the first field that does not."""
+    model, data = config.model, config.data
+    if model.path is not None:
+        family(model).check_folder()
+        family(model).check_size()
+    if not data.prompts:
+        _choice(data.prompt_set, "data.prompt_set", PROMPT_SETS)
+    for name in ("prompt_file", "eval_prompt_file"):
+        path = getattr(data, name)
+        if path is not None:
+            load_prompt_file(path, f"data.{name}")
+    check_rewards(config.reward)
+    if config.eval.on:
+        _require(has_held_out_prompts(data), "eval.every",
+                 "0 when there are no held-out prompts (set data.eval_prompt_file: the "
+                 "built-in held-out prompts go with a built-in data.prompt_set only)",
+                 config.eval.every)
+    check_targets(model, config.train)
+    if model.path is not None:
+        _check_prompts(config)
+        _require(not (config.store.save_latents and family(model).video),
+                 "store.save_latents", "false for a video model (steps.latent holds "
+                 "image latents)", config.store.save_latents)
+
+
+def check_rewards(reward: RewardConfig, p: str = "reward") -> None:
+    """Every name in ``reward.components`` is a registered reward or one of
+    ``reward.remote`` / ``reward.models``, and those two name no registered reward."""
+    for group in ("remote", "models"):
+        for name in getattr(reward, group):
+            _require(name not in REWARDS, _sub_path(f"{p}.{group}", name),
+                     "a name that is not a registered reward's", name)
+    known = set(REWARDS) | set(reward.remote) | set(reward.models)
+    for name in reward.components:
+        _choice(name, f"{p}.components", known)
+
+
+def _check_prompts(config: RunConfig) -> None:
+    """Every prompt (and the negative one) is text the model's tokenizers encode."""
+    d = config.data
+    if d.prompts:
+        named = [(f"data.prompts[{i}]", p) for i, p in enumerate(d.prompts)]
+    else:
+        named = [(f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p)
+                 for i, p in enumerate(PROMPT_SETS[d.prompt_set])]
+    if config.eval.on:
+        named += [(f"held-out prompt {i}", p)
+                  for i, p in enumerate(held_out_prompts(d).prompts)]
+    guidance = max(config.sampler.guidance_scale,
+                   config.eval.sampler(config.sampler).guidance_scale)
+    if guidance > 1.0:
+        named.append(("model.negative_prompt", config.model.negative_prompt))
+    family(config.model).check_prompts(named)

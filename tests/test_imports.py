@@ -1,0 +1,157 @@
+"""Dependencies run one way (docs/architecture.md): read from the source.
+
+Every module under ``digenrl/`` is parsed and each of its imports of a ``digenrl``
+module is an edge -- top-level ones and those inside functions alike, since a
+function-local import is a dependency that merely waits for its first call (those under
+``if TYPE_CHECKING:``, for annotations only, never run and are left out). Importing
+``a.b.c`` from outside the package ``a.b`` also runs ``a/b/__init__.py``: an edge to
+that package too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "digenrl"
+
+#: What the config may import of the project: the pure leaves it is built from (the
+#: options the policy reads), and the package files importing them runs.
+CONFIG_LEAVES = {"digenrl.schedulers", "digenrl.schedulers.options"}
+
+#: Import cycles among digenrl modules that are needed, each with its reason. None is.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(module: str, path: Path, node: ast.Import | ast.ImportFrom,
+             modules: set[str]) -> set[str]:
+    """The digenrl modules one import statement of ``module`` loads."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:  # relative: from the module's package up
+            package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            package = package[:len(package) - node.level + 1]
+            base = ".".join(package + ([base] if base else []))
+        # ``from P import x`` loads P, and P.x when that is a module.
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                 for a in node.names]
+    out = set()
+    for name in names:
+        if not (name == "digenrl" or name.startswith("digenrl.")):
+            continue
+        parts = name.split(".")
+        # The module itself (or its nearest existing parent) and every package above it
+        # that ``module`` is not inside of.
+        for k in range(2, len(parts) + 1):
+            target = ".".join(parts[:k])
+            if target in modules and target != module and (
+                    k == len(parts) or not (module + ".").startswith(target + ".")):
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if _type_checking(block)
+                       for stmt in block.body for n in ast.walk(stmt)}
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+                deps |= imported(module, path, node, modules)
+        graph[module] = deps
+    return graph
+
+
+def _type_checking(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:``: imports for annotations only, never run."""
+    return isinstance(node, ast.If) and (
+        (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(frozenset(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_the_walk_sees_top_level_and_function_local_imports(graph):
+    # Top level: the graph context checks a config against the world it names.
+    assert "digenrl.resolve" in graph["digenrl.graph.build"]
+    # Inside a function: the command line loads the runner only to run.
+    assert "digenrl.runner" in graph["digenrl.cli"]
+    # Imports for annotations only are no dependency: a rule names its core's type.
+    assert "digenrl.schedulers.policy.core" not in graph["digenrl.schedulers.policy.rules"]
+    # A submodule's package runs first: models/__init__ for anyone outside it.
+    assert "digenrl.models" in graph["digenrl.lora"]
+    assert "digenrl.models" not in graph["digenrl.models.registry"]
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [frozenset("abc")]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_config_imports_only_its_pure_leaves(graph):
+    extra = graph["digenrl.config"] - CONFIG_LEAVES
+    assert not extra, f"digenrl/config.py imports {sorted(extra)}: a check that needs " \
+                      f"another layer belongs in digenrl/resolve.py"
+    # ... and the leaves import nothing of the project but each other.
+    for leaf in CONFIG_LEAVES:
+        assert graph[leaf] <= CONFIG_LEAVES, (leaf, graph[leaf])
+
+
+def test_no_import_cycles(graph):
+    unexplained = [sorted(c) for c in cycles(graph) if c not in ALLOWED_CYCLES]
+    assert not unexplained, f"import cycles among digenrl modules: {unexplained}"
