@@ -24,12 +24,16 @@ import yaml
 from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
                             load_config)
 from digenrl.driver import RunStalled
+from digenrl.schedulers.switches import MODE_NAMES, switches
 from digenrl.store import StoreError, committed_iterations
 from digenrl.tasks.rewards import RewardError
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
 logger = logging.getLogger("digenrl")
+
+#: The switches a flag sets: every mode preset the config may set.
+_FLAG_SWITCHES = tuple(s for s in switches() if s.preset and s.configurable)
 
 
 def _reward_components(text: str) -> dict[str, float]:
@@ -65,7 +69,7 @@ def _set_pairs(pairs: Sequence[str]) -> dict[str, Any]:
 def _add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by the commands that take a run config."""
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in tiny config)")
-    p.add_argument("--mode", help="colocated | disaggregated | digenrl")
+    p.add_argument("--mode", help=" | ".join(MODE_NAMES))
     p.add_argument("--iterations", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--reward", help="NAME or NAME=WEIGHT[,NAME=WEIGHT...]")
@@ -74,13 +78,14 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", help="address of an existing Dask scheduler")
     p.add_argument("--gpus", action="store_true", default=None,
                    help="one dask-cuda worker per GPU (needs digenrl[cuda])")
-    p.add_argument("--max-staleness", type=int, metavar="K")
-    for name, what in (("gap", "generation-axis pipeline"), ("tsp", "time-step parallelism"),
-                       ("tag", "trainer-assisted generation"),
-                       ("rat", "rollout-assisted training"),
-                       ("rebalance", "straggler rebalancing")):
-        p.add_argument(f"--{name}", dest=name, action=argparse.BooleanOptionalAction,
-                       default=None, help=f"switch {what} on or off (default: the mode's)")
+    for s in _FLAG_SWITCHES:  # --gap/--no-gap, --max-staleness K, ...
+        if s.type is bool:
+            p.add_argument(s.flag, dest=s.name, action=argparse.BooleanOptionalAction,
+                           default=None, help=f"switch {s.title} on or off (default: the "
+                                              f"mode's)")
+        else:
+            p.add_argument(s.flag, dest=s.name, type=s.type, metavar=s.type.__name__.upper(),
+                           help=f"{s.title} (default: the mode's)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override any config field (repeatable)")
     p.add_argument("--quiet", action="store_true", help="only warnings and errors")
@@ -216,12 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Each flag's dest -> the config field it sets.
 _FLAG_FIELDS = {
     "mode": "schedule.mode", "iterations": "iterations", "seed": "seed",
     "rollout_workers": "cluster.rollout_workers", "trainer_workers": "cluster.trainer_workers",
     "scheduler": "cluster.scheduler", "gpus": "cluster.gpus",
-    "max_staleness": "schedule.max_staleness", "gap": "schedule.gap", "tsp": "schedule.tsp",
-    "tag": "schedule.tag", "rat": "schedule.rat", "rebalance": "schedule.rebalance",
+    **{s.name: f"schedule.{s.name}" for s in _FLAG_SWITCHES},
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import yaml
 
 from digenrl.schedulers.options import MODES, ScheduleOptions
+from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, Switch, switches
 
 __all__ = [
     "ConfigError",
@@ -622,78 +623,98 @@ class TrainConfig:
 # ------------------------------------------------------------------------ schedule
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """Mode and the switches that ablate it. ``null`` keeps the mode's preset.
+class _ScheduleChecks:
+    """The checks and the options of the ``schedule`` section, from the switches'
+    declarations (:mod:`digenrl.schedulers.switches`)."""
+
+    def validate(self, p: str = "schedule") -> None:
+        _choice(self.mode, f"{p}.mode", MODES)
+        for s in _SCHEDULE_FIELDS:
+            _check_switch(s, getattr(self, s.name), f"{p}.{s.name}")
+        for s in _SCHEDULE_FIELDS:
+            reason = s.fixed.get(self.mode)
+            value = getattr(self, s.name)
+            if reason is not None:
+                preset = s.modes[self.mode]
+                _require(value is None or value == preset, f"{p}.{s.name}",
+                         f"{json_default(preset)} or null in {self.mode} mode ({p}.mode; "
+                         f"{reason})", value)
+
+    def options(self) -> ScheduleOptions:
+        """The policy's options: the mode's preset with the switches set here."""
+        values: dict[str, Any] = dict(MODES[self.mode])
+        for s in _SCHEDULE_FIELDS:
+            value = getattr(self, s.name)
+            if not s.scheduling or (s.preset and value is None):
+                continue
+            values[s.name] = float(value) if s.type is float and value is not None else value
+        return ScheduleOptions(mode=self.mode, **values)
+
+
+def _check_switch(s: Switch, value: Any, path: str) -> None:
+    """``value`` is of the switch's type and within its bounds (or null, where null is
+    the mode's or a value of its own)."""
+    nullable = s.preset or s.nullable
+    if value is None and nullable:
+        return
+    or_null = " or null" if nullable else ""
+    if s.type is bool:
+        _require(isinstance(value, bool), path,
+                 ("true, false" + or_null) if nullable else "true or false", value)
+    elif s.type is int:
+        ok = _is_int(value) and (s.low is None or value >= s.low) and (
+            s.high is None or value <= s.high)
+        if s.low is not None and s.high is not None:
+            bounds = f"an integer from {s.low:g} to {s.high:g}"
+        elif s.low is not None or s.high is not None:
+            bounds = f"an integer >= {s.low:g}" if s.high is None else f"an integer <= {s.high:g}"
+        else:
+            bounds = "an integer"
+        _require(ok, path, bounds + or_null, value)
+    else:
+        _finite(value, path, s.low, s.high, lo_open=s.low_open)
+
+
+def _schedule_field(s: Switch) -> tuple[str, Any, Any]:
+    """A mode preset is null (the mode's) unless set; a plain setting has its default."""
+    if s.preset:
+        return s.name, s.type | None, field(default=None)
+    return s.name, s.type | None if s.nullable else s.type, field(default=s.default)
+
+
+def _schedule_doc(s: Switch) -> str:
+    """The configuration reference's line of switch ``s``."""
+    if not s.preset:
+        return s.help
+    values = ", ".join(f"{mode} {json_default(v)}" for mode, v in s.modes.items())
+    return f"{s.help} null: the mode's ({values})."
+
+
+#: The switches the ``schedule`` section sets (all but those only a mode sets).
+_SCHEDULE_FIELDS = tuple(s for s in switches() if s.configurable)
+
+#: The ``schedule`` section: ``mode`` and a field per switch, built from their
+#: declarations in :mod:`digenrl.schedulers.switches`.
+ScheduleConfig = dataclasses.make_dataclass(
+    "ScheduleConfig",
+    [("mode", str, field(default=DEFAULT_MODE))]
+    + [_schedule_field(s) for s in _SCHEDULE_FIELDS],
+    bases=(_ScheduleChecks,), frozen=True,
+    namespace={"__module__": __name__, "__doc__": """Mode and the switches that ablate it. ``null`` keeps the mode's preset.
 
     ``stale_groups``: with ``max_staleness = k > 0``, how many leading prompt groups of
     iteration ``i`` are generated with version ``i - k`` (so they can start before the
     trainer finishes iteration ``i - 1``, filling its tail bubble); the other groups are
     generated with version ``i``. ``null``: all groups (every sample ``k`` versions old).
     The choice is static, so a run's numbers never depend on timing.
-    """
+    """})
 
-    mode: str = "digenrl"
-    """colocated, disaggregated or digenrl: a preset of the switches below."""
-    max_staleness: int | None = None
-    """k: rollouts of iteration i start once version i - k exists; no sample is trained more than k versions old. null: the mode's."""
-    gap: bool | None = None
-    """Generation-axis pipeline. null: the mode's."""
-    tsp: bool | None = None
-    """Time-step parallelism. null: the mode's."""
-    tag: bool | None = None
-    """Trainer-assisted generation. null: the mode's."""
-    rebalance: bool | None = None
-    """Straggler rebalancing: a chunk's next step moves to a worker that would finish it sooner, transfer counted. false: chunks stay where they started. null: the mode's."""
-    rat: bool | None = None
-    """Rollout-assisted training: an idle rollout worker takes grad micro-steps while every trainer is busy and it would finish them no later. null: the mode's."""
-    transfer_bandwidth: float = 1.0e9
-    """Bytes/s the rebalancing assumes for moving a step's inputs between workers."""
-    stale_groups: int | None = None
-    """Leading prompt groups of an iteration generated with version i - k (null: all)."""
-    slots_per_worker: int = 2
-    """GPU tasks released to a worker at once (one runs, the rest wait on the worker)."""
-    stall_timeout: float | None = None
-    """Seconds without a finished GPU task after which a run the progress watchdog cannot help stops, naming what it waits for (exit status 1; --resume continues it). null: many times the longest expected task, at least ten minutes (digenrl.schedulers.watchdog)."""
 
-    def validate(self, p: str = "schedule") -> None:
-        _choice(self.mode, f"{p}.mode", MODES)
-        if self.stale_groups is not None:
-            _require(_is_int(self.stale_groups) and self.stale_groups >= 0,
-                     f"{p}.stale_groups", "a non-negative integer or null (all groups)",
-                     self.stale_groups)
-        if self.max_staleness is not None:
-            _require(_is_int(self.max_staleness) and 0 <= self.max_staleness <= 8,
-                     f"{p}.max_staleness", "an integer from 0 to 8 or null",
-                     self.max_staleness)
-        for name in ("gap", "tsp", "tag", "rebalance", "rat"):
-            v = getattr(self, name)
-            _require(v is None or isinstance(v, bool), f"{p}.{name}",
-                     "true, false or null", v)
-        _positive_int(self.slots_per_worker, f"{p}.slots_per_worker")
-        if self.stall_timeout is not None:
-            _finite(self.stall_timeout, f"{p}.stall_timeout", 0.0, lo_open=True)
-        _finite(self.transfer_bandwidth, f"{p}.transfer_bandwidth", 0.0, lo_open=True)
-        if self.mode == "colocated":
-            _require(not self.tag, f"{p}.tag",
-                     f"false or null in colocated mode ({p}.mode; there is no trainer pool)",
-                     self.tag)
-            _require(not self.rat, f"{p}.rat",
-                     f"false or null in colocated mode ({p}.mode; there is no rollout pool)",
-                     self.rat)
-            _require(not self.max_staleness, f"{p}.max_staleness",
-                     f"0 or null in colocated mode ({p}.mode; its phases are synchronous)",
-                     self.max_staleness)
-
-    def options(self) -> ScheduleOptions:
-        preset = dict(MODES[self.mode])
-        for name in ("gap", "tsp", "tag", "rebalance", "rat", "max_staleness"):
-            if getattr(self, name) is not None:
-                preset[name] = getattr(self, name)
-        return ScheduleOptions(mode=self.mode, slots_per_worker=self.slots_per_worker,
-                               transfer_bandwidth=float(self.transfer_bandwidth),
-                               stall_timeout=None if self.stall_timeout is None
-                               else float(self.stall_timeout), **preset)
+def _schedule_docs() -> dict[str, str]:
+    """The reference's meaning of each ``schedule`` field (the switches' own words)."""
+    return {"mode": f"{', '.join(MODE_NAMES[:-1])} or {MODE_NAMES[-1]}: a preset of the "
+                    f"switches below.",
+            **{s.name: _schedule_doc(s) for s in _SCHEDULE_FIELDS}}
 
 
 # ------------------------------------------------------------------------- cluster
@@ -1050,7 +1071,8 @@ def load_config(path: str | Path | None = None,
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """Each config dataclass's field -> the docstring under it (read from this source)."""
+    """Each config dataclass's field -> the docstring under it (read from this source;
+    the ``schedule`` section's from the switches' declarations)."""
     import ast
     import inspect
 
@@ -1067,6 +1089,7 @@ def field_docs() -> dict[str, dict[str, str]]:
                     isinstance(b.value.value, str):
                 docs[a.target.id] = " ".join(b.value.value.split())
         out[node.name] = docs
+    out["ScheduleConfig"] = _schedule_docs()
     return out
 
 
@@ -1074,7 +1097,8 @@ def reference_markdown() -> str:
     """docs/configuration.md: every section and field, its type, default and meaning."""
     docs = field_docs()
     lines = ["# Configuration reference", "",
-             "Generated from the dataclasses in `digenrl/config.py` "
+             "Generated from the dataclasses in `digenrl/config.py` and the switches "
+             "declared in `digenrl/schedulers/switches.py` "
              "(`python -c \"from digenrl.config import reference_markdown; "
              "print(reference_markdown())\" > docs/configuration.md`). A YAML config sets "
              "any of these; `digenrl run --set SECTION.FIELD=VALUE` overrides one.", ""]

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from digenrl.config import ConfigError, ScheduleConfig
+from digenrl.schedulers.switches import MODE_NAMES
 
 __all__ = ["VARIANTS", "DEFAULT_VARIANTS", "variant_schedule"]
 
 #: Named variants: schedule overrides on top of the base work.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "colocated": {"schedule.mode": "colocated"},
-    "disaggregated": {"schedule.mode": "disaggregated"},
-    "digenrl": {"schedule.mode": "digenrl"},
+    # Every mode as it is.
+    **{mode: {"schedule.mode": mode} for mode in MODE_NAMES},
     # Each technique alone, on top of the synchronous disaggregated design.
     "gap": {"schedule.mode": "disaggregated", "schedule.gap": True},
     "tsp": {"schedule.mode": "disaggregated", "schedule.tsp": True},

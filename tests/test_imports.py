@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "digenrl"
 
 #: What the config may import of the project: the pure leaves it is built from (the
-#: options the policy reads), and the package files importing them runs.
-CONFIG_LEAVES = {"digenrl.schedulers", "digenrl.schedulers.options"}
+#: schedule's switches and the options the policy reads), and the package files
+#: importing them runs.
+CONFIG_LEAVES = {"digenrl.schedulers", "digenrl.schedulers.switches",
+                 "digenrl.schedulers.options"}
 
 #: Import cycles among digenrl modules that are needed, each with its reason. None is.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
