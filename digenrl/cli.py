@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--debug", action="store_true")
     srv = sub.add_parser("reward-server", help="serve a registered reward over HTTP (JSON; "
                                                "see docs/howto.md)")
-    srv.add_argument("reward", help="a registered reward's name, or with --config one of "
-                                    "that config's reward.models")
+    srv.add_argument("name", metavar="NAME",
+                     help="a registered reward's name, or with --config one of that "
+                          "config's reward.models")
     srv.add_argument("--config", help="a run config (YAML) whose reward.models names the "
                                       "reward: the model is loaded on this machine's GPU "
                                       "(else its CPU) before the server starts")
@@ -737,15 +738,15 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         reward = load_config(args.config).reward
         check_rewards(reward)
         models = reward.models
-    if args.reward in models:
-        spec = resolve_rewards({args.reward: 1.0}, models=models)[0][0]
-    elif args.config is not None and args.reward not in REWARDS:
+    if args.name in models:
+        spec = resolve_rewards({args.name: 1.0}, models=models)[0][0]
+    elif args.config is not None and args.name not in REWARDS:
         raise ConfigError(f"reward: expected a registered reward {sorted(REWARDS)} or one of "
                           f"reward.models in {args.config} {sorted(models)}, got "
-                          f"{args.reward!r}")
+                          f"{args.name!r}")
     else:
         try:
-            spec = get_reward(args.reward)
+            spec = get_reward(args.name)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if not 0 <= args.port <= 65535:
@@ -756,8 +757,8 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
     model_batch = getattr(spec.fn, "batch_size", None)  # a model reward's forward pass
     if model_batch is not None and args.batch_size not in (None, model_batch):
         raise ConfigError(f"--batch-size: expected none (or {model_batch}) for the model "
-                          f"reward {args.reward!r}, whose passes are its "
-                          f"reward.models.{args.reward}.batch_size {model_batch}, got "
+                          f"reward {args.name!r}, whose passes are its "
+                          f"reward.models.{args.name}.batch_size {model_batch}, got "
                           f"{args.batch_size}")
     batch_size = model_batch or (rs.DEFAULT_BATCH_SIZE if args.batch_size is None
                                  else args.batch_size)
@@ -780,7 +781,7 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         try:
             load()
         except Exception as e:  # weights or a processor that transformers cannot read
-            raise ConfigError(f"reward.models.{args.reward}: expected a model that loads, "
+            raise ConfigError(f"reward.models.{args.name}: expected a model that loads, "
                               f"got {type(e).__name__}: {e}") from None
     options = {"batch_size": batch_size}
     if args.max_wait_ms is not None:

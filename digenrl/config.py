@@ -47,6 +47,7 @@ __all__ = [
     "load_config",
     "config_from_dict",
     "config_to_dict",
+    "stored_section",
     "apply_overrides",
 ]
 
@@ -168,7 +169,7 @@ class ModelConfig:
     pooled_embed_dim: int = 32
     """Tiny model only: width of the pooled prompt embedding."""
 
-    def validate(self, p: str = "model") -> None:
+    def validate(self, p: str) -> None:
         _choice(self.dtype, f"{p}.dtype", DTYPES)
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
@@ -241,7 +242,7 @@ class SamplerConfig:
     timestep_fraction: float = 0.5
     """Fraction of the steps trained: the first int(num_steps x fraction); never the last."""
 
-    def validate(self, p: str = "sampler") -> None:
+    def validate(self, p: str) -> None:
         _require(_is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
                  f"{p}.num_steps", f"an integer from 2 to {MAX_STEPS} (the sampler's "
                  f"training timesteps)", self.num_steps)
@@ -282,7 +283,7 @@ class DataConfig:
     same_noise_in_group: bool = False
     """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
-    def validate(self, p: str = "data") -> None:
+    def validate(self, p: str) -> None:
         _positive_int(self.prompts_per_iteration, f"{p}.prompts_per_iteration")
         _positive_int(self.samples_per_prompt, f"{p}.samples_per_prompt", 2)
         _require(isinstance(self.prompts, tuple)
@@ -315,7 +316,7 @@ class RolloutConfig:
     max_chunk_size: int = 16
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
 
-    def validate(self, p: str = "rollout") -> None:
+    def validate(self, p: str) -> None:
         _positive_int(self.chunk_size, f"{p}.chunk_size")
         _choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
         _positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
@@ -527,7 +528,7 @@ class RewardConfig:
     models: Mapping[str, RewardModelConfig] = field(default_factory=dict)
     """Name -> a reward that owns a model, resident on the workers (the fields below); the name is then usable in components."""
 
-    def validate(self, p: str = "reward") -> None:
+    def validate(self, p: str) -> None:
         for group, cls, what, fields in (
                 ("remote", RemoteRewardConfig, "server settings", "url, protocol, ..."),
                 ("models", RewardModelConfig, "model settings", "kind, path, ...")):
@@ -598,7 +599,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
 
-    def validate(self, p: str = "train") -> None:
+    def validate(self, p: str) -> None:
         _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
         _finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0, hi_open=True)
         _finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0, hi_open=True)
@@ -749,7 +750,7 @@ class ClusterConfig:
     connect_timeout: float = 10.0
     """Seconds to wait for an existing scheduler."""
 
-    def validate(self, p: str = "cluster") -> None:
+    def validate(self, p: str) -> None:
         if self.scheduler is not None:
             m = isinstance(self.scheduler, str) and _SCHEDULER.match(self.scheduler)
             _require(bool(m) and (m.group("scheme") or m.group("port")) is not None
@@ -791,7 +792,7 @@ class StoreConfig:
     save_videos: bool = False
     """Video models: store every whole video in samples.video (samples.image holds each video's middle frame either way)."""
 
-    def validate(self, p: str = "store") -> None:
+    def validate(self, p: str) -> None:
         for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
@@ -815,7 +816,7 @@ class EvalConfig:
     grid: int = 8
     """How many held-out prompts digenrl report shows per evaluated version (the first ones)."""
 
-    def validate(self, p: str = "eval") -> None:
+    def validate(self, p: str) -> None:
         _require(_is_int(self.every) and self.every >= 0, f"{p}.every",
                  "an integer >= 0 (0: no evaluation)", self.every)
         _require(isinstance(self.before_first, bool), f"{p}.before_first", "true or false",
@@ -877,8 +878,7 @@ class RunConfig:
         _require(_is_int(self.seed) and self.seed >= 0, "seed", "a non-negative integer",
                  self.seed)
         _positive_int(self.iterations, "iterations")
-        for name in ("model", "sampler", "data", "rollout", "reward", "train",
-                     "schedule", "cluster", "store", "eval"):
+        for name in _SECTIONS:
             getattr(self, name).validate(name)
         spp = self.data.samples_per_prompt
         chunk = self.rollout.chunk_size
@@ -914,18 +914,10 @@ class RunConfig:
 
 # ------------------------------------------------------------------ dict <-> config
 
+#: Each section of a run config (a field of RunConfig holding a dataclass) by name.
 _SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "sampler": SamplerConfig,
-    "data": DataConfig,
-    "rollout": RolloutConfig,
-    "reward": RewardConfig,
-    "train": TrainConfig,
-    "schedule": ScheduleConfig,
-    "cluster": ClusterConfig,
-    "store": StoreConfig,
-    "eval": EvalConfig,
-}
+    f.name: hint for f in dataclasses.fields(RunConfig)
+    if dataclasses.is_dataclass(hint := typing.get_type_hints(RunConfig)[f.name])}
 
 
 def _sub_path(path: str, key: Any) -> str:
@@ -1009,6 +1001,17 @@ def _build(cls: type, data: Any, path: str) -> Any:
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
     """Build and validate a :class:`RunConfig` from nested plain data."""
     return _build(RunConfig, data, "")
+
+
+def stored_section(data: Mapping[str, Any] | None, cls: type) -> Any:
+    """Section ``cls`` (e.g. :class:`EvalConfig`) of a stored config's plain data: its
+    fields that data has, the defaults for the others (a field it does not know is
+    left out), and nothing else of the config read or checked -- for reading a store
+    where the run's folders and files may not be."""
+    name = next(n for n, c in _SECTIONS.items() if c is cls)
+    section = (data or {}).get(name) or {}
+    known = {f.name for f in dataclasses.fields(cls)}
+    return _build(cls, {k: v for k, v in section.items() if k in known}, name)
 
 
 def _plain(value: Any) -> Any:

@@ -28,17 +28,18 @@ from digenrl.checkpoints import complete_checkpoints, drop_checkpoints
 from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import (GraphLayout, chain_keys_trained, checkpoint_key,
-                                     eval_iteration, init_nodes, publish_key,
-                                     reduce_root_key, restore_key, restore_nodes,
+from digenrl.graph.keys import checkpoint_key, kind_of, publish_key, restore_key
+from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_iteration,
+                                     init_nodes, reduce_root_key, restore_nodes,
                                      rollout_nodes, tail_nodes, train_nodes)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
-from digenrl.store import RunStore, StoreError, committed_iterations, read_attrs
-from digenrl.vocabulary import DENOISE, TRAINER
+from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError,
+                           committed_iterations, read_attrs)
+from digenrl.vocabulary import ADVANTAGE, DECODE, DENOISE, INIT, REWARD, STATS, TRAINER
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
@@ -348,7 +349,7 @@ class Driver:
         checkpoints and weights no later piece reads (:meth:`GraphLayout.retains`)."""
         w, client = self.w, self.handle.client
         futs = pipeline.take(i)
-        wanted = {k: f for k, f in futs.items() if k[0] in w.collected}
+        wanted = {k: f for k, f in futs.items() if kind_of(k) in w.collected}
         values = dict(zip(wanted, client.gather(list(wanted.values()))))
         let_go(futs.values())  # (before the checkpoints they were computed from go)
         records, t1 = window.close(client, i)
@@ -357,7 +358,7 @@ class Driver:
         seconds = t1 - t0
         plan = self.plan(i)
         groups, metrics = w.rows(i, plan, values)
-        evaluations = evaluation_means(groups.get("eval"))
+        evaluations = evaluation_means(groups.get(EVAL_GROUP))
         metrics.update({
             "chunk_size": plan.num_samples / len(plan.chunks),
             "images_per_s": w.images_per_iteration / seconds if seconds > 0 else float("nan"),
@@ -410,7 +411,7 @@ def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, floa
     out = []
     for v in np.unique(rows["version"]):
         mine = rows["version"] == v
-        good = rows["reward"][mine & rows["valid"]]
+        good = rows[REWARD_COLUMN][mine & rows["valid"]]
         out.append((int(v), float(good.mean()) if len(good) else float("nan"),
                     int(mine.sum())))
     return out
@@ -483,7 +484,7 @@ class Pipeline:
         versions it retains, restored from their checkpoints."""
         self.start = start
         if start == 0:
-            self._submit_made(0, init_nodes(checkpoint=True), [], "init")
+            self._submit_made(0, init_nodes(checkpoint=True), [], INIT)
             return
         # The earlier versions it retains here; version ``start`` by :meth:`_restore`.
         for v in self.w.layout.retained_versions(start)[:-1]:
@@ -569,7 +570,7 @@ class Pipeline:
         if not reads <= set(self.published):
             return False
         outputs = iteration_outputs(plan)
-        keys = outputs["decode"] + outputs["reward"]
+        keys = outputs[DECODE] + outputs[REWARD]
         trained = chain_keys_trained(layout, plan)
         futs = self._submit(rollout_nodes(layout, plan), keys + trained, f"rollout-{j}")
         self._outputs.setdefault(j, {}).update({k: futs[k] for k in keys})
@@ -583,7 +584,7 @@ class Pipeline:
                 or (layout.kl and 0 not in self.published)):
             return False
         root = reduce_root_key(j, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
-        keys = iteration_outputs(plan)["advantage"]
+        keys = iteration_outputs(plan)[ADVANTAGE]
         futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
         self._outputs[j].update({k: futs[k] for k in keys})
         let_go(self._held.pop(j, {}).values())  # the chain latents are read now
@@ -595,7 +596,7 @@ class Pipeline:
         j = plan.iteration
         if j not in self.trains or j in self.tails or j not in self.restored:
             return False
-        stats = iteration_outputs(plan)["stats"]
+        stats = iteration_outputs(plan)[STATS]
         futs = self._submit_made(
             j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
             stats, f"tail-{j}")

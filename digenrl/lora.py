@@ -24,7 +24,7 @@ import torch
 from digenrl.config import ConfigError, ModelConfig, TrainConfig
 from digenrl.models import build_transformer, family
 from digenrl.models.parts import TORCH_DTYPES
-from digenrl.seeding import stable_seed
+from digenrl.seeding import INIT_DRAW, stable_seed
 
 __all__ = ["Trainable", "trainable_spec", "build_policy", "trainable_parameters",
            "cast_for_forward", "check_targets", "lora_config"]
@@ -70,7 +70,7 @@ def build_policy(model: ModelConfig, spec: Trainable, seed: int) -> torch.nn.Mod
     module = build_transformer(model, seed)
     if spec.lora:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(stable_seed(seed, "init", "lora"))
+            torch.manual_seed(stable_seed(seed, INIT_DRAW, "lora"))
             module.add_adapter(lora_config(spec))  # freezes everything but the adapters
     if spec.gradient_checkpointing:
         module.enable_gradient_checkpointing()

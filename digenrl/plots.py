@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 
 from digenrl.analysis import utilisation_timeline  # noqa: E402
 from digenrl.schedulers.palette import KIND_COLOURS  # noqa: E402
+from digenrl.store import REWARD_COLUMN  # noqa: E402
 
 #: The tasks records' columns of work lent across pools, and their hatch: rollout tasks
 #: on trainers (TAG) and grads on rollout workers (RAT).
@@ -67,16 +68,16 @@ def timeline_png(tasks, path: str | Path, *, title: str = "",
     return _save(fig, path)
 
 
-def reward_png(metrics, samples, path: str | Path, *, title: str = "reward") -> Path:
+def reward_png(metrics, samples, path: str | Path, *, title: str = REWARD_COLUMN) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     it = metrics["iteration"].values if "iteration" in metrics.coords else np.arange(
         metrics.sizes["iteration"])
-    r = samples["reward"].values
+    r = samples[REWARD_COLUMN].values
     ax.scatter(np.repeat(it, r.shape[1]), r.ravel(), s=4, alpha=0.3, color="#1f77b4",
                label="samples")
     ax.plot(it, metrics["reward_mean"].values, color="#d62728", label="mean")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("reward")
+    ax.set_ylabel(REWARD_COLUMN)
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
@@ -117,7 +118,7 @@ def eval_png(evaluation, metrics, path: str | Path) -> Path:
     version, with each iteration's training reward (its SDE samples, mostly of the
     policy version of the same number) for comparison."""
     version = evaluation["version"].values
-    reward = evaluation["reward"].values
+    reward = evaluation[REWARD_COLUMN].values
     valid = evaluation["valid"].values
     versions = np.unique(version)
     means = [np.mean(reward[(version == v) & valid]) if ((version == v) & valid).any()
@@ -131,7 +132,7 @@ def eval_png(evaluation, metrics, path: str | Path) -> Path:
                 color="#1f77b4", alpha=0.8, label="training mean (iteration = version)")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("policy version")
-    ax.set_ylabel("reward")
+    ax.set_ylabel(REWARD_COLUMN)
     ax.set_title("held-out evaluation")
     ax.legend()
     fig.tight_layout()
@@ -155,7 +156,7 @@ def eval_grid_png(evaluation, version: int, count: int, path: str | Path) -> Pat
     mine = mine[np.argsort(evaluation["prompt_index"].values[mine], kind="stable")][:count]
     images = evaluation["image"].values[mine]
     prompts = evaluation["prompt"].values[mine]
-    rewards = evaluation["reward"].values[mine]
+    rewards = evaluation[REWARD_COLUMN].values[mine]
     valid = evaluation["valid"].values[mine]
     cols = min(len(mine), 4)
     rows = -(-len(mine) // cols)

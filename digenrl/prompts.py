@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from digenrl.config import ConfigError, DataConfig
-from digenrl.seeding import stable_seed
+from digenrl.seeding import PROMPT_ORDER_DRAW, PROMPTS_DRAW, stable_seed
 
 __all__ = ["PROMPT_SETS", "HELD_OUT_SETS", "PROMPT_FILE_SUFFIXES", "HeldOut",
            "has_held_out_prompts", "held_out_prompts", "PromptFile", "PromptSource",
@@ -64,7 +64,7 @@ def prompt_pool(prompt_set: str, prompts: tuple[str, ...] = ()) -> tuple[str, ..
 
 def draw_prompts(pool: tuple[str, ...], count: int, seed: int, iteration: int) -> list[str]:
     """The prompts of one iteration: drawn with replacement, seeded by the iteration."""
-    rng = np.random.default_rng(stable_seed(seed, "prompts", iteration))
+    rng = np.random.default_rng(stable_seed(seed, PROMPTS_DRAW, iteration))
     return [pool[i] for i in rng.integers(0, len(pool), size=count)]
 
 
@@ -169,7 +169,7 @@ def _json_lines(lines: list[str], bad) -> list[Any]:
 @functools.lru_cache(maxsize=4)
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The order in which epoch ``epoch`` visits the ``n`` lines of a prompt file."""
-    order = np.random.default_rng(stable_seed(seed, "prompt_order", epoch)).permutation(n)
+    order = np.random.default_rng(stable_seed(seed, PROMPT_ORDER_DRAW, epoch)).permutation(n)
     order.setflags(write=False)
     return order
 

@@ -20,7 +20,8 @@ import yaml
 
 from digenrl.analysis import dispatch_overhead, split_advice, store_pools, window_stats
 from digenrl.sim.measured import measured_profile
-from digenrl.store import open_run
+from digenrl.config import EvalConfig, stored_section
+from digenrl.store import EVAL_GROUP, REWARD_COLUMN, open_run
 
 __all__ = ["write_report", "summarise"]
 
@@ -78,9 +79,9 @@ def summarise(ds, profile: Path | None = None) -> str:
                      f"task {o['denoise_dask_ms']:.1f} ms (median "
                      f"{o['denoise_dask_median_ms']:.1f}) against a mean denoise task of "
                      f"{o['denoise_ms']:.1f} ms")
-    e = ds["eval"]
+    e = ds[EVAL_GROUP]
     if e.sizes.get("entry", 0):
-        evals = [f"v{v} {np.nanmean(e.reward.values[e.version.values == v]):.4f}"
+        evals = [f"v{v} {np.nanmean(e[REWARD_COLUMN].values[e.version.values == v]):.4f}"
                  for v in np.unique(e.version.values)]
         lines.append("held-out evaluation (mean reward per policy version): "
                      + ", ".join(evals))
@@ -98,17 +99,17 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
     attrs = ds["metrics"].attrs["digenrl"]
     written = []
     tasks = ds["tasks"].to_dataframe()
-    if "reward" in ds["samples"] and ds["metrics"].sizes.get("iteration", 0):
+    if REWARD_COLUMN in ds["samples"] and ds["metrics"].sizes.get("iteration", 0):
         written.append(plots.reward_png(ds["metrics"], ds["samples"], out / "reward.png"))
     if len(tasks):
         written.append(plots.timeline_png(tasks, out / "timeline.png", pools=store_pools(attrs)))
         written.append(plots.utilisation_png(tasks, store_pools(attrs), out / "utilisation.png"))
     if "trained_version" in ds["samples"] and ds["samples"].sizes.get("iteration", 0):
         written.append(plots.staleness_png(ds["samples"], out / "staleness.png"))
-    evaluation = ds["eval"]
+    evaluation = ds[EVAL_GROUP]
     if evaluation.sizes.get("entry", 0):
         written.append(plots.eval_png(evaluation, ds["metrics"], out / "eval.png"))
-        grid = int((attrs.get("config") or {}).get("eval", {}).get("grid", 8))
+        grid = stored_section(attrs.get("config"), EvalConfig).grid
         for v in np.unique(evaluation["version"].values):
             written.append(plots.eval_grid_png(evaluation, int(v), grid,
                                                out / f"eval-v{int(v)}.png"))

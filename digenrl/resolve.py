@@ -53,16 +53,16 @@ def check_world(config: RunConfig) -> None:
                  "image latents)", config.store.save_latents)
 
 
-def check_rewards(reward: RewardConfig, p: str = "reward") -> None:
+def check_rewards(reward: RewardConfig) -> None:
     """Every name in ``reward.components`` is a registered reward or one of
     ``reward.remote`` / ``reward.models``, and those two name no registered reward."""
     for group in ("remote", "models"):
         for name in getattr(reward, group):
-            _require(name not in REWARDS, _sub_path(f"{p}.{group}", name),
+            _require(name not in REWARDS, _sub_path(f"reward.{group}", name),
                      "a name that is not a registered reward's", name)
     known = set(REWARDS) | set(reward.remote) | set(reward.models)
     for name in reward.components:
-        _choice(name, f"{p}.components", known)
+        _choice(name, "reward.components", known)
 
 
 def _check_prompts(config: RunConfig) -> None:

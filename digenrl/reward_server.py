@@ -64,6 +64,8 @@ DEFAULT_MAX_BYTES = 64 * 2 ** 20
 READ_TIMEOUT = 30.0
 #: Seconds a kept-alive connection may stay idle (or take to send its headers).
 IDLE_TIMEOUT = 300.0
+#: The key of the status answer (``GET``) naming the reward served.
+SERVED_KEY = "reward"
 #: Images per pass for a registered reward (a model reward uses its own batch_size).
 DEFAULT_BATCH_SIZE = 32
 #: How long a request waits for others to fill its pass, in milliseconds.
@@ -118,7 +120,7 @@ class RewardServer:
 
     def stats(self) -> dict[str, Any]:
         b = self.batcher
-        answer = {"reward": self.spec.name, "requests": self.requests, "images": b.images,
+        answer = {SERVED_KEY: self.spec.name, "requests": self.requests, "images": b.images,
                   "forward_passes": b.passes, "queued": b.queued,
                   "answered_429": self.answered_429}
         loads = getattr(self.spec.fn, "loads", None)  # a model reward's

@@ -20,15 +20,18 @@ from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
                             evaluation_means, library_versions)
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
+from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key, kind_of,
+                                reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
-from digenrl.store import RunStore
+from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import PolicyWeights
-from digenrl.vocabulary import EVAL, EVAL_REWARD
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD, RESTORE,
+                                REWARD, STATS)
 
 __all__ = ["FlowGRPOWorkload", "Runner", "RunResult", "IterationSummary", "library_versions"]
 
@@ -39,7 +42,7 @@ Key = Hashable
 class FlowGRPOWorkload:
     """Flow-GRPO post-training of the configured model."""
 
-    collected = ("decode", "reward", "advantage", "stats", EVAL, EVAL_REWARD)
+    collected = (DECODE, REWARD, ADVANTAGE, STATS, EVAL, EVAL_REWARD)
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -69,9 +72,9 @@ class FlowGRPOWorkload:
         return bind(nodes, self._binding, outputs)
 
     def _binding(self, node):
-        if node.op in ("checkpoint", "restore"):
+        if node.op in (CHECKPOINT, RESTORE):
             assert self.checkpoint_spec is not None, "prepare() sets the store first"
-            func = save_state if node.op == "checkpoint" else load_state
+            func = save_state if node.op == CHECKPOINT else load_state
             return func, (self.checkpoint_spec,)
         return self.ctx.binding(node)
 
@@ -139,10 +142,10 @@ class FlowGRPOWorkload:
         cfg = self.config
         n = plan.num_samples
         chunks = range(len(plan.chunks))
-        decoded = [values[("decode", i, c)] for c in chunks]
-        rewards = [values[("reward", i, c)] for c in chunks]
-        advs = [values[("advantage", i, g)] for g in range(plan.num_groups)]
-        stats = values[("stats", i)]
+        decoded = [values[decode_key(i, c)] for c in chunks]
+        rewards = [values[reward_key(i, c)] for c in chunks]
+        advs = [values[advantage_key(i, g)] for g in range(plan.num_groups)]
+        stats = values[stats_key(i)]
 
         reward = np.full(n, np.nan)
         valid = np.zeros(n, bool)
@@ -182,8 +185,8 @@ class FlowGRPOWorkload:
         samples = {
             "prompt": np.array([plan.prompts[plan.group_of(s)] for s in range(n)]),
             "group": np.array([plan.group_of(s) for s in range(n)], np.int32),
-            "reward": reward,
-            "advantage": advantage,
+            REWARD_COLUMN: reward,
+            ADVANTAGE_COLUMN: advantage,
             "valid": valid,
             "behaviour_version": behaviour,
             "trained_version": np.full(n, i, np.int32),
@@ -224,7 +227,7 @@ class FlowGRPOWorkload:
             # NaN for an iteration stored without an evaluation
             metrics["eval_reward_mean"] = metrics["eval_version"] = float("nan")
         if evaluated is not None:
-            groups["eval"] = evaluated
+            groups[EVAL_GROUP] = evaluated
             version, mean, _ = evaluation_means(evaluated)[-1]  # the newest
             metrics["eval_reward_mean"], metrics["eval_version"] = mean, float(version)
         return groups, metrics
@@ -232,14 +235,14 @@ class FlowGRPOWorkload:
     def _eval_rows(self, i: int, values: dict[Key, Any]) -> dict[str, np.ndarray] | None:
         """The ``eval`` rows of the evaluations stored with iteration ``i``: one per
         evaluated version and held-out prompt, by version then prompt."""
-        keys = sorted((k for k in values if k[0] == EVAL), key=lambda k: (k[1], k[2]))
+        keys = sorted((k for k in values if kind_of(k) == EVAL), key=lambda k: (k[1], k[2]))
         if not keys:
             return None
         held_out = self.ctx.held_out
         version, index, reward, valid, images = [], [], [], [], []
         components: dict[str, list] = {name: [] for name in self.config.reward.components}
         for key in keys:
-            decoded, scored = values[key], values[(EVAL_REWARD,) + key[1:]]
+            decoded, scored = values[key], values[eval_reward_key(*key[1:])]
             version += [key[1]] * len(decoded.sample_ids)
             index += list(decoded.sample_ids)
             reward.append(scored.rewards)
@@ -254,7 +257,7 @@ class FlowGRPOWorkload:
             "version": np.asarray(version, np.int32),
             "prompt_index": np.asarray(index, np.int32),
             "prompt": np.array([held_out.prompts[j] for j in index]),
-            "reward": np.concatenate(reward).astype(np.float64),
+            REWARD_COLUMN: np.concatenate(reward).astype(np.float64),
             "valid": np.concatenate(valid).astype(bool),
         }
         for name, parts in components.items():

@@ -11,7 +11,26 @@ from __future__ import annotations
 import hashlib
 from typing import Hashable
 
-__all__ = ["stable_seed"]
+__all__ = ["stable_seed", "NOISE_DRAW", "GROUP_NOISE_DRAW", "SDE_DRAW", "EVAL_NOISE_DRAW",
+           "PROMPTS_DRAW", "PROMPT_ORDER_DRAW", "INIT_DRAW"]
+
+# The names of the draws: what a draw is of, after the run seed in its identity. They
+# are part of every seed, so renaming one changes every result drawn with it.
+#: A sample's starting noise: ``(seed, NOISE_DRAW, iteration, sample)``.
+NOISE_DRAW = "noise"
+#: A group's shared starting noise (``data.same_noise_in_group``):
+#: ``(seed, GROUP_NOISE_DRAW, iteration, group)``.
+GROUP_NOISE_DRAW = "group-noise"
+#: A sample's SDE noise at step t: ``(seed, SDE_DRAW, iteration, sample, t)``.
+SDE_DRAW = "sde"
+#: Held-out prompt j's starting noise in every evaluation: ``(seed, EVAL_NOISE_DRAW, j)``.
+EVAL_NOISE_DRAW = "eval-noise"
+#: An iteration's prompts from a prompt list: ``(seed, PROMPTS_DRAW, iteration)``.
+PROMPTS_DRAW = "prompts"
+#: The order of a prompt file's lines in epoch e: ``(seed, PROMPT_ORDER_DRAW, e)``.
+PROMPT_ORDER_DRAW = "prompt_order"
+#: Initial weights: ``(model seed, INIT_DRAW, part)`` (``"lora"`` for the adapters).
+INIT_DRAW = "init"
 
 
 def stable_seed(*parts: Hashable) -> int:

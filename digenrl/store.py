@@ -25,9 +25,17 @@ import xarray as xr
 import zarr
 
 __all__ = ["RunStore", "open_run", "read_attrs", "committed_iterations", "GROUPS",
-           "StoreError"]
+           "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError"]
 
-GROUPS = ("samples", "steps", "metrics", "tasks", "eval")
+# Names of the store that are also the words of task kinds, named here once.
+#: The held-out evaluations: a row per evaluated policy version and held-out prompt.
+EVAL_GROUP = "eval"
+#: A sample's (``samples``) or an evaluated prompt's (``eval``) weighted reward.
+REWARD_COLUMN = "reward"
+#: A sample's advantage (``samples``).
+ADVANTAGE_COLUMN = "advantage"
+
+GROUPS = ("samples", "steps", "metrics", "tasks", EVAL_GROUP)
 FORMAT_VERSION = 1
 
 _DIMS = {
@@ -35,17 +43,17 @@ _DIMS = {
     "steps": ("iteration", "sample", "step"),
     "metrics": ("iteration",),
     "tasks": ("task",),
-    "eval": ("entry",),
+    EVAL_GROUP: ("entry",),
 }
 #: The groups whose rows are not iterations: each iteration appends any number of rows,
 #: chunked this many at a time.
-_ROW_CHUNKS = {"tasks": 4096, "eval": 16}
+_ROW_CHUNKS = {"tasks": 4096, EVAL_GROUP: 16}
 # Extra trailing dimensions of some variables.
 _EXTRA_DIMS = {
     ("samples", "image"): ("y", "x", "rgb"),
     ("samples", "video"): ("frame", "y", "x", "rgb"),
     ("steps", "latent"): ("channel", "latent_y", "latent_x"),
-    ("eval", "image"): ("y", "x", "rgb"),
+    (EVAL_GROUP, "image"): ("y", "x", "rgb"),
 }
 
 
@@ -250,7 +258,7 @@ def read_attrs(path: str | Path) -> dict[str, Any]:
 
 
 def _committed_lengths(root: zarr.Group) -> tuple[int, int, int]:
-    evals = _length(root["eval"], "entry") if "eval" in root else 0
+    evals = _length(root[EVAL_GROUP], "entry") if EVAL_GROUP in root else 0
     return _length(root["metrics"], "iteration"), _length(root["tasks"], "task"), evals
 
 

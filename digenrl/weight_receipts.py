@@ -14,6 +14,7 @@ import time
 
 from distributed import WorkerPlugin
 
+from digenrl.graph.keys import kind_of
 from digenrl.vocabulary import PUBLISH
 
 __all__ = ["WeightReceipts", "drain", "PLUGIN_NAME"]
@@ -35,7 +36,7 @@ class WeightReceipts(WorkerPlugin):
         self.seconds, self.received, self._since = 0.0, 0, {}
 
     def transition(self, key, start, finish, **kwargs) -> None:
-        if not (isinstance(key, tuple) and key and key[0] == PUBLISH):
+        if not (isinstance(key, tuple) and key and kind_of(key) == PUBLISH):
             return
         if finish == "flight":
             # (A fetch may go back to ``fetch`` and fly again: it is timed from the first.)

@@ -23,7 +23,8 @@ import zarr
 from distributed import Client
 
 from digenrl.checkpoints import complete_checkpoints, read_checkpoint
-from digenrl.graph.structure import Dep, publish_key, rollout_nodes, train_nodes
+from digenrl.graph.keys import publish_key
+from digenrl.graph.structure import Dep, rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload, Runner
 from digenrl.store import StoreError, open_run
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state

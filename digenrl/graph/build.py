@@ -24,6 +24,8 @@ from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu
+from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD, INIT,
+                                NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS)
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -95,19 +97,19 @@ class GraphContext:
         """The task function of ``node`` and the specs passed before its arguments."""
         on_error = self.config.reward.on_error
         return {
-            "init": (train.init_state, (self.train,)),
-            "noise": (rollout.noise, (self.rollout,)),
-            "denoise": (rollout.denoise, (self.rollout,)),
-            "decode": (rollout.decode, (self.rollout,)),
-            "reward": (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
-            "eval": (rollout.evaluate, (self.evaluation,)),
-            "eval_reward": (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
-            "advantage": (adv_tasks.advantage, ()),
-            "grad": (train.grad, (self.train,)),
-            "reduce": (train.reduce, ()),
-            "optimize": (train.optimize, (self.train,)),
-            "publish": (train.publish, ()),
-            "stats": (train.iteration_stats, ()),
+            INIT: (train.init_state, (self.train,)),
+            NOISE: (rollout.noise, (self.rollout,)),
+            DENOISE: (rollout.denoise, (self.rollout,)),
+            DECODE: (rollout.decode, (self.rollout,)),
+            REWARD: (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
+            EVAL: (rollout.evaluate, (self.evaluation,)),
+            EVAL_REWARD: (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
+            ADVANTAGE: (adv_tasks.advantage, ()),
+            GRAD: (train.grad, (self.train,)),
+            REDUCE: (train.reduce, ()),
+            OPTIMIZE: (train.optimize, (self.train,)),
+            PUBLISH: (train.publish, ()),
+            STATS: (train.iteration_stats, ()),
         }[node.op]
 
 

@@ -8,18 +8,19 @@ op; ``IterationGraph.to_hlg`` makes one HighLevelGraph layer whose per-key annot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
+from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, decode_key, optimize_key,
+                                publish_key, reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import INIT_KEY, Dep, Node, optimize_key, publish_key
-from digenrl.vocabulary import ANNOTATION
+from digenrl.graph.structure import Dep, Node
+from digenrl.vocabulary import ADVANTAGE, ANNOTATION, DECODE, PUBLISH, REWARD, STATS
 
 __all__ = ["IterationGraph", "bind", "init_outputs", "iteration_outputs"]
 
-Key = Hashable
 #: op -> (function, leading arguments)
 Binding = Callable[[Node], tuple[Callable, tuple]]
 
@@ -57,17 +58,23 @@ def bind(nodes: Sequence[Node], binding: Binding, outputs: dict[str, list[Key]])
     return g
 
 
+#: The output holding the trainer state (the others are named by their tasks' kind).
+STATE = "state"
+
+
 def init_outputs() -> dict[str, list[Key]]:
-    return {"publish": [publish_key(0)], "state": [INIT_KEY]}
+    return {PUBLISH: [publish_key(0)], STATE: [INIT_KEY]}
 
 
 def iteration_outputs(plan: IterationPlan) -> dict[str, list[Key]]:
+    """The keys the driver collects of an iteration, by kind (the trainer state under
+    :data:`STATE`)."""
     i, n_chunks = plan.iteration, len(plan.chunks)
     return {
-        "decode": [("decode", i, c) for c in range(n_chunks)],
-        "reward": [("reward", i, c) for c in range(n_chunks)],
-        "advantage": [("advantage", i, grp) for grp in range(plan.num_groups)],
-        "stats": [("stats", i)],
-        "state": [optimize_key(i)],
-        "publish": [publish_key(i + 1)],
+        DECODE: [decode_key(i, c) for c in range(n_chunks)],
+        REWARD: [reward_key(i, c) for c in range(n_chunks)],
+        ADVANTAGE: [advantage_key(i, grp) for grp in range(plan.num_groups)],
+        STATS: [stats_key(i)],
+        STATE: [optimize_key(i)],
+        PUBLISH: [publish_key(i + 1)],
     }

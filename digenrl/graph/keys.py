@@ -1,18 +1,100 @@
-"""The annotation the scheduler plugin reads on every task.
+"""Task keys and the annotation the scheduler plugin reads on every task.
 
 A key is a tuple whose first element is the task kind, so Dask's dashboard colours the
-kinds apart and its per-prefix duration estimates stay meaningful. The plugin never
-parses keys: everything it needs is in the ``digenrl`` annotation built here, in the
-words of :mod:`digenrl.vocabulary`.
+kinds apart and its per-prefix duration estimates stay meaningful. Every key is made by
+one of the constructors here, in the words of :mod:`digenrl.vocabulary`. The plugin
+never parses keys: everything it needs is in the ``digenrl`` annotation built here
+(:func:`task_meta`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable
 
-from digenrl.vocabulary import GPU_KINDS, KIND_POOL, KINDS
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
+                                GPU_KINDS, GRAD, INIT, KIND_POOL, KINDS, NOISE, OPTIMIZE,
+                                PUBLISH, REDUCE, RESTORE, REWARD, STATS)
 
-__all__ = ["task_meta"]
+__all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "noise_key", "denoise_key",
+           "decode_key", "reward_key", "advantage_key", "grad_key", "reduce_key",
+           "optimize_key", "publish_key", "checkpoint_key", "restore_key", "stats_key",
+           "eval_key", "eval_reward_key"]
+
+Key = Hashable
+
+#: The trainer state of version 0.
+INIT_KEY: Key = (INIT,)
+
+
+def kind_of(key: Key) -> str:
+    """The task kind of ``key``."""
+    return key[0]
+
+
+def noise_key(iteration: int, chunk: int) -> Key:
+    """A chunk's starting latents (and its prompts' conditioning)."""
+    return (NOISE, iteration, chunk)
+
+
+def denoise_key(iteration: int, chunk: int, t: int) -> Key:
+    """Sampler step ``t`` of a chunk."""
+    return (DENOISE, iteration, chunk, t)
+
+
+def decode_key(iteration: int, chunk: int) -> Key:
+    return (DECODE, iteration, chunk)
+
+
+def reward_key(iteration: int, chunk: int) -> Key:
+    return (REWARD, iteration, chunk)
+
+
+def advantage_key(iteration: int, group: int) -> Key:
+    return (ADVANTAGE, iteration, group)
+
+
+def grad_key(iteration: int, chunk: int, t: int) -> Key:
+    """The micro-step of a chunk at trained timestep ``t``."""
+    return (GRAD, iteration, chunk, t)
+
+
+def reduce_key(iteration: int, level: int, node: int) -> Key:
+    """Node ``node`` of level ``level`` of the reduction tree (its partial sums extend
+    the key by the count of parts added so far)."""
+    return (REDUCE, iteration, level, node)
+
+
+def optimize_key(iteration: int) -> Key:
+    """The trainer state after ``iteration``'s optimizer step; before iteration 0, the
+    initial state."""
+    return INIT_KEY if iteration < 0 else (OPTIMIZE, iteration)
+
+
+def publish_key(version: int) -> Key:
+    """The published weights of policy ``version``."""
+    return (PUBLISH, version)
+
+
+def checkpoint_key(version: int) -> Key:
+    return (CHECKPOINT, version)
+
+
+def restore_key(version: int) -> Key:
+    """The trainer state of ``version`` read back from its checkpoint."""
+    return (RESTORE, version)
+
+
+def stats_key(iteration: int) -> Key:
+    return (STATS, iteration)
+
+
+def eval_key(version: int, chunk: int) -> Key:
+    """A chunk of held-out prompts sampled by policy ``version``."""
+    return (EVAL, version, chunk)
+
+
+def eval_reward_key(version: int, chunk: int) -> Key:
+    return (EVAL_REWARD, version, chunk)
 
 
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,

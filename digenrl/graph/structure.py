@@ -24,34 +24,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable
 
-from digenrl.graph.keys import task_meta
+from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
+                                denoise_key, eval_key, eval_reward_key, grad_key, noise_key,
+                                optimize_key, publish_key, reduce_key, restore_key,
+                                reward_key, stats_key, task_meta)
 from digenrl.graph.plan import IterationPlan
-from digenrl.vocabulary import EVAL, EVAL_REWARD, PUBLISH
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
+                                GRAD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD,
+                                STATS)
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
-           "train_nodes", "tail_nodes", "restore_nodes", "publish_key", "optimize_key",
-           "restore_key", "checkpoint_key", "rollout_version", "reduce_root_key", "INIT_KEY",
+           "train_nodes", "tail_nodes", "restore_nodes", "rollout_version", "reduce_root_key",
            "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
-
-Key = Hashable
-INIT_KEY: Key = ("init",)
-
-
-def publish_key(version: int) -> Key:
-    return (PUBLISH, version)
-
-
-def optimize_key(iteration: int) -> Key:
-    return INIT_KEY if iteration < 0 else ("optimize", iteration)
-
-
-def restore_key(version: int) -> Key:
-    """The trainer state of ``version`` read back from its checkpoint."""
-    return ("restore", version)
-
-
-def checkpoint_key(version: int) -> Key:
-    return ("checkpoint", version)
 
 
 def rollout_version(iteration: int, version_lag: int) -> int:
@@ -107,7 +91,7 @@ def reduce_root_key(iteration: int, leaves: int, fanin: int) -> Key:
     while True:
         n = -(-n // fanin)
         if n == 1:
-            return ("reduce", iteration, level, 0)
+            return reduce_key(iteration, level, 0)
         level += 1
 
 
@@ -148,10 +132,10 @@ class GraphLayout:
 def init_nodes(checkpoint: bool = False) -> list[Node]:
     """Version 0: the initial trainer state and its published weights (and, for runs
     that checkpoint, its checkpoint)."""
-    nodes = [Node(INIT_KEY, "init", task_meta("init", -1, 0), ()),
-             Node(publish_key(0), "publish", task_meta(PUBLISH, -1, 0), (Dep(INIT_KEY),))]
+    nodes = [Node(INIT_KEY, INIT, task_meta(INIT, -1, 0), ()),
+             Node(publish_key(0), PUBLISH, task_meta(PUBLISH, -1, 0), (Dep(INIT_KEY),))]
     if checkpoint:
-        nodes.append(Node(checkpoint_key(0), "checkpoint", task_meta("checkpoint", -1, 0),
+        nodes.append(Node(checkpoint_key(0), CHECKPOINT, task_meta(CHECKPOINT, -1, 0),
                           (0, Dep(INIT_KEY))))
     return nodes
 
@@ -165,10 +149,10 @@ def restore_nodes(version: int, publish: bool = False, handoff: bool = False) ->
     worker that made it when it runs there, which the scheduler arranges while the
     checkpoint is being written; the maker's key is a plain argument, not an input."""
     args = (version, optimize_key(version - 1)) if handoff else (version,)
-    nodes = [Node(restore_key(version), "restore",
-                  task_meta("restore", version - 1, version), args)]
+    nodes = [Node(restore_key(version), RESTORE,
+                  task_meta(RESTORE, version - 1, version), args)]
     if publish:
-        nodes.append(Node(publish_key(version), "publish",
+        nodes.append(Node(publish_key(version), PUBLISH,
                           task_meta(PUBLISH, version - 1, version),
                           (Dep(restore_key(version)),)))
     return nodes
@@ -212,26 +196,26 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         ids = plan.sample_ids(c)
         prompts = plan.chunk_prompts(c)
         common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
-        prev: Key = ("noise", i, c)
-        append(Node(prev, "noise", task_meta("noise", i, rv, **common), (i, ids, prompts), []))
+        prev: Key = noise_key(i, c)
+        append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), (i, ids, prompts), []))
         chain = [prev]
         weights = publish_key(rv)
         # The steps' annotations differ only in their timestep.
-        step_meta = task_meta("denoise", i, rv, timestep=0, **common)
+        step_meta = task_meta(DENOISE, i, rv, timestep=0, **common)
         for t in steps:
-            key = ("denoise", i, c, t)
+            key = denoise_key(i, c, t)
             meta = step_meta.copy()
             meta["timestep"] = t
-            append(Node(key, "denoise", meta, (Dep(weights), prompts, i, t, Dep(prev)),
+            append(Node(key, DENOISE, meta, (Dep(weights), prompts, i, t, Dep(prev)),
                         [weights, prev]))
             chain.append(key)
             prev = key
-        append(Node(("decode", i, c), "decode", task_meta("decode", i, rv, **common),
+        decoded = decode_key(i, c)
+        append(Node(decoded, DECODE, task_meta(DECODE, i, rv, **common),
                     tuple(Dep(k) for k in chain), chain))
-        append(Node(("reward", i, c), "reward",
-                    task_meta("reward", i, rv, gpu=layout.reward_gpu, **common),
-                    (prompts, Dep(("decode", i, c)), plan.chunk_metadata(c)),
-                    [("decode", i, c)]))
+        append(Node(reward_key(i, c), REWARD,
+                    task_meta(REWARD, i, rv, gpu=layout.reward_gpu, **common),
+                    (prompts, Dep(decoded), plan.chunk_metadata(c)), [decoded]))
     return out
 
 
@@ -240,8 +224,8 @@ def chain_keys_trained(layout: GraphLayout, plan: IterationPlan) -> list[Key]:
     i = plan.iteration
     keys = []
     for c in range(len(plan.chunks)):
-        keys.append(("noise", i, c))
-        keys += [("denoise", i, c, t) for t in range(layout.trained_steps)]
+        keys.append(noise_key(i, c))
+        keys += [denoise_key(i, c, t) for t in range(layout.trained_steps)]
     return keys
 
 
@@ -256,42 +240,42 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     for grp in range(plan.num_groups):
         chunks = range(n_chunks) if layout.advantage_std == "batch" else plan.chunks_of_group(grp)
         bv = min(versions[c] for c in plan.chunks_of_group(grp))
-        out.append(Node(("advantage", i, grp), "advantage",
-                        task_meta("advantage", i, tv, group=grp, behaviour_version=bv,
+        out.append(Node(advantage_key(i, grp), ADVANTAGE,
+                        task_meta(ADVANTAGE, i, tv, group=grp, behaviour_version=bv,
                                   samples=plan.samples_per_prompt),
                         (grp, plan.group_sample_ids(grp), layout.advantage_std,
-                         layout.advantage_clip, *(Dep(("reward", i, c)) for c in chunks))))
+                         layout.advantage_clip, *(Dep(reward_key(i, c)) for c in chunks))))
     reference = Dep(publish_key(0)) if layout.kl else None
     weights = publish_key(tv)
     leaves: list[Key] = []
     for c in range(n_chunks):
         groups = plan.groups_of_chunk(c)
         prompts = plan.chunk_prompts(c)
-        advantages = [("advantage", i, grp) for grp in groups]
+        advantages = [advantage_key(i, grp) for grp in groups]
         # The micro-steps' annotations differ only in their timestep.
-        step_meta = task_meta("grad", i, tv, timestep=0, chunk=c, group=groups[0],
+        step_meta = task_meta(GRAD, i, tv, timestep=0, chunk=c, group=groups[0],
                               behaviour_version=versions[c], samples=len(plan.sample_ids(c)))
         for t in range(layout.trained_steps):
-            key = ("grad", i, c, t)
+            key = grad_key(i, c, t)
             leaves.append(key)
-            before = ("noise", i, c) if t == 0 else ("denoise", i, c, t - 1)
-            after = ("denoise", i, c, t)
+            before = noise_key(i, c) if t == 0 else denoise_key(i, c, t - 1)
+            after = denoise_key(i, c, t)
             meta = step_meta.copy()
             meta["timestep"] = t
             deps = [weights, before, after, *advantages]
             if reference is not None:
                 deps.insert(1, reference.key)
-            out.append(Node(key, "grad", meta,
+            out.append(Node(key, GRAD, meta,
                             (Dep(weights), reference, prompts, t, Dep(before), Dep(after),
                              *(Dep(a) for a in advantages)), deps))
     # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
     fanin = layout.reduce_fanin
     level, nodes = 0, leaves
-    meta = task_meta("reduce", i, tv)
+    meta = task_meta(REDUCE, i, tv)
     while True:
         parents = []
         for j in range(0, len(nodes), fanin):
-            key = ("reduce", i, level, j // fanin)
+            key = reduce_key(i, level, j // fanin)
             parents.append(key)
             out.extend(_summed_in_order(key, nodes[j:j + fanin], meta))
         nodes, level = parents, level + 1
@@ -307,11 +291,11 @@ def _summed_in_order(key: Key, parts: list[Key], meta: dict) -> list[Node]:
     that order, but each part is added as soon as it and the sum before it exist, so
     the node's last task adds only the last part to arrive (not all of them)."""
     if len(parts) <= 2:
-        return [Node(key, "reduce", meta, tuple(Dep(k) for k in parts))]
+        return [Node(key, REDUCE, meta, tuple(Dep(k) for k in parts))]
     out, total = [], parts[0]
     for k, part in enumerate(parts[1:], start=1):
         step = key if k == len(parts) - 1 else (*key, k)
-        out.append(Node(step, "reduce", meta, (Dep(total), Dep(part))))
+        out.append(Node(step, REDUCE, meta, (Dep(total), Dep(part))))
         total = step
     return out
 
@@ -328,15 +312,15 @@ def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
     weights then never need more than their own checkpoint to be recomputed."""
     i = plan.iteration
     root = reduce_root_key(i, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
-    out = [Node(("optimize", i), "optimize", task_meta("optimize", i, i),
-                (Dep(state), Dep(root), i))]
+    stepped = optimize_key(i)
+    out = [Node(stepped, OPTIMIZE, task_meta(OPTIMIZE, i, i), (Dep(state), Dep(root), i))]
     if checkpoint:
-        out.append(Node(checkpoint_key(i + 1), "checkpoint",
-                        task_meta("checkpoint", i, i + 1), (i + 1, Dep(("optimize", i)))))
+        out.append(Node(checkpoint_key(i + 1), CHECKPOINT,
+                        task_meta(CHECKPOINT, i, i + 1), (i + 1, Dep(stepped))))
     else:
-        out.append(Node(publish_key(i + 1), "publish", task_meta(PUBLISH, i, i + 1),
-                        (Dep(("optimize", i)),)))
-    out.append(Node(("stats", i), "stats", task_meta("stats", i, i), (Dep(("optimize", i)),)))
+        out.append(Node(publish_key(i + 1), PUBLISH, task_meta(PUBLISH, i, i + 1),
+                        (Dep(stepped),)))
+    out.append(Node(stats_key(i), STATS, task_meta(STATS, i, i), (Dep(stepped),)))
     return out
 
 
@@ -369,10 +353,10 @@ def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
         ids = tuple(range(a, b))
         chunk_prompts = tuple(prompts[a:b])
         common = dict(chunk=c, samples=len(ids))
-        key = (EVAL, version, c)
+        key = eval_key(version, c)
         out.append(Node(key, EVAL, task_meta(EVAL, i, version, **common),
                         (Dep(weights), ids, chunk_prompts)))
-        out.append(Node((EVAL_REWARD, version, c), EVAL_REWARD,
+        out.append(Node(eval_reward_key(version, c), EVAL_REWARD,
                         task_meta(EVAL_REWARD, i, version, gpu=layout.reward_gpu, **common),
                         (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else ())))
     return out

@@ -21,7 +21,7 @@ from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
 from digenrl.models.common import scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
-from digenrl.seeding import stable_seed
+from digenrl.seeding import INIT_DRAW, stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def seeded(seed: int, part: str) -> None:
-    torch.manual_seed(stable_seed(seed, "init", part))
+    torch.manual_seed(stable_seed(seed, INIT_DRAW, part))
 
 
 class PromptEncoder:

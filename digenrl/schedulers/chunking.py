@@ -20,6 +20,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from digenrl.vocabulary import DENOISE
+
 __all__ = ["ChunkingSpec", "ChunkMeasurement", "valid_chunk_sizes", "choose_chunk_size", "measure_chunks"]
 
 
@@ -78,7 +80,7 @@ def measure_chunks(records: Iterable[Mapping[str, Any]],
     per_sample, gaps = [], []
     by_worker: dict[str, list] = {}
     for r in records:
-        if r.get("kind") != "denoise" or r.get("start") is None or r.get("stop") is None:
+        if r.get("kind") != DENOISE or r.get("start") is None or r.get("stop") is None:
             continue
         n = chunk_samples.get((int(r["iteration"]), int(r["chunk"])))
         if not n:

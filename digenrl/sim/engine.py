@@ -25,7 +25,8 @@ from operator import attrgetter
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, Node, init_nodes, optimize_key, publish_key
+from digenrl.graph.keys import optimize_key, publish_key
+from digenrl.graph.structure import GraphLayout, Node, init_nodes
 from digenrl.records import SIMULATED_COLUMNS
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo

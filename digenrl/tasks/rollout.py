@@ -18,7 +18,7 @@ import torch
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.lora import Trainable
 from digenrl.models import decode_latents, latent_shape, predict_velocity
-from digenrl.seeding import stable_seed
+from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import sde_step
 from digenrl.tasks.slowdown import stretch
@@ -55,7 +55,7 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
     rows = []
     for s in sample_ids:
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
-        what = "group-noise" if spec.same_noise_in_group else "noise"
+        what = GROUP_NOISE_DRAW if spec.same_noise_in_group else NOISE_DRAW
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
     cond = resident(spec.model, spec.model_seed, spec.trainable).conditioning(prompts,
                                                               spec.sampler.guidance_scale)
@@ -84,7 +84,7 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
         v = predict_velocity(spec.model, model, x, sigma, cond.to(dev),
                              spec.sampler.guidance_scale)
         # Drawn on the CPU from per-sample seeds: the same numbers on any device.
-        eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, "sde", iteration, s, t)
+        eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, SDE_DRAW, iteration, s, t)
                            for s in previous.sample_ids]).to(dev)
         step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
     out = StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
@@ -120,7 +120,7 @@ def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, .
     models = resident(spec.model, spec.model_seed, spec.trainable)
     dev = models.device
     shape = latent_shape(spec.model)
-    x = torch.stack([draw_normal(shape, spec.seed, "eval-noise", j) for j in prompt_ids])
+    x = torch.stack([draw_normal(shape, spec.seed, EVAL_NOISE_DRAW, j) for j in prompt_ids])
     x = x.to(dev)
     guidance = spec.sampler.guidance_scale
     cond = models.conditioning(tuple(prompts), guidance).to(dev)

@@ -5,7 +5,8 @@ from collections import Counter
 import pytest
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, iteration_nodes, publish_key, reduce_root_key
+from digenrl.graph.keys import publish_key
+from digenrl.graph.structure import GraphLayout, iteration_nodes, reduce_root_key
 
 LAYOUT = GraphLayout(num_steps=4, trained_steps=2, reduce_fanin=3)
 

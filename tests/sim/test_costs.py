@@ -2,7 +2,8 @@
 
 import dataclasses
 
-from digenrl.graph.structure import restore_key, tail_nodes, train_nodes
+from digenrl.graph.keys import restore_key
+from digenrl.graph.structure import tail_nodes, train_nodes
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, phase_of, reduction_root
 from digenrl.sim.emulate import EmulatedWorkload
