@@ -2,20 +2,24 @@
 
 :class:`FlowGRPOWorkload` binds the iteration DAG to the real task functions (a
 diffusers model on every worker) and turns each iteration's decoded images, rewards,
-advantages and statistics into the ``samples``, ``steps`` and ``metrics`` rows of the
-store, and the held-out evaluations stored with the iteration into ``eval`` rows. :class:`Runner` runs it with the generic :class:`~digenrl.driver.Driver`.
+advantages and statistics (gathered by sample in an :class:`IterationResults`) into the
+``samples``, ``steps`` and ``metrics`` rows of the store, and the held-out evaluations
+stored with the iteration into ``eval`` rows. :class:`Runner` runs it with the generic
+:class:`~digenrl.driver.Driver`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import numpy as np
 
 from digenrl.cluster import ClusterHandle, start_cluster
-from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
+from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
+                            config_to_dict)
 from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
                             evaluation_means, library_versions)
 from digenrl.graph.build import GraphContext
@@ -29,11 +33,12 @@ from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
-from digenrl.tasks.types import PolicyWeights
+from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD, RESTORE,
                                 REWARD, STATS)
 
-__all__ = ["FlowGRPOWorkload", "Runner", "RunResult", "IterationSummary", "library_versions"]
+__all__ = ["FlowGRPOWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
+           "library_versions"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -139,89 +144,11 @@ class FlowGRPOWorkload:
 
     def rows(self, i: int, plan: IterationPlan,
              values: dict[Key, Any]) -> tuple[dict[str, dict], dict[str, float]]:
-        cfg = self.config
-        n = plan.num_samples
-        chunks = range(len(plan.chunks))
-        decoded = [values[decode_key(i, c)] for c in chunks]
-        rewards = [values[reward_key(i, c)] for c in chunks]
-        advs = [values[advantage_key(i, g)] for g in range(plan.num_groups)]
-        stats = values[stats_key(i)]
-
-        reward = np.full(n, np.nan)
-        valid = np.zeros(n, bool)
-        components = {name: np.full(n, np.nan) for name in cfg.reward.components}
-        for r in rewards:
-            ids = list(r.sample_ids)
-            reward[ids] = r.rewards
-            valid[ids] = r.valid
-            for name, vals in r.components.items():
-                components[name][ids] = vals
-        advantage = np.zeros(n, np.float32)
-        for a in advs:
-            advantage[list(a.sample_ids)] = a.advantages
-        log_prob = np.zeros((n, cfg.sampler.num_steps), np.float32)
-        behaviour = np.zeros(n, np.int32)
-        images = videos = latents = None
-        for d in decoded:
-            ids = list(d.sample_ids)
-            log_prob[ids] = d.log_probs
-            behaviour[ids] = d.behaviour_version
-            frames = d.images
-            if frames.ndim == 5:  # videos: the middle frame stands for each
-                if cfg.store.save_videos:
-                    if videos is None:
-                        videos = np.zeros((n,) + frames.shape[1:], np.uint8)
-                    videos[ids] = frames
-                frames = frames[:, frames.shape[1] // 2]
-            if cfg.store.save_images:
-                if images is None:
-                    images = np.zeros((n,) + frames.shape[1:], np.uint8)
-                images[ids] = frames
-            if d.latents is not None:
-                if latents is None:
-                    latents = np.zeros((n,) + d.latents.shape[1:], np.float32)
-                latents[ids] = d.latents
-
-        samples = {
-            "prompt": np.array([plan.prompts[plan.group_of(s)] for s in range(n)]),
-            "group": np.array([plan.group_of(s) for s in range(n)], np.int32),
-            REWARD_COLUMN: reward,
-            ADVANTAGE_COLUMN: advantage,
-            "valid": valid,
-            "behaviour_version": behaviour,
-            "trained_version": np.full(n, i, np.int32),
-        }
-        for name, vals in components.items():
-            samples[f"reward_{name}"] = vals
-        if images is not None:
-            samples["image"] = images
-        if videos is not None:
-            samples["video"] = videos
-        steps = {"log_prob": log_prob}
-        if latents is not None:
-            steps["latent"] = latents
-
-        m = stats.micro
-        count = max(m.count, 1)
-        good = reward[valid]
-        metrics = {
-            "reward_mean": float(good.mean()) if len(good) else float("nan"),
-            "reward_std": float(good.std()) if len(good) else float("nan"),
-            "loss": m.loss_sum / count,
-            "kl": m.kl_sum / count,
-            "clip_fraction": m.clipped / count,
-            "approx_kl": m.approx_kl_sum / count,
-            "ratio_dev": m.ratio_dev if m.ratio_dev_count else float("nan"),
-            "importance_weight_mean": m.importance_weight_sum / count,
-            "truncated_fraction": m.truncated / count,
-            "staleness_mean": m.staleness_sum / count,
-            "grad_norm": stats.grad_norm,
-            "weight_sync_bytes": float(stats.weight_bytes),
-            "dropped_samples": float(n - valid.sum()),
-        }
-        for p in (p for r in rewards for p in r.problems):
+        results = IterationResults.collect(i, plan, values, self.config)
+        for p in results.problems:
             logger.warning("iteration %d: %s", i, p)
-        groups = {"samples": samples, "steps": steps}
+        groups = {"samples": results.samples(), "steps": results.steps()}
+        metrics = results.metrics()
         evaluated = self._eval_rows(i, values)
         if self.config.eval.on:
             # NaN for an iteration stored without an evaluation
@@ -276,6 +203,136 @@ class FlowGRPOWorkload:
         grp.attrs["policy_version"] = weights.version
         store.commit()
         return weights
+
+
+@dataclass
+class IterationResults:
+    """An iteration's results by sample, gathered once from the tasks the driver
+    collected (:meth:`collect`); the ``samples``, ``steps`` and ``metrics`` rows of the
+    store are read off it."""
+
+    iteration: int
+    plan: IterationPlan
+    #: Each sample's weighted reward (NaN where it has none), and whether it has one.
+    reward: np.ndarray
+    valid: np.ndarray
+    #: Each configured reward's score of each sample (NaN where it has none).
+    components: dict[str, np.ndarray]
+    #: Each sample's advantage (0 where invalid).
+    advantage: np.ndarray
+    #: Each sample's log-prob at every step as generated, and the policy version that
+    #: generated it.
+    log_prob: np.ndarray
+    behaviour_version: np.ndarray
+    #: What the optimizer step measured.
+    stats: IterationStats
+    #: The decoded images (a video's middle frame), the whole videos and each step's
+    #: latents: each only when the run stores it.
+    images: np.ndarray | None = None
+    videos: np.ndarray | None = None
+    latents: np.ndarray | None = None
+    #: What the rewards said of the samples they could not score.
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def collect(cls, i: int, plan: IterationPlan, values: dict[Key, Any],
+                config: RunConfig) -> "IterationResults":
+        """The results of iteration ``i`` from its collected task results ``values``."""
+        n = plan.num_samples
+        results = cls(
+            iteration=i, plan=plan, reward=np.full(n, np.nan), valid=np.zeros(n, bool),
+            components={name: np.full(n, np.nan) for name in config.reward.components},
+            advantage=np.zeros(n, np.float32),
+            log_prob=np.zeros((n, config.sampler.num_steps), np.float32),
+            behaviour_version=np.zeros(n, np.int32), stats=values[stats_key(i)])
+        for c in range(len(plan.chunks)):
+            results._scored(values[reward_key(i, c)])
+        for g in range(plan.num_groups):
+            a = values[advantage_key(i, g)]
+            results.advantage[list(a.sample_ids)] = a.advantages
+        for c in range(len(plan.chunks)):
+            results._decoded(values[decode_key(i, c)], config.store)
+        return results
+
+    def _scored(self, r: RewardOut) -> None:
+        ids = list(r.sample_ids)
+        self.reward[ids] = r.rewards
+        self.valid[ids] = r.valid
+        for name, vals in r.components.items():
+            self.components[name][ids] = vals
+        self.problems += r.problems
+
+    def _decoded(self, d: DecodeOut, store: StoreConfig) -> None:
+        ids = list(d.sample_ids)
+        self.log_prob[ids] = d.log_probs
+        self.behaviour_version[ids] = d.behaviour_version
+        frames = d.images
+        if frames.ndim == 5:  # videos: the middle frame stands for each
+            if store.save_videos:
+                self.videos = self._rows(self.videos, frames, np.uint8)
+                self.videos[ids] = frames
+            frames = frames[:, frames.shape[1] // 2]
+        if store.save_images:
+            self.images = self._rows(self.images, frames, np.uint8)
+            self.images[ids] = frames
+        if d.latents is not None:
+            self.latents = self._rows(self.latents, d.latents, np.float32)
+            self.latents[ids] = d.latents
+
+    def _rows(self, rows: np.ndarray | None, like: np.ndarray, dtype) -> np.ndarray:
+        """``rows``, or zeros for every sample shaped as the rows of ``like``."""
+        if rows is None:
+            rows = np.zeros((self.plan.num_samples,) + like.shape[1:], dtype)
+        return rows
+
+    def samples(self) -> dict[str, np.ndarray]:
+        """The iteration's rows of the ``samples`` group."""
+        plan, n = self.plan, self.plan.num_samples
+        group = [plan.group_of(s) for s in range(n)]
+        rows = {
+            "prompt": np.array([plan.prompts[g] for g in group]),
+            "group": np.array(group, np.int32),
+            REWARD_COLUMN: self.reward,
+            ADVANTAGE_COLUMN: self.advantage,
+            "valid": self.valid,
+            "behaviour_version": self.behaviour_version,
+            "trained_version": np.full(n, self.iteration, np.int32),
+        }
+        for name, vals in self.components.items():
+            rows[f"reward_{name}"] = vals
+        if self.images is not None:
+            rows["image"] = self.images
+        if self.videos is not None:
+            rows["video"] = self.videos
+        return rows
+
+    def steps(self) -> dict[str, np.ndarray]:
+        """The iteration's rows of the ``steps`` group."""
+        rows = {"log_prob": self.log_prob}
+        if self.latents is not None:
+            rows["latent"] = self.latents
+        return rows
+
+    def metrics(self) -> dict[str, float]:
+        """The iteration's training metrics (the driver adds its timings)."""
+        m = self.stats.micro
+        count = max(m.count, 1)
+        good = self.reward[self.valid]
+        return {
+            "reward_mean": float(good.mean()) if len(good) else float("nan"),
+            "reward_std": float(good.std()) if len(good) else float("nan"),
+            "loss": m.loss_sum / count,
+            "kl": m.kl_sum / count,
+            "clip_fraction": m.clipped / count,
+            "approx_kl": m.approx_kl_sum / count,
+            "ratio_dev": m.ratio_dev if m.ratio_dev_count else float("nan"),
+            "importance_weight_mean": m.importance_weight_sum / count,
+            "truncated_fraction": m.truncated / count,
+            "staleness_mean": m.staleness_sum / count,
+            "grad_norm": self.stats.grad_norm,
+            "weight_sync_bytes": float(self.stats.weight_bytes),
+            "dropped_samples": float(self.plan.num_samples - self.valid.sum()),
+        }
 
 
 #: The frames of an evaluated video the store keeps, side by side.
