@@ -157,3 +157,31 @@ def test_the_config_imports_only_its_pure_leaves(graph):
 def test_no_import_cycles(graph):
     unexplained = [sorted(c) for c in cycles(graph) if c not in ALLOWED_CYCLES]
     assert not unexplained, f"import cycles among digenrl modules: {unexplained}"
+
+
+def test_building_a_config_loads_nothing_but_the_config(tmp_path):
+    """A config with a model folder, prompt files and model rewards is built without
+    importing torch, a model family, the prompts or the rewards (what it names is
+    checked by digenrl.resolve, before a run)."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "model").mkdir()
+    probe = f"""
+import json, sys
+from digenrl.config import config_from_dict
+import dataclasses
+cfg = config_from_dict({{"model": {{"path": {str(tmp_path / "model")!r}}},
+                         "data": {{"prompt_file": "nowhere.txt"}},
+                         "reward": {{"components": {{"unregistered": 1.0}}}},
+                         "train": {{"lora_rank": 4, "lora_targets": ["nope"]}}}})
+dataclasses.replace(cfg, seed=1)
+print(json.dumps(sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("digenrl", "torch", "transformers"))))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    loaded = set(json.loads(done.stdout))
+    assert loaded == {"digenrl", "digenrl.config"} | CONFIG_LEAVES, loaded
