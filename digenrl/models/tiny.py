@@ -21,7 +21,7 @@ from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
 from digenrl.models.common import scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
-from digenrl.seeding import INIT_DRAW, stable_seed
+from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
 
@@ -47,7 +47,7 @@ class PromptEncoder:
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _word(self, word: str, what: str, dim: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(stable_seed("prompt-encoder", what, word))
+        g = torch.Generator().manual_seed(stable_seed(PROMPT_ENCODER_DRAW, what, word))
         return torch.randn(dim, generator=g, dtype=torch.float32)
 
     def _one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
