@@ -41,7 +41,7 @@ class _WanEncoder(TextEncoders):
 
     def encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         length = self.family.max_sequence_length
-        texts = [self.family.prompt_text(p) for p in prompts]
+        texts = [self.family.prompt_text(p, "tokenizer") for p in prompts]
         inputs = self.umt5_tokenizer(texts, padding="max_length",
                                 max_length=length, truncation=True, add_special_tokens=True,
                                 return_attention_mask=True, return_tensors="pt")
@@ -89,7 +89,7 @@ class WanFamily(ModelFamily):
     # sigmas: the base's flow-matching Euler schedule with sampler.shift (a folder whose
     # scheduler is UniPC keeps its training timesteps only: the SDE sampler steps by Euler).
 
-    def prompt_text(self, prompt: str) -> str:
+    def prompt_text(self, prompt: str, part: str) -> str:
         return clean_prompt(prompt)
 
     def build_encoder(self, device) -> _WanEncoder:
