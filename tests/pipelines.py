@@ -395,8 +395,8 @@ def save_kontext(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
     torch.manual_seed(seed + 1)
     vae = AutoencoderKL(in_channels=3, out_channels=3,
                         down_block_types=("DownEncoderBlock2D",) * 5,
-                        up_block_types=("UpDecoderBlock2D",) * 5, block_out_channels=(8,) * 5,
-                        layers_per_block=1, latent_channels=4, norm_num_groups=8,
+                        up_block_types=("UpDecoderBlock2D",) * 5, block_out_channels=(4,) * 5,
+                        layers_per_block=1, latent_channels=4, norm_num_groups=2,
                         sample_size=EDIT_SIZE, scaling_factor=0.3611, shift_factor=0.1159).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,

@@ -226,6 +226,7 @@ def test_the_command_line_refuses_a_bad_folder_before_any_work(case, tiny_pipeli
         argv = ["--set", "data.prompts=[a cat, ça coûte]"]
         field = "data.prompts[1]: expected text the folder's tokenizer"
     out = tmp_path / "run.zarr"
+    capsys.readouterr()  # what came before (a tiny pipeline saved on first use)
     code = main(["run", "workflows/configs/wan.yaml", "--out", str(out),
                  "--scheduler", "tcp://127.0.0.1:1", "--set", f"model.path={folder}",
                  "--set", "model.max_sequence_length=16", "--set", "cluster.gpus=false",
@@ -264,3 +265,20 @@ def test_a_run_stored_before_the_model_fields_existed_still_resumes():
     stored["model"]["negative_prompt"] = "blurry"
     with pytest.raises(ConfigError, match=r"differs from the stored run's in \['model'\]"):
         workload.check_resume({"config": stored})
+
+
+def test_a_byte_level_llama_tokenizer_is_read_as_saved(tiny_pipelines):
+    """HunyuanVideo's tokenizer folder names a Llama tokenizer class over a byte-level
+    BPE tokenizer.json (Llama-3's kind). transformers 5's LlamaTokenizer replaces that
+    pre-tokenizer with SentencePiece's Metaspace, and its tokens differ from the file's;
+    the family (its encoder and its prompt checks) reads the file as saved."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaTokenizer
+
+    folder = tiny_pipelines["hunyuanvideo"]
+    text = "a photo of a cat, 123 dogs"
+    saved = Tokenizer.from_file(str(folder / "tokenizer" / "tokenizer.json")).encode(text).ids
+    fam = family(family_config("hunyuanvideo", folder).model)
+    assert fam.tokenizer("tokenizer")(text).input_ids == saved
+    assert tokenizer_of(folder, "tokenizer")(text).input_ids == saved
+    assert LlamaTokenizer.from_pretrained(folder / "tokenizer")(text).input_ids != saved
