@@ -118,9 +118,9 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     model's embeddings of prompts of different lengths, their masks, a source image's
     tokens) are padded with zeros to the longest, as the pipelines pad a batch (a mask
     padded with zeros masks the padding)."""
-    longest = max((r.shape[0] for r in rows if r.ndim), default=0)
     if all(r.shape == rows[0].shape for r in rows):
         return torch.stack(list(rows))
+    longest = max(r.shape[0] for r in rows)
     return torch.stack([torch.cat([r, r.new_zeros((longest - r.shape[0],) + r.shape[1:])])
                         for r in rows])
 
@@ -200,7 +200,9 @@ class ModelFamily:
                     f"{str(self.cfg.path)!r} without it")
 
     def check_size(self) -> None:
-        """``model.height`` / ``model.width`` are multiples of :meth:`size_multiple`."""
+        """``model.height`` / ``model.width`` are multiples of :meth:`size_multiple` (a
+        family whose transformer holds a rotary or positional table of a fixed length
+        also checks that the size fits it)."""
         m = self.size_multiple()
         for name in ("height", "width"):
             v = getattr(self.cfg, name)
