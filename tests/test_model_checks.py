@@ -156,3 +156,19 @@ def test_a_processor_saved_by_clip_processor_is_accepted_and_scores(tmp_path):
     with pytest.raises(ConfigError, match=r"^reward.models.pick.processor: expected an "
                                           r"existing folder"):
         settings.validate("reward.models.pick")
+
+
+def test_a_guidance_distilled_qwen_image_transformer_is_refused(tiny_pipelines, tmp_path):
+    """Qwen-Image's transformer may carry a guidance embedding (a distilled model); the
+    family guides by true classifier-free guidance only, so such a folder is refused
+    rather than sampled without its embedding."""
+    import json
+
+    folder = tmp_path / "qwen"
+    shutil.copytree(tiny_pipelines["qwenimage"], folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "guidance_embeds": True}))
+    with pytest.raises(ConfigError, match=r"^model.path: expected a QwenImagePipeline folder "
+                                          r"whose transformer has no guidance embedding, got "
+                                          r".* with guidance_embeds$"):
+        pipeline_config(folder, "qwenimage")

@@ -57,6 +57,7 @@ class TextEncoders:
         self.dtype = TORCH_DTYPES[family.cfg.text_encoder_dtype]
         self.cache = PromptCache(self.encode_batch)
         self.source_cache = PromptCache(self.encode_sources)
+        self._vae = None
 
     def tokenizer(self, part: str):
         """The folder's tokenizer ``part`` (e.g. ``tokenizer_2``)."""
@@ -73,10 +74,27 @@ class TextEncoders:
         ``text_sees_image``, each prompt comes as ``(prompt, SourceImage)``."""
         raise NotImplementedError
 
+    @property
+    def vae(self):
+        """The folder's VAE, for an editing family's source images (loaded on the first;
+        the rollout worker's decoding VAE is another copy)."""
+        if self._vae is None:
+            self._vae = self.family.build_vae(0).to(self.device)
+        return self._vae
+
     def encode_sources(self, images: list[SourceImage]) -> dict[str, torch.Tensor]:
-        """An editing family's tensors for its source ``images``, one row per image (run
-        under no_grad), as :meth:`encode_batch` gives them."""
-        raise NotImplementedError(f"{self.family.pipeline_class} takes no source image")
+        """An editing family's source ``images`` as its transformer takes them (run under
+        no_grad): each resized and scaled to [-1, 1] as its pipeline does (the family's
+        ``source_pixels``), encoded by the VAE (its ``source_latents``) and packed 2 x 2;
+        ``source_tokens`` a row per image of its own length, ``source_grid`` the rows and
+        columns of each packed grid."""
+        tokens, grids = [], []
+        for image in images:
+            pixels = self.family.source_pixels(image).to(self.device)
+            z = self.family.source_latents(self.vae, pixels)
+            tokens.append(pack(z)[0])
+            grids.append(torch.tensor([z.shape[2] // 2, z.shape[3] // 2]))
+        return {"source_tokens": tokens, "source_grid": torch.stack(grids)}
 
     def encode(self, prompts: Sequence[str], negative: bool,
                images: Sequence | None = None) -> Conditioning:

@@ -16,32 +16,10 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 
 from digenrl.models.base import SourceImage
-from digenrl.models.common import by_source_size, pack, scaled_vae_encode
-from digenrl.models.flux import FluxFamily, _FluxEncoder, flux_velocity, image_ids
+from digenrl.models.common import by_source_size, scaled_vae_encode
+from digenrl.models.flux import FluxFamily, flux_velocity, image_ids
 
 __all__ = ["FluxKontextFamily"]
-
-
-class _KontextEncoder(_FluxEncoder):
-    def __init__(self, family: "FluxKontextFamily", device):
-        super().__init__(family, device)
-        self._vae = None
-
-    @property
-    def vae(self):
-        """The folder's VAE for encoding source images (loaded on the first one)."""
-        if self._vae is None:
-            self._vae = self.family.build_vae(0).to(self.device)
-        return self._vae
-
-    def encode_sources(self, images: list[SourceImage]) -> dict[str, torch.Tensor]:
-        tokens, grids = [], []
-        for image in images:
-            pixels = self.family.source_pixels(image).to(self.device)
-            z = scaled_vae_encode(self.vae, pixels)
-            tokens.append(pack(z)[0])
-            grids.append(torch.tensor([z.shape[2] // 2, z.shape[3] // 2]))
-        return {"source_tokens": tokens, "source_grid": torch.stack(grids)}
 
 
 class FluxKontextFamily(FluxFamily):
@@ -75,8 +53,9 @@ class FluxKontextFamily(FluxFamily):
         resized = self.image_processor.resize(image.pil(), h, w)
         return self.image_processor.preprocess(resized, h, w)
 
-    def build_encoder(self, device) -> _KontextEncoder:
-        return _KontextEncoder(self, device)
+    def source_latents(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """The pipeline's encoding: the latent distribution's mode, shifted and scaled."""
+        return scaled_vae_encode(vae, pixels)
 
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
         if "source_tokens" not in cond.tensors:

@@ -226,14 +226,6 @@ class _QwenEditEncoder(TextEncoders):
         super().__init__(family, device)
         self.processor = ImageTextProcessor.from_pretrained(family.folder / "processor")
         self.qwen = self.text_encoder("text_encoder")
-        self._vae = None
-
-    @property
-    def vae(self):
-        """The folder's VAE for encoding source images (loaded on the first one)."""
-        if self._vae is None:
-            self._vae = self.family.build_vae(0).to(self.device)
-        return self._vae
 
     def encode_batch(self, keys: list[tuple[str, SourceImage]]) -> dict[str, list]:
         f = self.family
@@ -247,14 +239,6 @@ class _QwenEditEncoder(TextEncoders):
                            output_hidden_states=True).hidden_states[-1]
         # QwenImageEditPipeline keeps every token after the template's prefix.
         return _drop_template(hidden, mask, f.dropped_tokens, None)
-
-    def encode_sources(self, images: list[SourceImage]) -> dict[str, torch.Tensor]:
-        tokens, grids = [], []
-        for image in images:
-            z = normalized_vae_encode(self.vae, self.family.source_pixels(image).to(self.device))
-            tokens.append(pack(z)[0])
-            grids.append(torch.tensor([z.shape[2] // 2, z.shape[3] // 2]))
-        return {"source_tokens": tokens, "source_grid": torch.stack(grids)}
 
 
 class QwenImageEditFamily(QwenImageFamily):
@@ -290,6 +274,11 @@ class QwenImageEditFamily(QwenImageFamily):
     def source_pixels(self, image: SourceImage) -> torch.Tensor:
         """The source image as the pipeline feeds the VAE: ``(1, 3, H, W)`` in [-1, 1]."""
         return self.image_processor.preprocess(self.prompt_image(image), *self.source_size(image))
+
+    def source_latents(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """The pipeline's encoding: the latent distribution's mode, normalised by the
+        VAE's per-channel mean and std."""
+        return normalized_vae_encode(vae, pixels)
 
     def build_encoder(self, device) -> TextEncoders:
         return _QwenEditEncoder(self, device)
