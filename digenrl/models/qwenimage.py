@@ -22,8 +22,10 @@ as one frame, de-normalised by its ``latents_mean`` / ``latents_std``.
 
 from __future__ import annotations
 
+import inspect
 from functools import cached_property, lru_cache
 
+import diffusers
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
@@ -51,10 +53,6 @@ def pipeline_defaults(name: str):
     """The pipeline class ``name`` built without parts: its prompt template, the
     template tokens it drops, its tokenizer length and default sample size, as the
     pipeline's own ``__init__`` sets them."""
-    import inspect
-
-    import diffusers
-
     cls = getattr(diffusers, name)
     parts = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     return cls(**dict.fromkeys(parts))
