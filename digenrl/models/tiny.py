@@ -72,7 +72,10 @@ class _HashConditioner:
     def __init__(self, encoder: PromptEncoder, negative_prompt: str):
         self.encoder, self.negative_prompt = encoder, negative_prompt
 
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
+    def encode(self, prompts: Sequence[str], negative: bool, images=None) -> Conditioning:
+        if images is not None:
+            raise ValueError(f"the built-in model: expected no source images (it is not an "
+                             f"editing pipeline), got {len(images)}")
         embeds, pooled = self.encoder.encode(prompts)
         neg = None
         if negative:
