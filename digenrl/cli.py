@@ -57,10 +57,11 @@ def _set_pairs(pairs: Sequence[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set: expected SECTION.FIELD=VALUE, got {pair!r}")
         try:
-            out[key.strip()] = yaml.safe_load(value)
+            out[key] = yaml.safe_load(value)
         except yaml.YAMLError:
             raise ConfigError(f"--set: expected a YAML value after '=', got {pair!r}") from None
     return out
