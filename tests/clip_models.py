@@ -1,6 +1,6 @@
 """Tiny CLIP reward models, built from the real transformers classes with small configs
 and seeded random weights, saved as a real one is laid out: the CLIPModel with
-``save_pretrained``, its tokenizer (the byte-level CLIPTokenizer of tests/pipelines.py)
+``save_pretrained``, its tokenizer (the byte-level CLIPTokenizer of digenrl/testing/pipelines.py)
 and CLIPImageProcessor beside it; and aesthetic heads in LAION's layout."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines import clip_tokenizer
+from digenrl.testing.pipelines import clip_tokenizer
 
 #: Width of the tiny model's image and prompt embeddings (its projection_dim).
 PROJECTION = 16

@@ -273,7 +273,7 @@ class _Folders(Mapping):
     for (a session that needs only some families builds only those)."""
 
     def __init__(self, root):
-        from pipelines import SAVERS
+        from digenrl.testing.pipelines import SAVERS
 
         self.root, self.savers, self.saved = root, SAVERS, {}
 
@@ -293,14 +293,14 @@ class _Folders(Mapping):
 def tiny_pipelines(tmp_path_factory):
     """A tiny saved pipeline folder of each supported family (each built once per
     session, when first asked for): family name (sd3, flux, wan, qwenimage,
-    hunyuanvideo, qwenimage_edit, kontext) -> folder. See tests/pipelines.py."""
+    hunyuanvideo, qwenimage_edit, kontext) -> folder. See digenrl/testing/pipelines.py."""
     return _Folders(tmp_path_factory.mktemp("pipelines"))
 
 
 def pipeline_config(folder, family: str, **overrides):
     """small_config on a tiny saved pipeline of ``family`` (its model settings set),
     checked against the folder as a run checks it."""
-    from pipelines import MODEL_SETTINGS
+    from digenrl.testing.pipelines import MODEL_SETTINGS
 
     settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[family].items()}
     return checked_config(**{"model.path": str(folder), **settings, **overrides})

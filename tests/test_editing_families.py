@@ -1,5 +1,5 @@
 """The instruction-editing families (Qwen-Image-Edit, FLUX.1 Kontext) on tiny saved
-pipelines (tests/pipelines.py): with the same source image, starting latents, steps and
+pipelines (digenrl/testing/pipelines.py): with the same source image, starting latents, steps and
 guidance, the version-0 ODE sampler gives the diffusers pipeline's own latents; the
 source image and the text encoders condition the samples; bad images are refused.
 
@@ -22,7 +22,7 @@ from digenrl.tasks.rollout import draw_normal
 from digenrl.tasks.sde import sde_step
 
 from conftest import pipeline_config, small_config
-from pipelines import MODEL_SETTINGS, SAVERS
+from digenrl.testing.pipelines import MODEL_SETTINGS, SAVERS
 
 PIPELINES = {"qwenimage_edit": "QwenImageEditPipeline", "kontext": "FluxKontextPipeline"}
 #: Qwen-Image-Edit's true classifier-free guidance; Kontext's guidance embedding.

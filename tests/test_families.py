@@ -1,4 +1,4 @@
-"""Model families on tiny saved pipelines of each kind (tests/pipelines.py): the
+"""Model families on tiny saved pipelines of each kind (digenrl/testing/pipelines.py): the
 version-0 ODE sampler gives the diffusers pipeline's own images, conditioning comes
 from the folder's text encoders, and a folder is checked before any work. (The
 instruction-editing families, which take source images: tests/test_editing_families.py.)"""
@@ -17,7 +17,7 @@ from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import sde_step
 
 from conftest import pipeline_config
-from pipelines import MAX_SEQUENCE_LENGTH, SAVERS
+from digenrl.testing.pipelines import MAX_SEQUENCE_LENGTH, SAVERS
 
 #: The text-to-image and text-to-video families.
 FAMILIES = ("sd3", "flux", "wan", "qwenimage", "hunyuanvideo")

@@ -135,7 +135,7 @@ def test_a_processor_saved_by_clip_processor_is_accepted_and_scores(tmp_path):
 
     from clip_models import IMAGE_SIZE, save_tiny_clip
     from digenrl.tasks.reward_models import model_reward
-    from pipelines import clip_tokenizer
+    from digenrl.testing.pipelines import clip_tokenizer
 
     model = save_tiny_clip(tmp_path / "clip")
     processor = tmp_path / "processor"

@@ -9,7 +9,7 @@ from digenrl.runner import Runner
 from digenrl.store import open_run
 
 from conftest import pipeline_config
-from pipelines import FRAMES, SIZE
+from digenrl.testing.pipelines import FRAMES, SIZE
 
 
 def _text_encoders_built(dask_worker):

@@ -150,7 +150,7 @@ def t5_tokenizer():
     return _TOKENIZERS["t5"]
 
 
-def _clip_encoder(tokenizer, hidden: int, seed: int, projection: bool = True):
+def clip_encoder(tokenizer, hidden: int, seed: int, projection: bool = True):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     torch.manual_seed(seed)
@@ -162,7 +162,7 @@ def _clip_encoder(tokenizer, hidden: int, seed: int, projection: bool = True):
     return cls(config).eval()
 
 
-def _t5_encoder(tokenizer, d_model: int, seed: int, umt5: bool = False):
+def t5_encoder(tokenizer, d_model: int, seed: int, umt5: bool = False):
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
@@ -200,9 +200,9 @@ def save_sd3(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=_vae(seed + 1, scaling_factor=1.5305, shift_factor=0.0609),
-        text_encoder=_clip_encoder(tok, 8, text_seed), tokenizer=tok,
-        text_encoder_2=_clip_encoder(tok, 8, text_seed + 1), tokenizer_2=clip_tokenizer(),
-        text_encoder_3=_t5_encoder(t5_tokenizer(), 32, text_seed + 2),
+        text_encoder=clip_encoder(tok, 8, text_seed), tokenizer=tok,
+        text_encoder_2=clip_encoder(tok, 8, text_seed + 1), tokenizer_2=clip_tokenizer(),
+        text_encoder_3=t5_encoder(t5_tokenizer(), 32, text_seed + 2),
         tokenizer_3=t5_tokenizer())
     pipe.save_pretrained(folder)
     return folder
@@ -225,8 +225,8 @@ def save_flux(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
     pipe = FluxPipeline(
         transformer=transformer, scheduler=scheduler,
         vae=_vae(seed + 1, scaling_factor=0.3611, shift_factor=0.1159),
-        text_encoder=_clip_encoder(tok, 8, text_seed, projection=False), tokenizer=tok,
-        text_encoder_2=_t5_encoder(t5_tokenizer(), 32, text_seed + 2),
+        text_encoder=clip_encoder(tok, 8, text_seed, projection=False), tokenizer=tok,
+        text_encoder_2=t5_encoder(t5_tokenizer(), 32, text_seed + 2),
         tokenizer_2=t5_tokenizer())
     pipe.save_pretrained(folder)
     return folder
@@ -249,7 +249,7 @@ def save_wan(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
                            latents_mean=[0.1, -0.2, 0.3, 0.0],
                            latents_std=[1.5, 0.8, 2.0, 1.2]).eval()
     pipe = WanPipeline(
-        tokenizer=t5_tokenizer(), text_encoder=_t5_encoder(t5_tokenizer(), 32, text_seed,
+        tokenizer=t5_tokenizer(), text_encoder=t5_encoder(t5_tokenizer(), 32, text_seed,
                                                            umt5=True),
         vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer)
     pipe.save_pretrained(folder)
@@ -375,7 +375,7 @@ def save_hunyuanvideo(folder: Path, seed: int = 0, text_seed: int = 100) -> Path
     pipe = HunyuanVideoPipeline(
         text_encoder=llama, tokenizer=tok, transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=_clip_encoder(clip, 8, text_seed + 1, projection=False),
+        text_encoder_2=clip_encoder(clip, 8, text_seed + 1, projection=False),
         tokenizer_2=clip)
     pipe.save_pretrained(folder)
     return folder
@@ -404,8 +404,8 @@ def save_kontext(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
     tok = clip_tokenizer()
     pipe = FluxKontextPipeline(
         transformer=transformer, scheduler=scheduler, vae=vae,
-        text_encoder=_clip_encoder(tok, 8, text_seed, projection=False), tokenizer=tok,
-        text_encoder_2=_t5_encoder(t5_tokenizer(), 32, text_seed + 2),
+        text_encoder=clip_encoder(tok, 8, text_seed, projection=False), tokenizer=tok,
+        text_encoder_2=t5_encoder(t5_tokenizer(), 32, text_seed + 2),
         tokenizer_2=t5_tokenizer())
     pipe.save_pretrained(folder)
     return folder
