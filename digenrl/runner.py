@@ -30,7 +30,7 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
-from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore
+from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore, frame_strip
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
@@ -333,21 +333,6 @@ class IterationResults:
             "weight_sync_bytes": float(self.stats.weight_bytes),
             "dropped_samples": float(self.plan.num_samples - self.valid.sum()),
         }
-
-
-#: The frames of an evaluated video the store keeps, side by side.
-STRIP_FRAMES = 4
-
-
-def frame_strip(images: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
-    """Images as they are; videos ``(n, F, H, W, 3)`` as a strip of ``frames`` evenly
-    spaced frames side by side, ``(n, H, frames x W, 3)`` (first and last included):
-    what an evaluation keeps of a video."""
-    if images.ndim == 4:
-        return images
-    picks = np.unique(np.linspace(0, images.shape[1] - 1, min(frames, images.shape[1]))
-                      .round().astype(int))
-    return np.concatenate([images[:, f] for f in picks], axis=2)
 
 
 class Runner:
