@@ -362,23 +362,17 @@ class Runner:
         # fails here, before any cluster work.
         start = check_store(self.workload, self.out, overwrite=self.overwrite,
                             resume=self.resume)
-        tracker = Tracker.start(self.config, self.out, iteration=start, resume=self.resume)
-        if tracker is not None:
+        with Tracker.start(self.config, self.out, iteration=start,
+                           resume=self.resume) as tracker:
             self.workload.tracking_runs = tracker.runs
-        finished = False
-        try:
             handle = self.cluster or start_cluster(self.config.cluster,
                                                    pools=self.workload.options.pools)
             try:
                 result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
                                 resume=self.resume, on_iteration=self.on_iteration,
                                 tracker=tracker).run()
-                finished = True
             finally:
                 if self.cluster is None:
                     handle.close()
-        finally:
-            if tracker is not None:
-                tracker.close(ok=finished)
         result.final_weights = result.final
         return result

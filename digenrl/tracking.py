@@ -276,7 +276,7 @@ class WandB(Backend):
 
         t = s.config.tracking
         kwargs: dict[str, Any] = dict(
-            project=t.project, name=s.name, dir=str(s.dir), mode=t.wandb_mode,
+            project=t.project, name=s.name, dir=str(s.dir.resolve()), mode=t.wandb_mode,
             # Another W&B run of the process (the caller's own) is left as it is.
             reinit="create_new",
             # digenrl's log goes to its own handlers; W&B keeps the metrics.
@@ -284,7 +284,8 @@ class WandB(Backend):
         if s.stored is None:
             kwargs["config"] = config_to_dict(s.config)
         else:
-            kwargs.update(id=s.stored["id"], project=s.stored["project"], resume="must")
+            kwargs.update(id=s.stored["id"], project=s.stored["project"], resume="must",
+                          dir=s.stored.get("dir", kwargs["dir"]))
         self.run = wandb.init(**kwargs)
         if s.stored is not None:
             self.run.config.update(config_to_dict(s.config), allow_val_change=True)
@@ -293,7 +294,7 @@ class WandB(Backend):
         self.run.define_metric(SAMPLES, step_metric=ITERATION)
         self.run.define_metric(EVAL_VERSION)
         self.run.define_metric("eval/*", step_metric=EVAL_VERSION)
-        return {"id": self.run.id, "project": self.run.project}
+        return {"id": self.run.id, "project": self.run.project, "dir": kwargs["dir"]}
 
     def log(self, entry: IterationLog) -> None:
         import wandb
@@ -531,15 +532,18 @@ class Tracker:
 
     @classmethod
     def start(cls, config: RunConfig, out: str, *, iteration: int = 0,
-              resume: bool = False) -> "Tracker | None":
-        """The trackers of ``config.tracking`` started (None when it names none), for a
+              resume: bool = False) -> "Tracker":
+        """The trackers of ``config.tracking`` started (none when it names none), for a
         run writing ``out`` from ``iteration``; a resumed run reopens the tracker runs its
         store names. Raises :class:`ConfigError` naming the field when one cannot start
-        (those started before it are finished)."""
+        (those started before it are finished). As a context manager, the tracker is
+        closed on leaving, ``ok`` when no exception leaves."""
         tracking = config.tracking
         if not tracking.backends:
-            return None
+            return cls(tracking, [], {})
         check_trackers(tracking)
+        if tracking.image_every > 0:
+            import digenrl.plots  # noqa: F401  (matplotlib loads now, not in the driver's loop)
         folder = tracking_dir(tracking, out)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -574,6 +578,8 @@ class Tracker:
         """Iteration ``i`` is committed with ``groups`` (the rows of each store group):
         hand what the trackers show of it to their threads. Never raises: the run goes
         on whatever a tracker does."""
+        if not self.workers:
+            return
         try:
             entry = IterationLog.from_rows(i, groups, self.tracking)
         except Exception as e:
@@ -590,6 +596,12 @@ class Tracker:
         else it stopped)."""
         for w in self.workers:
             w.close(ok, timeout)
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        self.close(ok=kind is None)
 
 
 def _start_failure(tracking: TrackingConfig, name: str, stored: dict | None,

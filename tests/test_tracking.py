@@ -137,6 +137,7 @@ def wandb_records(run_dir: Path) -> list[dict]:
 def test_wandb_shows_the_stores_curves_as_one_run(tracked):
     need("wandb")
     run_id = tracked.runs["wandb"]["id"]
+    assert tracked.runs["wandb"]["dir"] == str(tracked.dir.resolve())
     # One offline folder per process that wrote the run, both under the same run id.
     folders = sorted((tracked.dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(folders) == 2
@@ -261,18 +262,22 @@ def metrics_rows(reward: float) -> dict:
     return {"metrics": {"reward_mean": np.float64(reward)}}
 
 
-def test_a_tracker_failing_mid_run_warns_once_and_the_others_log_on(tmp_path, caplog):
+def test_a_tracker_failing_mid_run_warns_once_and_the_others_log_on(tracked, tmp_path,
+                                                                    caplog):
     """The MLflow run is deleted while the run goes on (someone deleted it in MLflow's
     UI): every later iteration fails to log to it; one warning says so, and TensorBoard
-    logs every iteration."""
+    logs every iteration. (MLflow at a URI the config names: the shared run's database.)"""
     need("mlflow")
     need("tensorboard")
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = tracked_config(tmp_path, ["tensorboard", "mlflow"])
+    cfg = tracked_config(tmp_path, ["tensorboard", "mlflow"],
+                         **{"tracking.mlflow_uri": tracked.runs["mlflow"]["uri"]})
     tracker = Tracker.start(cfg, str(tmp_path / "run.zarr"))
     record = tracker.runs["mlflow"]
+    assert record["uri"] == tracked.runs["mlflow"]["uri"]
+    assert record["run_id"] != tracked.runs["mlflow"]["run_id"]
     client = MlflowClient(tracking_uri=record["uri"])
     tracker.log_iteration(0, metrics_rows(0.5))
     deadline = time.monotonic() + 60
