@@ -342,3 +342,40 @@ def test_a_tracker_that_falls_behind_never_holds_up_the_driver(caplog):
     assert behind == [f"tracking: slow is {QUEUE_LENGTH} iterations behind; iteration "
                       f"{QUEUE_LENGTH + 1} and any later one while it is this far behind "
                       f"are not logged to it (the store has them)"]
+
+
+def test_what_the_trackers_show_of_an_iteration():
+    """The metrics row's finite values; a video's samples as strips of frames, evenly
+    spread over the iteration and captioned with prompt and reward; each evaluation's
+    mean and its first held-out samples."""
+    from digenrl.store import STRIP_FRAMES
+    from digenrl.tracking import IterationLog
+
+    tracking = small_config(**{"tracking.images": 3, "tracking.image_every": 2}).tracking
+    n, frames, h, w = 8, 9, 4, 5
+    videos = np.arange(n * frames * h * w * 3, dtype=np.uint8).reshape(n, frames, h, w, 3)
+    rows = {
+        "metrics": {"reward_mean": np.float64(0.25), "ratio_dev": np.float64(np.nan)},
+        "samples": {"video": videos, "image": videos[:, frames // 2],
+                    "prompt": np.array([f"prompt {s // 2}" for s in range(n)]),
+                    "reward": np.linspace(0, 1, n), "valid": np.arange(n) != 7},
+        "eval": {"version": np.array([3, 3, 3, 3], np.int32),
+                 "prompt_index": np.array([2, 0, 3, 1], np.int32),
+                 "prompt": np.array(["c", "a", "d", "b"]), "reward": np.array([1., 2., 3., 4.]),
+                 "valid": np.array([True, True, False, True]),
+                 "image": np.zeros((4, h, w, 3), np.uint8)},
+    }
+    log = IterationLog.from_rows(4, rows, tracking)
+    assert log.metrics == {"reward_mean": 0.25}
+    grid = log.samples
+    assert grid.images.shape == (3, h, STRIP_FRAMES * w, 3)
+    assert np.array_equal(grid.images[1][:, :w], videos[4, 0])  # samples 0, 4, 7: first frame
+    assert grid.captions() == ["prompt 0\nreward 0.0000", "prompt 2\nreward 0.5714",
+                               "prompt 3\n(no reward)"]
+    (e,) = log.evaluations
+    assert (e.version, e.reward_mean, e.prompts) == (3, pytest.approx(7 / 3), 4)
+    assert e.grid.prompts == ["a", "b", "c"]   # the first held-out prompts, by index
+    picture = e.grid.picture()
+    assert picture.dtype == np.uint8 and picture.ndim == 3 and picture.shape[2] == 3
+    # Iteration 5 is no multiple of image_every: no sample grid.
+    assert IterationLog.from_rows(5, rows, tracking).samples is None
