@@ -122,24 +122,27 @@ class ModelConfig:
     seeded random weights (nothing is downloaded) and prompts go through a hash encoder.
     With ``path`` set, the local diffusers pipeline folder is loaded by the family its
     ``model_index.json`` names (``StableDiffusion3Pipeline``, ``FluxPipeline``,
-    ``WanPipeline``): its transformer (trained), VAE, scheduler config, tokenizers and
-    text encoders; the tiny-model sizes (the fields from ``image_size`` on, each marked
-    "tiny model only") are then ignored. The folder must be readable from every worker.
+    ``WanPipeline``, ``QwenImagePipeline``, ``HunyuanVideoPipeline``, and the editing
+    ``FluxKontextPipeline`` and ``QwenImageEditPipeline``): its transformer (trained),
+    VAE, scheduler config, tokenizers and text encoders; the tiny-model sizes (the fields
+    from ``image_size`` on, each marked "tiny model only") do not apply, and a config
+    file or ``--set`` naming one together with ``path`` is refused. The folder must be
+    readable from every worker.
     """
 
     # ---------------------------------------------- the fields every family reads
     path: str | None = None
-    """A local diffusers pipeline folder (SD3/SD3.5, FLUX.1 or Wan2.1, by its model_index.json) loaded with from_pretrained; null builds the tiny model below with seeded random weights. A folder without model_index.json loads transformer/ and vae/ of an SD3-shaped model and encodes prompts with the hash encoder."""
+    """A local diffusers pipeline folder (SD3/SD3.5, FLUX.1, Wan2.1, Qwen-Image, HunyuanVideo, FLUX.1 Kontext or Qwen-Image-Edit, by its model_index.json) loaded with from_pretrained; null builds the tiny model below with seeded random weights. A folder without model_index.json loads transformer/ and vae/ of an SD3-shaped model and encodes prompts with the hash encoder."""
     height: int | None = None
-    """With path: image (or video) height in pixels; null is the pipeline's default (SD3: transformer sample_size x VAE factor; FLUX: 1024; Wan: 480)."""
+    """With path: image (or video) height in pixels; null is the pipeline's default (SD3: transformer sample_size x VAE factor; FLUX, Kontext, Qwen-Image and its edit: 1024; Wan: 480; HunyuanVideo: 720). A size the transformer cannot take (off its patch grid, past its rotary or positional table) is refused."""
     width: int | None = None
-    """With path: image (or video) width in pixels; null is the pipeline's default (SD3: as height; FLUX: 1024; Wan: 832)."""
+    """With path: image (or video) width in pixels; null is the pipeline's default (SD3: as height; FLUX, Kontext, Qwen-Image and its edit: 1024; Wan: 832; HunyuanVideo: 1280)."""
     num_frames: int | None = None
-    """With a video pipeline (Wan): frames per video, 4k + 1; null is 81."""
+    """With a video pipeline: frames per video, 4k + 1; null is the pipeline's default (Wan 81, HunyuanVideo 129). An image model refuses it."""
     negative_prompt: str = ""
-    """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3 and Wan)."""
+    """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3, Wan, Qwen-Image and its edit)."""
     max_sequence_length: int | None = None
-    """With path: tokens of the T5/UMT5 prompt encoding; null is the pipeline's default (SD3 256, FLUX 512, Wan 512)."""
+    """With path: tokens of the T5/UMT5 prompt encoding, or of a language model's after its template (Qwen-Image, HunyuanVideo); null is the pipeline's default (SD3 256, FLUX 512, Wan 512, Qwen-Image 512, HunyuanVideo 256). A longer prompt is refused."""
     text_encoder_dtype: str = "float32"
     """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16)."""
     dtype: str = "float32"
@@ -221,6 +224,28 @@ class ModelConfig:
     @property
     def latent_size(self) -> int:
         return self.image_size // self.vae_scale_factor
+
+
+def tiny_model_fields() -> tuple[str, ...]:
+    """The fields of :class:`ModelConfig` that size the built-in model alone: those from
+    ``image_size`` on."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    return tuple(names[names.index("image_size"):])
+
+
+def _check_tiny_fields(data: Mapping[str, Any], model: ModelConfig) -> None:
+    """A tiny-model field given together with ``model.path`` is refused: the folder's
+    model has its own sizes (``prompt_tokens`` is read for a folder without
+    model_index.json, whose prompts go through the hash encoder)."""
+    given = data.get("model")
+    if model.path is None or not isinstance(given, Mapping):
+        return
+    pipeline = (Path(model.path).expanduser() / "model_index.json").is_file()
+    for name in tiny_model_fields():
+        if name in given and (pipeline or name != "prompt_tokens"):
+            _fail(f"model.{name}", "no tiny-model field together with model.path (the "
+                  "folder's model has its own sizes: set model.height, model.width, "
+                  "model.num_frames)", given[name])
 
 
 # ------------------------------------------------------------------------- sampler
@@ -465,7 +490,7 @@ class RewardModelConfig:
     path: str = ""
     """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker."""
     processor: str | None = None
-    """A local folder holding its processor (preprocessor_config.json and, for clip, the tokenizer: tokenizer.json or vocab.json with merges.txt); null: path."""
+    """A local folder holding its processor (preprocessor_config.json or processor_config.json and, for clip, the tokenizer: tokenizer.json or vocab.json with merges.txt), as CLIPImageProcessor's or CLIPProcessor's save_pretrained writes it; null: path."""
     head: str | None = None
     """aesthetic: the MLP head's weights (.safetensors, or .pth/.pt read with torch.load(weights_only=True)), keys layers.0 ... layers.7 as LAION's predictor saves them; clip: null."""
     dtype: str = "float32"
@@ -485,7 +510,9 @@ class RewardModelConfig:
         where = f"{p}.processor" if self.processor is not None else f"{p}.path"
         _require(isinstance(processor, str) and processor != "", where,
                  "a path to a local processor folder, or null", processor)
-        needs = [("preprocessor_config.json",)]
+        # transformers 5's processors save processor_config.json (the image processor's
+        # settings inside it); image processors and older saves, preprocessor_config.json.
+        needs = [("preprocessor_config.json", "processor_config.json")]
         if self.kind == "clip":
             needs.append(("tokenizer.json", "vocab.json"))
         _check_folder(processor, where, needs, "a CLIP processor folder")
@@ -1126,7 +1153,9 @@ def load_config(path: str | Path | None = None,
             data = dict(loaded)
     if overrides:
         data = apply_overrides(data, overrides)
-    return config_from_dict(data)
+    config = config_from_dict(data)
+    _check_tiny_fields(data, config.model)
+    return config
 
 
 # ---------------------------------------------------------------- reference docs

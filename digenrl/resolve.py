@@ -2,12 +2,14 @@
 
 :mod:`digenrl.config` checks a config by itself: types, ranges, rules between fields.
 What it names elsewhere is checked here, each in one line naming the field as the
-config's own checks do: the model folder's family, its size and what its tokenizers
-make of every prompt; the built-in prompt set and the prompt files; the reward names
-(registered, or under ``reward.remote`` / ``reward.models``); the held-out prompts an
-evaluation needs; the LoRA target modules of the transformer; the libraries of the
-experiment trackers and their folder (:func:`check_trackers`; whether a tracker starts
-is known only once the runner starts it, still before any cluster).
+config's own checks do: the model folder's family, its size (what the transformer's
+patch grid and rotary or positional tables take) and what its tokenizers make of every
+prompt; the built-in prompt set and the prompt files; the reward names (registered, or
+under ``reward.remote`` / ``reward.models``); the held-out prompts an evaluation needs;
+the LoRA target modules of the transformer; settings that ask images of a video model
+or videos of an image model; the libraries of the experiment trackers and their folder
+(:func:`check_trackers`; whether a tracker starts is known only once the runner starts
+it, still before any cluster).
 
 :func:`check_world` is what every entry point calls before it starts a cluster:
 ``digenrl run`` (with ``--check`` too) and the runner through the workload's
@@ -18,7 +20,7 @@ starts with it; ``digenrl bench`` and ``workflows/flow_grpo.py`` before their cl
 from __future__ import annotations
 
 # The config's own message helpers: a check here reads like one in digenrl.config.
-from digenrl.config import RewardConfig, RunConfig, _choice, _require, _sub_path
+from digenrl.config import ConfigError, RewardConfig, RunConfig, _choice, _require, _sub_path
 from digenrl.lora import check_targets
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
@@ -35,6 +37,11 @@ def check_world(config: RunConfig) -> None:
     model, data = config.model, config.data
     if model.path is not None:
         family(model).check_folder()
+        if family(model).needs_images:
+            raise ConfigError(f"model.path: expected a folder of a pipeline that samples "
+                              f"from the prompt alone (a run's prompts carry no source "
+                              f"images yet), got a {family(model).pipeline_class} folder "
+                              f"({model.path!r}), which edits source images")
         family(model).check_size()
     if not data.prompts:
         _choice(data.prompt_set, "data.prompt_set", PROMPT_SETS)
@@ -52,9 +59,30 @@ def check_world(config: RunConfig) -> None:
     check_targets(model, config.train)
     if model.path is not None:
         _check_prompts(config)
-        _require(not (config.store.save_latents and family(model).video),
-                 "store.save_latents", "false for a video model (steps.latent holds "
-                 "image latents)", config.store.save_latents)
+    _check_sample_kind(config)
+
+
+def _check_sample_kind(config: RunConfig) -> None:
+    """What asks for images of a video model, or for videos of an image model."""
+    model = config.model
+    video = family(model).video
+    kind = "a video model" if video else "an image model"
+    if video:
+        _require(not config.store.save_latents, "store.save_latents",
+                 "false for a video model (steps.latent holds image latents)",
+                 config.store.save_latents)
+    else:
+        name = family(model).pipeline_class or "the built-in model"
+        _require(model.num_frames is None, "model.num_frames", f"null for {kind} ({name})",
+                 model.num_frames)
+        _require(not config.store.save_videos, "store.save_videos",
+                 f"false for {kind} (samples.video holds whole videos)",
+                 config.store.save_videos)
+        for name in config.reward.components:
+            spec = REWARDS.get(name)
+            if spec is not None and spec.scores == "video":
+                raise ConfigError(f"reward.components: expected rewards that score images "
+                                  f"for {kind}, got {name!r} (it scores videos)")
 
 
 def check_rewards(reward: RewardConfig) -> None:

@@ -12,7 +12,7 @@ import hashlib
 from typing import Hashable
 
 __all__ = ["stable_seed", "NOISE_DRAW", "GROUP_NOISE_DRAW", "SDE_DRAW", "EVAL_NOISE_DRAW",
-           "PROMPTS_DRAW", "PROMPT_ORDER_DRAW", "INIT_DRAW"]
+           "PROMPTS_DRAW", "PROMPT_ORDER_DRAW", "INIT_DRAW", "PROMPT_ENCODER_DRAW"]
 
 # The names of the draws: what a draw is of, after the run seed in its identity. They
 # are part of every seed, so renaming one changes every result drawn with it.
@@ -31,6 +31,9 @@ PROMPTS_DRAW = "prompts"
 PROMPT_ORDER_DRAW = "prompt_order"
 #: Initial weights: ``(model seed, INIT_DRAW, part)`` (``"lora"`` for the adapters).
 INIT_DRAW = "init"
+#: The built-in model's hash prompt encoder: a word's embedding row, and the positional
+#: and pooled rows, ``(PROMPT_ENCODER_DRAW, what, word)``.
+PROMPT_ENCODER_DRAW = "prompt-encoder"
 
 
 def stable_seed(*parts: Hashable) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import dask
@@ -267,14 +268,33 @@ def assert_complete(ds, *, valid: bool = True) -> int:
     return k
 
 
+class _Folders(Mapping):
+    """Family name -> its tiny pipeline folder, each saved the first time it is asked
+    for (a session that needs only some families builds only those)."""
+
+    def __init__(self, root):
+        from pipelines import SAVERS
+
+        self.root, self.savers, self.saved = root, SAVERS, {}
+
+    def __getitem__(self, name):
+        if name not in self.saved:
+            self.saved[name] = self.savers[name](self.root / name)
+        return self.saved[name]
+
+    def __iter__(self):
+        return iter(self.savers)
+
+    def __len__(self) -> int:
+        return len(self.savers)
+
+
 @pytest.fixture(scope="session")
 def tiny_pipelines(tmp_path_factory):
-    """A tiny saved pipeline folder of each supported family (built once per session):
-    family name (sd3, flux, wan) -> folder. See tests/pipelines.py."""
-    from pipelines import SAVERS
-
-    root = tmp_path_factory.mktemp("pipelines")
-    return {name: save(root / name) for name, save in SAVERS.items()}
+    """A tiny saved pipeline folder of each supported family (each built once per
+    session, when first asked for): family name (sd3, flux, wan, qwenimage,
+    hunyuanvideo, qwenimage_edit, kontext) -> folder. See tests/pipelines.py."""
+    return _Folders(tmp_path_factory.mktemp("pipelines"))
 
 
 def pipeline_config(folder, family: str, **overrides):

@@ -3,14 +3,20 @@ transformers classes with small configs and random weights, saved with the pipel
 own ``save_pretrained``.
 
 Tokenizers are made here too: a byte-level BPE vocabulary in CLIPTokenizer's form (the
-256 byte symbols, with and without the end-of-word mark, and a few merges) and a
+256 byte symbols, with and without the end-of-word mark, and a few merges); a
 SentencePiece unigram model trained on the built-in prompts for T5 / UMT5 (so a prompt
-with characters it never saw, e.g. Japanese, has unknown tokens).
+with characters it never saw, e.g. Japanese, has unknown tokens); and byte-level BPEs
+trained with the ``tokenizers`` library on the prompts and the pipelines' prompt
+templates for the language-model encoders (Qwen2's for Qwen-Image, Llama-3's for
+HunyuanVideo), whose special tokens and words are single tokens as in the real ones, so
+the pipelines' template prefixes (34 and 64 tokens for Qwen-Image and its edit
+pipeline, 95 for HunyuanVideo) end where the prompt begins, as they do there.
 """
 
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +25,8 @@ import torch
 MAX_SEQUENCE_LENGTH = 16
 #: Image (and video frame) size in pixels, and frames of a video.
 SIZE, FRAMES = 32, 5
+#: Image size of the editing pipelines (their VAEs compress 16 x, so 2 x 2 tokens).
+EDIT_SIZE = 64
 
 _TOKENIZERS: dict[str, object] = {}
 
@@ -29,6 +37,81 @@ def _corpus() -> list[str]:
     words = [p for prompts in PROMPT_SETS.values() for p in prompts]
     return words + ["a red fox in the snow", "a blue bird on a branch", "an astronaut",
                     "a photo of a cat", "a dog running in the park", "blurry, low quality"]
+
+
+def _templates() -> list[str]:
+    """The prompt templates of the language-model pipelines, each with a prompt."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    from digenrl.models.qwenimage import pipeline_defaults
+
+    qwen = [pipeline_defaults(name).prompt_template_encode
+            for name in ("QwenImagePipeline", "QwenImageEditPipeline")]
+    return [t.format("a photo of a cat") for t in qwen + [DEFAULT_PROMPT_TEMPLATE["template"]]]
+
+
+def _byte_level_bpe(specials: list[str], split: str):
+    """A byte-level BPE (``tokenizers``) trained on the prompts and the templates: every
+    word they hold is one token, any text encodes (no unknown tokens); ``split`` is the
+    pre-tokenizer's regular expression."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # Trained on the text between special tokens, as the tokenizer will see it.
+    pieces = [piece for text in _corpus() + _templates()
+              for piece in re.split("|".join(map(re.escape, specials)), text) if piece]
+    tok.train_from_iterator(pieces, trainer)
+    return tok
+
+
+#: Qwen2's pre-tokenizer split; Llama-3's differs in grouping up to three digits.
+_QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"""
+               r"""[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_LLAMA_SPLIT = _QWEN_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|")
+#: Qwen2.5-VL's special tokens: text end (also padding), chat turns, vision markers.
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>", "<|pad|>"]
+
+
+def qwen_tokenizer():
+    """A Qwen2Tokenizer over a byte-level BPE, with Qwen2.5-VL's special tokens."""
+    if "qwen" not in _TOKENIZERS:
+        import json
+
+        from transformers import Qwen2Tokenizer
+
+        tok = _byte_level_bpe(QWEN_SPECIALS, _QWEN_SPLIT)
+        merges = [tuple(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+        qwen = Qwen2Tokenizer(vocab=tok.get_vocab(), merges=merges)
+        qwen.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+        _TOKENIZERS["qwen"] = qwen
+    return _TOKENIZERS["qwen"]
+
+
+def llama_tokenizer():
+    """A Llama tokenizer over a byte-level BPE (the LLaVA-Llama-3 kind HunyuanVideo
+    uses): begin-of-text first, padding on the right."""
+    if "llama" not in _TOKENIZERS:
+        from tokenizers import processors
+        from transformers import LlamaTokenizer
+
+        tok = _byte_level_bpe(_LLAMA_SPECIALS, _LLAMA_SPLIT)
+        bos = _LLAMA_SPECIALS[0]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.token_to_id(bos))])
+        _TOKENIZERS["llama"] = LlamaTokenizer(
+            tokenizer_object=tok, bos_token=bos, eos_token=_LLAMA_SPECIALS[1],
+            pad_token=_LLAMA_SPECIALS[-1], padding_side="right")
+    return _TOKENIZERS["llama"]
 
 
 def clip_tokenizer(max_length: int = 16):
@@ -173,7 +256,164 @@ def save_wan(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
     return folder
 
 
-SAVERS = {"sd3": save_sd3, "flux": save_flux, "wan": save_wan}
+def _qwen_encoder(tokenizer, seed: int):
+    """A Qwen2.5-VL (text model width 16, two layers; a one-block vision tower) whose
+    special token ids are the tokenizer's."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+        ("bos_token_id", "<|endoftext|>"), ("eos_token_id", "<|im_end|>"))}
+    config = Qwen2_5_VLConfig(
+        text_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2,
+                     "vocab_size": len(tokenizer), "rope_theta": 1000000.0,
+                     "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                                      "type": "default"}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                       "out_hidden_size": 16},
+        vocab_size=len(tokenizer), **ids)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def _qwen_parts(seed: int, text_seed: int, downsamples: int) -> dict:
+    """The parts QwenImagePipeline and QwenImageEditPipeline share: an MMDiT on
+    2x2-packed 4-channel latents, a Qwen-Image VAE compressing 2^``downsamples`` x with
+    its latents mean / std, Qwen-Image's scheduler (dynamic exponential shifting with a
+    terminal sigma), Qwen2.5-VL and its tokenizer."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                           QwenImageTransformer2DModel)
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(
+        base_dim=4, z_dim=4, dim_mult=[1] * (downsamples + 1), num_res_blocks=1,
+        temperal_downsample=[False] + [True] * (downsamples - 1),
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 2.0, 1.2]).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+        time_shift_type="exponential")
+    return dict(transformer=transformer, vae=vae, scheduler=scheduler,
+                text_encoder=_qwen_encoder(qwen_tokenizer(), text_seed),
+                tokenizer=qwen_tokenizer())
+
+
+def save_qwenimage(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
+    """QwenImagePipeline: Qwen2.5-VL (width 16), an MMDiT on packed 4x4x4 latents, an
+    8 x VAE."""
+    from diffusers import QwenImagePipeline
+
+    QwenImagePipeline(**_qwen_parts(seed, text_seed, 3)).save_pretrained(folder)
+    return folder
+
+
+def qwen_processor():
+    """Qwen2.5-VL's processor of a source image and its prompt (Qwen2-VL's image
+    processor, resizing to at most 112 x 112 pixels: a few vision tokens)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from digenrl.models.qwenimage import ImageTextProcessor
+
+    return ImageTextProcessor(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112),
+                              qwen_tokenizer())
+
+
+def save_qwenimage_edit(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
+    """QwenImageEditPipeline: QwenImagePipeline's parts with a 16 x VAE (a source image
+    of about a megapixel is 32 x 32 tokens) and the processor."""
+    from diffusers import QwenImageEditPipeline
+
+    import json
+
+    QwenImageEditPipeline(processor=qwen_processor(),
+                          **_qwen_parts(seed, text_seed, 4)).save_pretrained(folder)
+    # The processor was saved from ImageTextProcessor (Qwen2VLProcessor without the video
+    # processor, which needs torchvision); the folder names transformers' class, as a
+    # Qwen-Image-Edit folder does.
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()),
+                                 "processor": ["transformers", "Qwen2VLProcessor"]}, indent=2))
+    return folder
+
+
+def save_hunyuanvideo(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
+    """HunyuanVideoPipeline: a Llama encoder (width 16, three layers: the pipeline takes
+    the first one's hidden states) and CLIP-L (pooled, width 8, 77 positions), a
+    guidance-embedding 3D transformer on 4-channel latents, the HunyuanVideo VAE (8 x
+    spatial, 4 x temporal), the scheduler's shift 7."""
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideoPipeline, HunyuanVideoTransformer3DModel)
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=16, pooled_projection_dim=8,
+        rope_axes_dim=(2, 2, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1, norm_num_groups=4, scaling_factor=0.476986,
+        spatial_compression_ratio=8, temporal_compression_ratio=4).eval()
+    tok = llama_tokenizer()
+    torch.manual_seed(text_seed)
+    llama = LlamaModel(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    clip = clip_tokenizer(max_length=77)
+    pipe = HunyuanVideoPipeline(
+        text_encoder=llama, tokenizer=tok, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=_clip_encoder(clip, 8, text_seed + 1, projection=False),
+        tokenizer_2=clip)
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def save_kontext(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
+    """FluxKontextPipeline: FluxPipeline's parts with a 16 x VAE (a source image of about
+    a megapixel is 32 x 32 tokens)."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
+                           FluxKontextPipeline, FluxTransformer2DModel)
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=8, guidance_embeds=True, axes_dims_rope=(2, 2, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3,
+                        down_block_types=("DownEncoderBlock2D",) * 5,
+                        up_block_types=("UpDecoderBlock2D",) * 5, block_out_channels=(4,) * 5,
+                        layers_per_block=1, latent_channels=4, norm_num_groups=2,
+                        sample_size=EDIT_SIZE, scaling_factor=0.3611, shift_factor=0.1159).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096)
+    tok = clip_tokenizer()
+    pipe = FluxKontextPipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=_clip_encoder(tok, 8, text_seed, projection=False), tokenizer=tok,
+        text_encoder_2=_t5_encoder(t5_tokenizer(), 32, text_seed + 2),
+        tokenizer_2=t5_tokenizer())
+    pipe.save_pretrained(folder)
+    return folder
+
+
+SAVERS = {"sd3": save_sd3, "flux": save_flux, "wan": save_wan, "qwenimage": save_qwenimage,
+          "hunyuanvideo": save_hunyuanvideo, "qwenimage_edit": save_qwenimage_edit,
+          "kontext": save_kontext}
 
 #: Model settings a run on each tiny pipeline needs (the pipelines' defaults are
 #: full-size images).
@@ -182,4 +422,10 @@ MODEL_SETTINGS = {
     "flux": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "height": SIZE, "width": SIZE},
     "wan": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "height": SIZE, "width": SIZE,
             "num_frames": FRAMES},
+    "qwenimage": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "height": SIZE, "width": SIZE},
+    "hunyuanvideo": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "height": SIZE,
+                     "width": SIZE, "num_frames": FRAMES},
+    "qwenimage_edit": {"height": EDIT_SIZE, "width": EDIT_SIZE},
+    "kontext": {"max_sequence_length": MAX_SEQUENCE_LENGTH, "height": EDIT_SIZE,
+                "width": EDIT_SIZE},
 }

@@ -1,6 +1,7 @@
 """Model families on tiny saved pipelines of each kind (tests/pipelines.py): the
 version-0 ODE sampler gives the diffusers pipeline's own images, conditioning comes
-from the folder's text encoders, and a folder is checked before any work."""
+from the folder's text encoders, and a folder is checked before any work. (The
+instruction-editing families, which take source images: tests/test_editing_families.py.)"""
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ import torch
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 from digenrl.graph.build import GraphContext
 from digenrl.models import decode_latents, family
-from digenrl.models.flux import pack
+from digenrl.models.common import pack
+from digenrl.models.parts import tokenizer_of
 from digenrl.tasks import rollout, train
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import sde_step
@@ -17,11 +19,19 @@ from digenrl.tasks.sde import sde_step
 from conftest import pipeline_config
 from pipelines import MAX_SEQUENCE_LENGTH, SAVERS
 
-FAMILIES = ("sd3", "flux", "wan")
+#: The text-to-image and text-to-video families.
+FAMILIES = ("sd3", "flux", "wan", "qwenimage", "hunyuanvideo")
 PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline",
-             "wan": "WanPipeline"}
-#: Classifier-free guidance for SD3 and Wan; FLUX's guidance embedding.
-GUIDANCE = {"sd3": 2.0, "flux": 3.5, "wan": 2.0}
+             "wan": "WanPipeline", "qwenimage": "QwenImagePipeline",
+             "hunyuanvideo": "HunyuanVideoPipeline", "qwenimage_edit": "QwenImageEditPipeline",
+             "kontext": "FluxKontextPipeline"}
+VIDEO = ("wan", "hunyuanvideo")
+#: Classifier-free guidance for SD3, Wan and Qwen-Image (its true_cfg_scale); FLUX's and
+#: HunyuanVideo's guidance embedding.
+GUIDANCE = {"sd3": 2.0, "flux": 3.5, "wan": 2.0, "qwenimage": 2.0, "hunyuanvideo": 6.0}
+#: sampler.shift: the folder's scheduler shift where the pipeline uses it (HunyuanVideo's
+#: 7; FLUX and Qwen-Image shift dynamically).
+SHIFT = {"hunyuanvideo": 7.0}
 PROMPTS = ("a photo of a cat", "a dog running in the park")
 
 
@@ -46,21 +56,41 @@ def ode_sample(cfg, prompts):
     return start.x, x, decode_latents(cfg.model, models.vae, x), pixels
 
 
-def pipeline_sample(name, folder, prompts, x0, cfg, output_type):
+def load_pipeline(name, folder):
+    """The diffusers pipeline of the folder, float32. HunyuanVideo's byte-level Llama
+    tokenizer is read as its tokenizer.json declares it, as the family reads it (with
+    the class model_index.json names, transformers 5 replaces its pre-tokenizer with
+    SentencePiece's: test_a_byte_level_llama_tokenizer_is_read_as_saved)."""
     import diffusers
 
-    pipe = getattr(diffusers, PIPELINES[name]).from_pretrained(folder, dtype=torch.float32)
-    kw = dict(latents=pack(x0) if name == "flux" else x0,
-              num_inference_steps=cfg.sampler.num_steps,
-              guidance_scale=cfg.sampler.guidance_scale,
+    kw = {}
+    if name == "hunyuanvideo":
+        kw["tokenizer"] = tokenizer_of(folder, "tokenizer")
+    return getattr(diffusers, PIPELINES[name]).from_pretrained(folder, dtype=torch.float32, **kw)
+
+
+def pipeline_sample(name, folder, prompts, x0, cfg, output_type):
+    pipe = load_pipeline(name, folder)
+    packed = name in ("flux", "qwenimage")
+    kw = dict(latents=pack(x0) if packed else x0, num_inference_steps=cfg.sampler.num_steps,
               max_sequence_length=MAX_SEQUENCE_LENGTH, output_type=output_type)
     m = cfg.model
+    if name == "qwenimage":  # true classifier-free guidance
+        kw.update(true_cfg_scale=cfg.sampler.guidance_scale, negative_prompt=m.negative_prompt)
+    else:
+        kw.update(guidance_scale=cfg.sampler.guidance_scale)
     if name != "sd3":
         kw.update(height=m.height, width=m.width)
-    if name == "wan":
+    if name in VIDEO:
         kw.update(num_frames=m.num_frames)
         return pipe(list(prompts), **kw).frames
     return pipe(list(prompts), **kw).images
+
+
+def family_config(name, folder, **overrides):
+    """The config of a test on a tiny pipeline: its family's shift where it uses one."""
+    shift = {"sampler.shift": SHIFT[name]} if name in SHIFT else {}
+    return pipeline_config(folder, name, **shift, **overrides)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -69,11 +99,11 @@ def test_the_ode_sampler_gives_the_pipelines_images(name, tiny_pipelines):
     and the diffusers pipeline class on the same folder agree within float32 rounding,
     in the final latents and in the decoded pixels."""
     folder = tiny_pipelines[name]
-    cfg = pipeline_config(folder, name, **{"sampler.num_steps": 3,
-                                           "sampler.guidance_scale": GUIDANCE[name]})
+    cfg = family_config(name, folder, **{"sampler.num_steps": 3,
+                                         "sampler.guidance_scale": GUIDANCE[name]})
     x0, latents, images, pixels = ode_sample(cfg, PROMPTS)
     theirs = pipeline_sample(name, folder, PROMPTS, x0, cfg, "latent")
-    if name == "flux":
+    if name in ("flux", "qwenimage"):
         latents = pack(latents)
     torch.testing.assert_close(latents, theirs, rtol=1e-5, atol=1e-5)
     assert latents.abs().max() > 0.1  # something was computed
@@ -89,12 +119,12 @@ def test_the_ode_sampler_gives_the_pipelines_images(name, tiny_pipelines):
 def test_text_encoders_condition_the_samples(name, tiny_pipelines, tmp_path):
     """Two prompts give different conditioning; two folders differing only in their
     text encoders' weights give different samples from the same seed."""
-    cfg = pipeline_config(tiny_pipelines[name], name)
+    cfg = family_config(name, tiny_pipelines[name])
     cond = resident(cfg.model, 0).conditioning(PROMPTS, 1.0)
     assert cond.tensors["embeds"].shape[0] == 2
     assert not torch.equal(cond.tensors["embeds"][0], cond.tensors["embeds"][1])
     other = SAVERS[name](tmp_path / name, text_seed=7)
-    cfg2 = pipeline_config(other, name)
+    cfg2 = family_config(name, other)
     _, a, _, _ = ode_sample(cfg, PROMPTS[:1])
     x0b, b, _, _ = ode_sample(cfg2, PROMPTS[:1])
     assert not torch.allclose(a, b, atol=1e-4)
@@ -103,11 +133,12 @@ def test_text_encoders_condition_the_samples(name, tiny_pipelines, tmp_path):
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PIPELINES)
 def test_the_family_comes_from_model_index(name, tiny_pipelines):
     fam = family(ModelConfig(path=str(tiny_pipelines[name])))
     assert fam.pipeline_class == PIPELINES[name]
-    assert fam.video == (name == "wan")
+    assert fam.video == (name in VIDEO)
+    assert fam.takes_images == (name in ("qwenimage_edit", "kontext"))
 
 
 def test_an_unsupported_pipeline_class_is_refused(tiny_pipelines, tmp_path):
@@ -116,13 +147,14 @@ def test_an_unsupported_pipeline_class_is_refused(tiny_pipelines, tmp_path):
     folder = tmp_path / "other"
     shutil.copytree(tiny_pipelines["sd3"], folder)
     index = folder / "model_index.json"
-    index.write_text(index.read_text().replace("StableDiffusion3Pipeline", "QwenImagePipeline"))
+    index.write_text(index.read_text().replace("StableDiffusion3Pipeline", "CogView4Pipeline"))
     with pytest.raises(ConfigError) as e:
         pipeline_config(folder, "sd3")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("model.path: ")
-    assert "'QwenImagePipeline'" in msg and "FluxPipeline / StableDiffusion3Pipeline / " \
-        "WanPipeline" in msg and str(folder) in msg
+    assert "'CogView4Pipeline'" in msg and str(folder) in msg
+    assert "FluxKontextPipeline / FluxPipeline / HunyuanVideoPipeline / QwenImageEditPipeline " \
+        "/ QwenImagePipeline / StableDiffusion3Pipeline / WanPipeline" in msg
 
 
 def test_a_folder_missing_a_part_is_refused(tiny_pipelines, tmp_path):
@@ -185,7 +217,7 @@ def test_the_command_line_refuses_a_bad_folder_before_any_work(case, tiny_pipeli
     argv = []
     if case == "class":
         index = folder / "model_index.json"
-        index.write_text(index.read_text().replace("WanPipeline", "HunyuanVideoPipeline"))
+        index.write_text(index.read_text().replace("WanPipeline", "LTXPipeline"))
         field = "model.path: expected a pipeline folder of class"
     elif case == "part":
         shutil.rmtree(folder / "tokenizer")
@@ -194,6 +226,7 @@ def test_the_command_line_refuses_a_bad_folder_before_any_work(case, tiny_pipeli
         argv = ["--set", "data.prompts=[a cat, ça coûte]"]
         field = "data.prompts[1]: expected text the folder's tokenizer"
     out = tmp_path / "run.zarr"
+    capsys.readouterr()  # what came before (a tiny pipeline saved on first use)
     code = main(["run", "workflows/configs/wan.yaml", "--out", str(out),
                  "--scheduler", "tcp://127.0.0.1:1", "--set", f"model.path={folder}",
                  "--set", "model.max_sequence_length=16", "--set", "cluster.gpus=false",
@@ -232,3 +265,20 @@ def test_a_run_stored_before_the_model_fields_existed_still_resumes():
     stored["model"]["negative_prompt"] = "blurry"
     with pytest.raises(ConfigError, match=r"differs from the stored run's in \['model'\]"):
         workload.check_resume({"config": stored})
+
+
+def test_a_byte_level_llama_tokenizer_is_read_as_saved(tiny_pipelines):
+    """HunyuanVideo's tokenizer folder names a Llama tokenizer class over a byte-level
+    BPE tokenizer.json (Llama-3's kind). transformers 5's LlamaTokenizer replaces that
+    pre-tokenizer with SentencePiece's Metaspace, and its tokens differ from the file's;
+    the family (its encoder and its prompt checks) reads the file as saved."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaTokenizer
+
+    folder = tiny_pipelines["hunyuanvideo"]
+    text = "a photo of a cat, 123 dogs"
+    saved = Tokenizer.from_file(str(folder / "tokenizer" / "tokenizer.json")).encode(text).ids
+    fam = family(family_config("hunyuanvideo", folder).model)
+    assert fam.tokenizer("tokenizer")(text).input_ids == saved
+    assert tokenizer_of(folder, "tokenizer")(text).input_ids == saved
+    assert LlamaTokenizer.from_pretrained(folder / "tokenizer")(text).input_ids != saved

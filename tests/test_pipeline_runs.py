@@ -21,12 +21,15 @@ def _text_encoders_built(dask_worker):
     return pool, models is not None and models.has_encoder
 
 
+VIDEO = ("wan", "hunyuanvideo")
+
+
 @pytest.mark.parametrize("mode", ["digenrl", "disaggregated"])
-@pytest.mark.parametrize("name", ["sd3", "flux", "wan"])
+@pytest.mark.parametrize("name", ["sd3", "flux", "wan", "qwenimage", "hunyuanvideo"])
 def test_a_run_on_each_family_trains(name, mode, tiny_pipelines, cluster_1x1, tmp_path):
     cfg = pipeline_config(tiny_pipelines[name], name, **{
         "iterations": 3, "schedule.mode": mode, "sampler.guidance_scale": 2.0,
-        "store.save_videos": name == "wan"})
+        "store.save_videos": name in VIDEO})
     out = tmp_path / "run.zarr"
     result = Runner(cfg, str(out), cluster=cluster_1x1).run()
     assert result.final_weights.version == 3
@@ -39,7 +42,7 @@ def test_a_run_on_each_family_trains(name, mode, tiny_pipelines, cluster_1x1, tm
     assert len(measured) >= (3 if mode == "disaggregated" else 1), m.ratio_dev.values
     assert (measured < 1e-6).all(), m.ratio_dev.values
     assert s.image.shape[-3:] == (SIZE, SIZE, 3)
-    if name == "wan":  # videos: the middle frame in samples.image, the whole in .video
+    if name in VIDEO:  # videos: the middle frame in samples.image, the whole in .video
         assert s.video.shape[-4:] == (FRAMES, SIZE, SIZE, 3)
         assert np.array_equal(s.image.values, s.video.values[:, :, FRAMES // 2])
     client = cluster_1x1.client

@@ -154,7 +154,7 @@ def _settings(folder, **kw):
      "reward.models.pick.path: expected a CLIPModel folder holding config.json, got '{p}'"),
     (lambda f, h: {"processor": str(h["pth"].parent)},
      "reward.models.pick.processor: expected a CLIP processor folder holding "
-     "preprocessor_config.json, got '{p}'"),
+     "preprocessor_config.json or processor_config.json, got '{p}'"),
     (lambda f, h: {"dtype": "float8"},
      "reward.models.pick.dtype: expected one of ['bfloat16', 'float16', 'float32'], got 'float8'"),
     (lambda f, h: {"kind": "pickscore"},

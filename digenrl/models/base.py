@@ -2,16 +2,18 @@
 
 A family adapts one kind of diffusers pipeline to the sampler: it loads (or builds) the
 trained transformer and the VAE, encodes prompts with its own text encoders into the
-tensors its transformer takes, predicts the velocity at a noise level (with
-classifier-free guidance or a guidance embedding, as the family does), gives the latent
-shape and the sigma schedule, and decodes latents to pixels. What several families
-compute the same way (text-encoder loading and caching, guidance, VAE decoding, latent
-packing) is in :mod:`digenrl.models.common`.
+tensors its transformer takes (an instruction-editing family: with each prompt's source
+image), predicts the velocity at a noise level (with classifier-free guidance or a
+guidance embedding, as the family does), gives the latent shape and the sigma schedule,
+and decodes latents to pixels. What several families compute the same way (text-encoder
+loading and caching, guidance, VAE encoding and decoding, latent packing) is in
+:mod:`digenrl.models.common`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Sequence
 
@@ -22,8 +24,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
-__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PromptEncoderLike", "to_uint8",
-           "JOINT_ATTENTION_TARGETS"]
+__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PromptEncoderLike", "SourceImage",
+           "stack_rows", "to_uint8", "JOINT_ATTENTION_TARGETS"]
 
 
 #: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
@@ -34,7 +36,10 @@ JOINT_ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "ad
 @dataclass
 class Conditioning:
     """The encoded prompts of a chunk, one row per sample, and the negative prompt's
-    (one row, for classifier-free guidance; None when the family does not use it).
+    (for classifier-free guidance; None when the family does not use it): one row, or
+    one per sample where the negative's encoding depends on each sample's source image
+    (Qwen-Image-Edit). An editing family's ``tensors`` also hold each sample's source
+    image as the transformer takes it (its packed VAE latents).
 
     Plain tensors on the CPU: it travels as Dask data from the rollout worker that
     encoded it, with the chunk's latents, to every task that needs it."""
@@ -54,6 +59,19 @@ class Conditioning:
     def to(self, device) -> "Conditioning":
         return self._map(lambda t: t.to(device))
 
+    def rows(self, index: torch.Tensor) -> "Conditioning":
+        """The conditioning of the samples ``index`` selects (a negative of one row per
+        sample too; one of a single row is shared)."""
+        n = len(self.prompts)
+
+        def pick(tensors: dict[str, torch.Tensor] | None):
+            if tensors is None:
+                return None
+            return {k: v[index] if v.shape[0] == n else v for k, v in tensors.items()}
+
+        return Conditioning(tuple(self.prompts[i] for i in index.tolist()),
+                            pick(self.tensors), pick(self.negative))
+
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
         return self._map(lambda t: t.to(dtype) if t.is_floating_point() else t)
@@ -64,22 +82,66 @@ class Conditioning:
         return sum(t.numel() * t.element_size() for t in parts)
 
 
+@dataclass(frozen=True, eq=False)
+class SourceImage:
+    """A source image of an instruction-editing prompt: uint8 pixels ``(height, width,
+    3)``, equal to another (and cached) by their content."""
+
+    pixels: np.ndarray = field(repr=False)
+    digest: str
+
+    @classmethod
+    def of(cls, pixels) -> "SourceImage":
+        a = np.asarray(pixels)
+        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[-1] != 3 or 0 in a.shape:
+            raise ValueError(f"source image: expected uint8 pixels (height, width, 3), got "
+                             f"{a.dtype} of shape {a.shape}")
+        a = np.ascontiguousarray(a)
+        digest = hashlib.sha256(repr(a.shape).encode() + a.tobytes()).hexdigest()
+        return cls(a, digest)
+
+    def pil(self):
+        """The image as PIL holds it (what the pipelines resize)."""
+        from PIL import Image
+
+        return Image.fromarray(self.pixels)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SourceImage) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+
+def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One tensor of ``rows``; rows of different lengths (their first axis: a language
+    model's embeddings of prompts of different lengths, their masks, a source image's
+    tokens) are padded with zeros to the longest, as the pipelines pad a batch (a mask
+    padded with zeros masks the padding)."""
+    if all(r.shape == rows[0].shape for r in rows):
+        return torch.stack(list(rows))
+    longest = max(r.shape[0] for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros((longest - r.shape[0],) + r.shape[1:])])
+                        for r in rows])
+
+
 class PromptCache:
-    """Encodes prompts through ``encode_batch`` once each and stacks the cached rows."""
+    """Encodes each key (a prompt; a prompt with its source image; a source image)
+    through ``encode_batch`` once and stacks the cached rows (:func:`stack_rows`)."""
 
     def __init__(self, encode_batch):
         self._encode_batch = encode_batch
-        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._cache: dict = {}
 
-    def __call__(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        new = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+    def __call__(self, keys: Sequence) -> dict[str, torch.Tensor]:
+        new = list(dict.fromkeys(k for k in keys if k not in self._cache))
         if new:
             with torch.no_grad():
                 rows = self._encode_batch(new)
-            for i, p in enumerate(new):
-                self._cache[p] = {k: v[i].detach().cpu() for k, v in rows.items()}
-        names = self._cache[prompts[0]].keys()
-        return {k: torch.stack([self._cache[p][k] for p in prompts]) for k in names}
+            for i, key in enumerate(new):
+                self._cache[key] = {k: v[i].detach().cpu() for k, v in rows.items()}
+        names = self._cache[keys[0]].keys()
+        return {k: stack_rows([self._cache[key][k] for key in keys]) for k in names}
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -109,6 +171,12 @@ class ModelFamily:
     #: ``model.max_sequence_length`` tokens long (the T5 / UMT5 / LLM one), so a longer
     #: prompt is refused. :meth:`check_prompts` tokenizes every prompt with each.
     tokenizer_parts: ClassVar[tuple[tuple[str, bool], ...]] = ()
+    #: True for an instruction-editing family: its encoder takes each prompt's source
+    #: image (``encode(prompts, negative, images=...)``) and its transformer sees it.
+    takes_images: ClassVar[bool] = False
+    #: True when it cannot sample without a source image (Qwen-Image-Edit; FLUX.1
+    #: Kontext generates from the prompt alone when it has none).
+    needs_images: ClassVar[bool] = False
     #: The diffusers classes of the trained transformer and of the VAE.
     transformer_class: ClassVar[type]
     vae_class: ClassVar[type]
@@ -132,7 +200,9 @@ class ModelFamily:
                     f"{str(self.cfg.path)!r} without it")
 
     def check_size(self) -> None:
-        """``model.height`` / ``model.width`` are multiples of :meth:`size_multiple`."""
+        """``model.height`` / ``model.width`` are multiples of :meth:`size_multiple` (a
+        family whose transformer holds a rotary or positional table of a fixed length
+        also checks that the size fits it)."""
         m = self.size_multiple()
         for name in ("height", "width"):
             v = getattr(self.cfg, name)
@@ -148,15 +218,30 @@ class ModelFamily:
         """Each ``(field, prompt)`` can be tokenized as the family encodes it (as
         :meth:`prompt_text`, by each of :attr:`tokenizer_parts`); a prompt that cannot
         fails naming its field (config validation calls this)."""
-        texts = [(field, self.prompt_text(prompt)) for field, prompt in named]
         for part, bounded in self.tokenizer_parts:
-            check_tokens(load_tokenizer(self.folder, part), part, texts,
-                         self.max_sequence_length if bounded else None)
+            texts = [(field, prompt, self.prompt_text(prompt, part)) for field, prompt in named]
+            if bounded:
+                check_tokens(self.tokenizer(part), part, texts, self.max_sequence_length,
+                             self.dropped_tokens)
+            else:
+                check_tokens(self.tokenizer(part), part, texts)
 
-    def prompt_text(self, prompt: str) -> str:
-        """The text the tokenizers see for ``prompt`` (a pipeline that cleans prompts
-        first overrides this, and its encoder calls it)."""
+    def prompt_text(self, prompt: str, part: str) -> str:
+        """The text the tokenizer ``part`` sees for ``prompt`` (a pipeline that cleans
+        prompts first, or puts them in a template, overrides this, and its encoder calls
+        it)."""
         return prompt
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens of the bounded tokenizer's :meth:`prompt_text` that the encoder drops
+        before the transformer sees the rest (a language-model encoder's template prefix):
+        ``model.max_sequence_length`` bounds what remains."""
+        return 0
+
+    def tokenizer(self, part: str):
+        """The folder's tokenizer ``part``, as the encoder and the prompt checks use it."""
+        return load_tokenizer(self.folder, part)
 
     # ---------------------------------------------------------------- shapes, schedule
 
@@ -217,9 +302,11 @@ class ModelFamily:
         return vae.requires_grad_(False).eval()
 
     def build_encoder(self, device: torch.device) -> "PromptEncoderLike":
-        """An object whose ``encode(prompts, negative) -> Conditioning`` runs the text
-        encoders on ``device`` (``negative``: also encode ``model.negative_prompt``); a
-        family's is a :class:`~digenrl.models.common.TextEncoders`."""
+        """An object whose ``encode(prompts, negative, images=None) -> Conditioning``
+        runs the text encoders on ``device`` (``negative``: also encode
+        ``model.negative_prompt``; ``images``: each prompt's source image, for a family
+        that :attr:`takes_images`); a family's is a
+        :class:`~digenrl.models.common.TextEncoders`."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ computation
@@ -234,7 +321,11 @@ class ModelFamily:
 
 
 class PromptEncoderLike:
-    """The interface :meth:`ModelFamily.build_encoder` returns (documentation only)."""
+    """The interface :meth:`ModelFamily.build_encoder` returns (documentation only).
 
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:  # pragma: no cover
+    ``images``: one source image per prompt (uint8 ``(height, width, 3)`` arrays, or
+    :class:`SourceImage`), for an instruction-editing family; None for the others."""
+
+    def encode(self, prompts: Sequence[str], negative: bool,
+               images: Sequence | None = None) -> Conditioning:  # pragma: no cover
         raise NotImplementedError

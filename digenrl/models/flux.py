@@ -10,24 +10,49 @@ from __future__ import annotations
 
 from functools import cached_property
 
-import numpy as np
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import JOINT_ATTENTION_TARGETS, ModelFamily
-from digenrl.models.common import (TextEncoders, pack, scaled_vae_decode, timesteps, unpack,
-                                   vae_block_factor)
+from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
+from digenrl.models.common import (TextEncoders, pack, packed_sigmas, scaled_vae_decode,
+                                   timesteps, unpack, vae_block_factor)
 
-__all__ = ["FluxFamily", "image_ids"]
+__all__ = ["FluxFamily", "image_ids", "flux_velocity"]
 
 
-def image_ids(h: int, w: int, device) -> torch.Tensor:
-    """(h/2 * w/2, 3) position ids of the packed tokens: (0, row, column)."""
+def image_ids(h: int, w: int, device, first: int = 0) -> torch.Tensor:
+    """(h/2 * w/2, 3) position ids of the packed tokens of latents h x w: (first, row,
+    column); ``first`` is 1 for a source image's tokens (FLUX.1 Kontext)."""
     ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 0] = first
     ids[..., 1] += torch.arange(h // 2)[:, None]
     ids[..., 2] += torch.arange(w // 2)[None, :]
     return ids.reshape(-1, 3).to(device)
+
+
+def flux_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
+                  guidance_scale: float, source: torch.Tensor | None = None,
+                  source_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A FLUX transformer's velocity for latents ``x`` ``(n, c, h, w)``: packed, with
+    the guidance embedding when the transformer has one. ``source`` (packed tokens)
+    and ``source_ids`` (their positions) are appended after the image's tokens, as
+    FluxKontextPipeline appends its source image; the velocity is the image's part."""
+    n, _, h, w = x.shape
+    embeds = cond.tensors["embeds"]
+    # As FluxPipeline: the scheduler timestep over 1000.
+    t = timesteps(x, timestep, x.dtype) / 1000.0
+    guidance = None
+    if transformer.config.guidance_embeds:
+        guidance = torch.full((n,), guidance_scale, dtype=torch.float32, device=x.device)
+    tokens, ids = pack(x), image_ids(h, w, x.device)
+    if source is not None:
+        tokens, ids = torch.cat([tokens, source], dim=1), torch.cat([ids, source_ids])
+    out = transformer(hidden_states=tokens, timestep=t, guidance=guidance,
+                      pooled_projections=cond.tensors["pooled"], encoder_hidden_states=embeds,
+                      txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device), img_ids=ids,
+                      return_dict=False)[0]
+    return unpack(out[:, : (h // 2) * (w // 2)], h, w)
 
 
 class _FluxEncoder(TextEncoders):
@@ -84,36 +109,16 @@ class FluxFamily(ModelFamily):
         """As FluxPipeline: ``linspace(1, 1/n, n)``, shifted by ``mu`` from the packed
         image's length when the scheduler shifts dynamically (FLUX.1-dev), else by
         ``sampler.shift``."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        sched = self.flow_scheduler(sampler)
-        n = sampler.num_steps
         _, h, w = self.latent_shape()
-        c = sched.config
-        mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256),
-                             c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                             c.get("max_shift", 1.15))
-        sched.set_timesteps(n, sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
-        return tuple(float(s) for s in sched.sigmas)
+        return packed_sigmas(self.flow_scheduler(sampler), sampler.num_steps,
+                             (h // 2) * (w // 2))
 
     def build_encoder(self, device) -> _FluxEncoder:
         return _FluxEncoder(self, device)
 
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
-        n, _, h, w = x.shape
-        cond = cond.to_dtype(x.dtype)
-        embeds = cond.tensors["embeds"]
-        t = timesteps(x, self.timestep(sigma), x.dtype) \
-            / 1000.0  # as FluxPipeline: the scheduler timestep over 1000
-        guidance = None
-        if transformer.config.guidance_embeds:
-            guidance = torch.full((n,), guidance_scale, dtype=torch.float32, device=x.device)
-        out = transformer(hidden_states=pack(x), timestep=t, guidance=guidance,
-                          pooled_projections=cond.tensors["pooled"],
-                          encoder_hidden_states=embeds,
-                          txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device),
-                          img_ids=image_ids(h, w, x.device), return_dict=False)[0]
-        return unpack(out, h, w)
+        return flux_velocity(transformer, x, self.timestep(sigma), cond.to_dtype(x.dtype),
+                             guidance_scale)
 
     def decode(self, vae, latents):
         return scaled_vae_decode(vae, latents)

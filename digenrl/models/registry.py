@@ -12,7 +12,10 @@ from pathlib import Path
 from digenrl.config import ConfigError, ModelConfig
 from digenrl.models.base import ModelFamily
 from digenrl.models.flux import FluxFamily
+from digenrl.models.hunyuanvideo import HunyuanVideoFamily
+from digenrl.models.kontext import FluxKontextFamily
 from digenrl.models.parts import read_json
+from digenrl.models.qwenimage import QwenImageEditFamily, QwenImageFamily
 from digenrl.models.sd3 import SD3Family
 from digenrl.models.tiny import TinyFamily
 from digenrl.models.wan import WanFamily
@@ -21,7 +24,8 @@ __all__ = ["FAMILIES", "family", "family_class"]
 
 #: ``model_index.json`` ``_class_name`` -> family.
 FAMILIES: dict[str, type[ModelFamily]] = {
-    f.pipeline_class: f for f in (SD3Family, FluxFamily, WanFamily)
+    f.pipeline_class: f for f in (SD3Family, FluxFamily, WanFamily, QwenImageFamily,
+                                  HunyuanVideoFamily, QwenImageEditFamily, FluxKontextFamily)
 }
 
 

@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-from digenrl.config import SamplerConfig
+from digenrl.config import ConfigError, SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
 from digenrl.models.common import (TextEncoders, guided, scaled_vae_decode, timesteps,
                                    vae_block_factor)
@@ -90,6 +90,20 @@ class SD3Family(ModelFamily):
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor * self.transformer_config()["patch_size"]
+
+    def check_size(self) -> None:
+        """The multiples, and the transformer's positional table: ``pos_embed_max_size``
+        patches along each side."""
+        super().check_size()
+        table = self.transformer_config().get("pos_embed_max_size")
+        if table is None:
+            return
+        for name, value in zip(("height", "width"), self.image_size()):
+            if value > table * self.size_multiple():
+                raise ConfigError(
+                    f"model.{name}: expected at most {table * self.size_multiple()} pixels for "
+                    f"this {self.pipeline_class} folder (its transformer's positional table: "
+                    f"pos_embed_max_size {table} patches), got {value}")
 
     def latent_shape(self) -> tuple[int, int, int]:
         h, w = self.image_size()

@@ -21,7 +21,7 @@ from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
 from digenrl.models.common import scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
-from digenrl.seeding import INIT_DRAW, stable_seed
+from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
 
@@ -47,7 +47,7 @@ class PromptEncoder:
         self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _word(self, word: str, what: str, dim: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(stable_seed("prompt-encoder", what, word))
+        g = torch.Generator().manual_seed(stable_seed(PROMPT_ENCODER_DRAW, what, word))
         return torch.randn(dim, generator=g, dtype=torch.float32)
 
     def _one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +72,10 @@ class _HashConditioner:
     def __init__(self, encoder: PromptEncoder, negative_prompt: str):
         self.encoder, self.negative_prompt = encoder, negative_prompt
 
-    def encode(self, prompts: Sequence[str], negative: bool) -> Conditioning:
+    def encode(self, prompts: Sequence[str], negative: bool, images=None) -> Conditioning:
+        if images is not None:
+            raise ValueError(f"the built-in model: expected no source images (it is not an "
+                             f"editing pipeline), got {len(images)}")
         embeds, pooled = self.encoder.encode(prompts)
         neg = None
         if negative:

@@ -41,7 +41,7 @@ class _WanEncoder(TextEncoders):
 
     def encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         length = self.family.max_sequence_length
-        texts = [self.family.prompt_text(p) for p in prompts]
+        texts = [self.family.prompt_text(p, "tokenizer") for p in prompts]
         inputs = self.umt5_tokenizer(texts, padding="max_length",
                                 max_length=length, truncation=True, add_special_tokens=True,
                                 return_attention_mask=True, return_tensors="pt")
@@ -80,6 +80,34 @@ class WanFamily(ModelFamily):
         vc = self.vae_config()
         return vc.get("scale_factor_spatial", 8) * self.transformer_config()["patch_size"][-1]
 
+    def check_size(self) -> None:
+        """The multiples, and the transformer's rotary table: it holds
+        ``rope_max_seq_len`` positions along each of frames, height and width (in latent
+        patches), and a longer side does not fit it."""
+        super().check_size()
+        positions = self.transformer_config().get("rope_max_seq_len", 1024)
+        patches = self.transformer_config()["patch_size"]
+        _, frames, h, w = self.latent_shape()
+        for name, latent, patch, default in (
+                ("num_frames", frames, patches[0], self.default_frames),
+                ("height", h, patches[1], self.default_height),
+                ("width", w, patches[2], self.default_width)):
+            if latent // patch > positions:
+                value = getattr(self.cfg, name)
+                got = value if value is not None else f"null (the pipeline's default {default})"
+                most = self.most(name, positions * patch)
+                raise ConfigError(
+                    f"model.{name}: expected at most {most} for this {self.pipeline_class} "
+                    f"folder (its transformer's rotary table: rope_max_seq_len {positions} "
+                    f"patches), got {got}")
+
+    def most(self, name: str, latent: int) -> int:
+        """The most frames or pixels of ``latent`` latent frames or pixels."""
+        vc = self.vae_config()
+        if name == "num_frames":
+            return (latent - 1) * vc.get("scale_factor_temporal", 4) + 1
+        return latent * vc.get("scale_factor_spatial", 8)
+
     def latent_shape(self) -> tuple[int, int, int, int]:
         vc = self.vae_config()
         frames, h, w = self.video_size()
@@ -89,7 +117,7 @@ class WanFamily(ModelFamily):
     # sigmas: the base's flow-matching Euler schedule with sampler.shift (a folder whose
     # scheduler is UniPC keeps its training timesteps only: the SDE sampler steps by Euler).
 
-    def prompt_text(self, prompt: str) -> str:
+    def prompt_text(self, prompt: str, part: str) -> str:
         return clean_prompt(prompt)
 
     def build_encoder(self, device) -> _WanEncoder:

@@ -28,6 +28,8 @@ __all__ = ["install", "ROUTE", "DigenRLPage", "task_story"]
 logger = logging.getLogger(__name__)
 
 ROUTE = "/digenrl"
+#: The reward curve's column in the page's data source (each iteration's mean reward).
+REWARD_CURVE = "reward"
 POOL_COLOURS = {ROLLOUT: "#1f77b4", TRAINER: "#d62728", COLOCATED: "#9467bd"}
 
 
@@ -70,12 +72,12 @@ class DigenRLPage:
         self.stale.vbar(x="staleness", top="samples", width=0.7, source=self.stale_source,
                         color="#9467bd")
         self.stale.xaxis.axis_label = "trained version - behaviour version"
-        self.reward_source = ColumnDataSource({"iteration": [], "reward": []})
+        self.reward_source = ColumnDataSource({"iteration": [], REWARD_CURVE: []})
         self.reward = figure(title="reward (mean per iteration)", height=240,
                              sizing_mode="stretch_width", name="digenrl-reward", tools="")
-        self.reward.line(x="iteration", y="reward", source=self.reward_source, line_width=2,
+        self.reward.line(x="iteration", y=REWARD_CURVE, source=self.reward_source, line_width=2,
                          color="#2ca02c")
-        self.reward.scatter(x="iteration", y="reward", source=self.reward_source, size=5,
+        self.reward.scatter(x="iteration", y=REWARD_CURVE, source=self.reward_source, size=5,
                             color="#2ca02c")
         legend = " ".join(
             f'<span style="background:{c};color:white;padding:1px 6px;border-radius:3px;'
@@ -121,7 +123,7 @@ class DigenRLPage:
         metrics = plugin.telemetry.metrics
         self.reward_source.data = {
             "iteration": [m["iteration"] for m in metrics],
-            "reward": [m.get("reward_mean", float("nan")) for m in metrics]}
+            REWARD_CURVE: [m.get("reward_mean", float("nan")) for m in metrics]}
         self._update_timeline(plugin)
         self.update_story()
 
