@@ -42,6 +42,8 @@ __all__ = [
     "ClusterConfig",
     "StoreConfig",
     "EvalConfig",
+    "TrackingConfig",
+    "TRACKERS",
     "RunConfig",
     "MODES",
     "load_config",
@@ -878,6 +880,62 @@ class EvalConfig:
                             else self.guidance_scale))
 
 
+# ------------------------------------------------------------------------ tracking
+
+#: The experiment trackers a run can log to, each through its own library (an optional
+#: extra of the package of the same name: ``pip install 'digenrl[wandb]'``).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+#: The modes of a W&B run digenrl starts.
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Experiment trackers the run logs to besides its store, after each iteration is committed: every metric of the iteration (metrics/NAME at step = iteration), the held-out evaluation (eval/reward_mean at step = the evaluated policy version), captioned sample grids, and the resolved config as hyperparameters. The run's tracker runs are kept in the store's attributes, so digenrl run --resume continues them. A tracker that cannot start stops the run before any cluster starts; one that fails later is a warning and the run goes on."""
+
+    backends: tuple[str, ...] = ()
+    """The trackers to log to: any of tensorboard, wandb, mlflow (each needs its library: pip install 'digenrl[tensorboard]', [wandb] or [mlflow]); empty logs to the store only."""
+    dir: str | None = None
+    """Where the trackers write locally: TensorBoard's event files (tensorboard/NAME-TIME/), W&B's run files (wandb/) and, with no mlflow_uri, MLflow's database and artifacts; null: next to the store, STORE-tracking/."""
+    project: str = "digenrl"
+    """The W&B project and the MLflow experiment the run is logged under."""
+    name: str | None = None
+    """The tracker run's name (W&B and MLflow display name, TensorBoard run folder prefix); null: the store's name without its extension."""
+    image_every: int = 10
+    """Log a grid of the iteration's samples (prompt and reward captions) every this many iterations, from iteration 0, and one of each held-out evaluation; 0: no images. Needs store.save_images (a video's samples show as a strip of frames)."""
+    images: int = 8
+    """Samples per grid: evenly spread over the iteration's samples (the held-out evaluation's: the first prompts)."""
+    wandb_mode: str | None = None
+    """W&B's mode: online or offline (written locally under dir, for wandb sync later); null: W&B's own setting (WANDB_MODE, else online)."""
+    mlflow_uri: str | None = None
+    """MLflow's tracking URI (an MLflow server's http(s):// address, a database URI, databricks); null: a SQLite database in dir (sqlite:///DIR/mlflow.db, artifacts in DIR/mlflow-artifacts/; mlflow ui --backend-store-uri shows it)."""
+
+    def validate(self, p: str) -> None:
+        _require(isinstance(self.backends, tuple), f"{p}.backends", "a list", self.backends)
+        for i, name in enumerate(self.backends):
+            _choice(name, f"{p}.backends[{i}]", TRACKERS)
+        _require(len(set(self.backends)) == len(self.backends), f"{p}.backends",
+                 "each tracker once", list(self.backends))
+        for name in ("dir", "name", "mlflow_uri"):
+            v = getattr(self, name)
+            _require(v is None or (isinstance(v, str) and v.strip() != ""), f"{p}.{name}",
+                     "null or a non-empty string", v)
+        _require(isinstance(self.project, str) and self.project.strip() != "",
+                 f"{p}.project", "a non-empty string", self.project)
+        _require(_is_int(self.image_every) and self.image_every >= 0, f"{p}.image_every",
+                 "an integer >= 0 (0: no images)", self.image_every)
+        _positive_int(self.images, f"{p}.images")
+        if self.wandb_mode is not None:
+            _choice(self.wandb_mode, f"{p}.wandb_mode", WANDB_MODES)
+        for name, tracker in (("wandb_mode", "wandb"), ("mlflow_uri", "mlflow")):
+            _require(getattr(self, name) is None or tracker in self.backends, f"{p}.{name}",
+                     f"null while {p}.backends names no {tracker}", getattr(self, name))
+
+    def logs_images(self, iteration: int) -> bool:
+        """Whether iteration ``iteration``'s samples are logged as a grid."""
+        return self.image_every > 0 and iteration % self.image_every == 0
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -897,6 +955,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -173,13 +173,17 @@ class Driver:
 
     def __init__(self, workload: Workload, out: str, cluster: ClusterHandle, *,
                  overwrite: bool = False, resume: bool = False,
-                 on_iteration: Callable[[IterationSummary], None] | None = None):
+                 on_iteration: Callable[[IterationSummary], None] | None = None,
+                 tracker: Any = None):
         self.w = workload
         self.out = out
         self.handle = cluster
         self.overwrite = overwrite
         self.resume = resume
         self.on_iteration = on_iteration
+        #: The experiment trackers (a :class:`digenrl.tracking.Tracker`, or None), handed
+        #: each iteration's rows once they are committed.
+        self.tracker = tracker
         self.run_id = uuid.uuid4().hex[:12]
         #: Every future of this run still referenced anywhere (weakly: the run releases
         #: what it no longer needs by dropping it).
@@ -375,6 +379,8 @@ class Driver:
         drop_checkpoints(self.out, lambda v: not w.layout.retains(v, i + 1))
         store.commit()
         pipeline.release(i)
+        if self.tracker is not None:  # after the commit, which no tracker holds up
+            self.tracker.log_iteration(i, groups)
         client.sync(client.scheduler.digenrl_metrics, run=self.run_id, iteration=i,
                     metrics={k: float(v) for k, v in metrics.items()})
         window.opened = t1

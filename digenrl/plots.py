@@ -11,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 import numpy as np  # noqa: E402
 
 from digenrl.analysis import utilisation_timeline  # noqa: E402
@@ -22,7 +24,8 @@ from digenrl.store import REWARD_COLUMN  # noqa: E402
 LENT_HATCHES = {"tag": "//", "rat": "xx"}
 
 __all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png",
-           "eval_png", "eval_grid_png", "CAPTION_CHARS"]
+           "eval_png", "eval_grid_png", "captioned_grid", "grid_image", "CAPTION_CHARS",
+           "EVAL_GRID_TITLE"]
 
 
 def timeline_png(tasks, path: str | Path, *, title: str = "",
@@ -139,6 +142,8 @@ def eval_png(evaluation, metrics, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+#: The title of an evaluated version's grid.
+EVAL_GRID_TITLE = "policy version {version}: held-out samples (ODE)"
 #: The characters of a prompt a grid caption shows.
 CAPTION_CHARS = 28
 
@@ -154,23 +159,37 @@ def eval_grid_png(evaluation, version: int, count: int, path: str | Path) -> Pat
     frames the store keeps."""
     mine = np.flatnonzero(evaluation["version"].values == version)
     mine = mine[np.argsort(evaluation["prompt_index"].values[mine], kind="stable")][:count]
-    images = evaluation["image"].values[mine]
-    prompts = evaluation["prompt"].values[mine]
-    rewards = evaluation[REWARD_COLUMN].values[mine]
-    valid = evaluation["valid"].values[mine]
-    cols = min(len(mine), 4)
-    rows = -(-len(mine) // cols)
+    return _save(captioned_grid(evaluation["image"].values[mine],
+                                evaluation["prompt"].values[mine],
+                                evaluation[REWARD_COLUMN].values[mine],
+                                evaluation["valid"].values[mine],
+                                EVAL_GRID_TITLE.format(version=version)), path)
+
+
+def captioned_grid(images: np.ndarray, prompts, rewards, valid, title: str) -> Figure:
+    """Samples ``(n, H, W, 3)`` in rows of up to four, each captioned with its prompt
+    (truncated) and reward. A figure of its own, outside pyplot's state: a thread may
+    draw one (:func:`grid_image`) while another does."""
+    cols = min(len(images), 4)
+    rows = -(-len(images) // cols)
     aspect = images.shape[2] / images.shape[1]   # a frame strip is wide
-    fig, axes = plt.subplots(rows, cols, figsize=(2.4 * aspect * cols, 2.9 * rows),
-                             squeeze=False)
+    fig = Figure(figsize=(2.4 * aspect * cols, 2.9 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
     for ax, image, prompt, reward, ok in zip(axes.ravel(), images, prompts, rewards, valid):
         ax.imshow(image, interpolation="nearest")
         ax.set_title(_caption(str(prompt), float(reward), bool(ok)), fontsize=8)
-    fig.suptitle(f"policy version {version}: held-out samples (ODE)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return fig
+
+
+def grid_image(images: np.ndarray, prompts, rewards, valid, title: str) -> np.ndarray:
+    """:func:`captioned_grid` drawn as an RGB picture ``(H, W, 3)`` of uint8."""
+    canvas = FigureCanvasAgg(captioned_grid(images, prompts, rewards, valid, title))
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
 
 
 def _save(fig, path: str | Path) -> Path:

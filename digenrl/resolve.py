@@ -7,7 +7,9 @@ patch grid and rotary or positional tables take) and what its tokenizers make of
 prompt; the built-in prompt set and the prompt files; the reward names (registered, or
 under ``reward.remote`` / ``reward.models``); the held-out prompts an evaluation needs;
 the LoRA target modules of the transformer; settings that ask images of a video model
-or videos of an image model.
+or videos of an image model; the libraries of the experiment trackers and their folder
+(:func:`check_trackers`; whether a tracker starts is known only once the runner starts
+it, still before any cluster).
 
 :func:`check_world` is what every entry point calls before it starts a cluster:
 ``digenrl run`` (with ``--check`` too) and the runner through the workload's
@@ -24,6 +26,7 @@ from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
                              load_prompt_file)
 from digenrl.tasks.rewards import REWARDS
+from digenrl.tracking import check_trackers
 
 __all__ = ["check_world", "check_rewards"]
 
@@ -47,6 +50,7 @@ def check_world(config: RunConfig) -> None:
         if path is not None:
             load_prompt_file(path, f"data.{name}")
     check_rewards(config.reward)
+    check_trackers(config.tracking)
     if config.eval.on:
         _require(has_held_out_prompts(data), "eval.every",
                  "0 when there are no held-out prompts (set data.eval_prompt_file: the "

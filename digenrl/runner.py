@@ -30,10 +30,11 @@ from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
-from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore
+from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore, frame_strip
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
+from digenrl.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD, RESTORE,
                                 REWARD, STATS)
 
@@ -61,6 +62,9 @@ class FlowGRPOWorkload:
         r = config.rollout
         self.chunking = (ChunkingSpec(config.data.samples_per_prompt, r.chunk_size,
                                       r.max_chunk_size) if r.chunking == "adaptive" else None)
+        #: The experiment trackers' runs, by tracker (:attr:`Tracker.runs`), stored with
+        #: the run so that a resumed run continues them.
+        self.tracking_runs: dict[str, dict] = {}
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
         d = self.config.data
@@ -84,8 +88,11 @@ class FlowGRPOWorkload:
         return self.ctx.binding(node)
 
     def attrs(self) -> dict[str, Any]:
-        return {"config": config_to_dict(self.config), "derived": self.config.derived(),
-                "workload": "flow-grpo", "prompt_files": self._prompt_files()}
+        attrs = {"config": config_to_dict(self.config), "derived": self.config.derived(),
+                 "workload": "flow-grpo", "prompt_files": self._prompt_files()}
+        if self.tracking_runs:
+            attrs[TRACKING_ATTRIBUTE] = self.tracking_runs
+        return attrs
 
     def _prompt_files(self) -> dict[str, str]:
         """The SHA-256 of each prompt file the config names, by its field."""
@@ -96,8 +103,8 @@ class FlowGRPOWorkload:
                 if path is not None}
 
     def check_resume(self, attrs: dict[str, Any]) -> None:
-        """A resumed run must do the same work: only iterations, cluster and store
-        settings may differ from the stored config."""
+        """A resumed run must do the same work: only iterations, cluster, store and
+        tracking settings may differ from the stored config."""
         stored = dict(attrs.get("config") or {})
         try:  # fields added since the run was stored compare as their defaults
             stored = config_to_dict(config_from_dict(stored))
@@ -105,12 +112,12 @@ class FlowGRPOWorkload:
             pass
         now = config_to_dict(self.config)
         differ = sorted(k for k in set(stored) | set(now)
-                        if k not in ("iterations", "cluster", "store")
+                        if k not in ("iterations", "cluster", "store", "tracking")
                         and stored.get(k) != now.get(k))
         if differ:
             raise ConfigError(f"resume: the config differs from the stored run's in "
                               f"{differ}; resume with the stored config (only iterations, "
-                              f"cluster and store settings may change)")
+                              f"cluster, store and tracking settings may change)")
         stored_files = attrs.get("prompt_files") or {}
         for name, digest in self._prompt_files().items():
             if stored_files.get(name, digest) != digest:
@@ -335,21 +342,6 @@ class IterationResults:
         }
 
 
-#: The frames of an evaluated video the store keeps, side by side.
-STRIP_FRAMES = 4
-
-
-def frame_strip(images: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
-    """Images as they are; videos ``(n, F, H, W, 3)`` as a strip of ``frames`` evenly
-    spaced frames side by side, ``(n, H, frames x W, 3)`` (first and last included):
-    what an evaluation keeps of a video."""
-    if images.ndim == 4:
-        return images
-    picks = np.unique(np.linspace(0, images.shape[1] - 1, min(frames, images.shape[1]))
-                      .round().astype(int))
-    return np.concatenate([images[:, f] for f in picks], axis=2)
-
-
 class Runner:
     """Runs one configuration to completion, writing ``out`` (starting the cluster the
     config describes unless one is given)."""
@@ -366,15 +358,21 @@ class Runner:
         self.workload = FlowGRPOWorkload(config)
 
     def run(self) -> RunResult:
-        # A store that cannot be written or resumed fails here, before any cluster work.
-        check_store(self.workload, self.out, overwrite=self.overwrite, resume=self.resume)
-        handle = self.cluster or start_cluster(self.config.cluster,
-                                               pools=self.workload.options.pools)
-        try:
-            result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
-                            resume=self.resume, on_iteration=self.on_iteration).run()
-        finally:
-            if self.cluster is None:
-                handle.close()
+        # A store that cannot be written or resumed, or a tracker that cannot start,
+        # fails here, before any cluster work.
+        start = check_store(self.workload, self.out, overwrite=self.overwrite,
+                            resume=self.resume)
+        with Tracker.start(self.config, self.out, iteration=start,
+                           resume=self.resume) as tracker:
+            self.workload.tracking_runs = tracker.runs
+            handle = self.cluster or start_cluster(self.config.cluster,
+                                                   pools=self.workload.options.pools)
+            try:
+                result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
+                                resume=self.resume, on_iteration=self.on_iteration,
+                                tracker=tracker).run()
+            finally:
+                if self.cluster is None:
+                    handle.close()
         result.final_weights = result.final
         return result

@@ -25,7 +25,8 @@ import xarray as xr
 import zarr
 
 __all__ = ["RunStore", "open_run", "read_attrs", "committed_iterations", "GROUPS",
-           "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError"]
+           "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError", "frame_strip",
+           "STRIP_FRAMES"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
@@ -55,6 +56,21 @@ _EXTRA_DIMS = {
     ("steps", "latent"): ("channel", "latent_y", "latent_x"),
     (EVAL_GROUP, "image"): ("y", "x", "rgb"),
 }
+
+
+#: The frames of an evaluated video the store keeps, side by side.
+STRIP_FRAMES = 4
+
+
+def frame_strip(images: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
+    """Images as they are; videos ``(n, F, H, W, 3)`` as a strip of ``frames`` evenly
+    spaced frames side by side, ``(n, H, frames x W, 3)`` (first and last included):
+    what an evaluation keeps of a video."""
+    if images.ndim == 4:
+        return images
+    picks = np.unique(np.linspace(0, images.shape[1] - 1, min(frames, images.shape[1]))
+                      .round().astype(int))
+    return np.concatenate([images[:, f] for f in picks], axis=2)
 
 
 class StoreError(ValueError):

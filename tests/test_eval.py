@@ -134,7 +134,7 @@ def test_a_resumed_run_stores_each_evaluation_once(cluster_1x1, evaluated, eval_
 
 
 def test_a_video_is_kept_as_a_strip_of_frames():
-    from digenrl.runner import frame_strip
+    from digenrl.store import frame_strip
 
     videos = np.arange(2 * 9 * 4 * 5 * 3, dtype=np.uint8).reshape(2, 9, 4, 5, 3)
     strip = frame_strip(videos)
