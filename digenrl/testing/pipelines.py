@@ -180,8 +180,8 @@ def _vae(seed: int, **kw):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    config = dict(block_out_channels=(8, 8, 8), latent_channels=4, norm_num_groups=8,
-                  sample_size=SIZE, **kw)
+    config = {"block_out_channels": (8, 8, 8), "latent_channels": 4, "norm_num_groups": 8,
+              "sample_size": SIZE, **kw}
     return AutoencoderKL(in_channels=3, out_channels=3,
                          down_block_types=("DownEncoderBlock2D",) * 3,
                          up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1,
