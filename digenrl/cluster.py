@@ -35,8 +35,21 @@ logger = logging.getLogger(__name__)
 #: often its worker dies: Dask closes a nanny for good when its worker has not joined
 #: again ``lost-worker-timeout`` (15 s) after a loss, which a worker killed again while
 #: it restarts has not, and its pool would then lose the worker for the rest of the run.
+#: Dask's statistical profiler is off: every 10 ms it samples each task thread's stack on
+#: the worker's event loop, the thread that also moves the worker's data and messages
+#: (0.3 CPU-seconds of each 2-second iteration per worker of the default work); the
+#: dashboard's Profile page stays empty. The event loops' own housekeeping runs less
+#: often than Dask's defaults: each nanny and worker reads its process's memory every
+#: second (not 0.1 s), every server its system counters every 2 s (not 0.5 s) and the
+#: loop's latency every 0.1 s (not 0.02 s). Each is a few CPU-milliseconds a second per
+#: process that a step's compute pays for on a host with few cores
+#: (docs/performance.md, "Where the CPU goes").
 DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None,
-               "distributed.deploy.lost-worker-timeout": "1000 days"}
+               "distributed.deploy.lost-worker-timeout": "1000 days",
+               "distributed.worker.profile.enabled": False,
+               "distributed.worker.memory.monitor-interval": "1s",
+               "distributed.admin.system-monitor.interval": "2s",
+               "distributed.admin.tick.interval": "100ms"}
 
 #: Errors the driver reports itself, in one line naming what failed.
 REPORTED_BY_DRIVER = ("RewardError(",)

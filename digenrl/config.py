@@ -820,11 +820,14 @@ class StoreConfig:
     """Store every sample's latents at every step in steps.latent."""
     save_videos: bool = False
     """Video models: store every whole video in samples.video (samples.image holds each video's middle frame either way)."""
+    commit_interval: float = 10.0
+    """Seconds between two commits of complete iterations to the store: the iterations completed meanwhile are committed together, each array written once for them (a commit costs about the same for one iteration as for several). 0 commits every iteration as soon as it is complete. Readers see complete iterations only either way; a driver that dies loses the iterations not committed yet, which --resume computes again, bit for bit."""
 
     def validate(self, p: str) -> None:
         for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
+        _finite(self.commit_interval, f"{p}.commit_interval", 0.0)
 
 
 # ---------------------------------------------------------------------------- eval

@@ -37,7 +37,7 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
                                          measure_chunks)
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
-from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError,
+from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError, StoreWriter,
                            committed_iterations, read_attrs)
 from digenrl.vocabulary import ADVANTAGE, DECODE, DENOISE, INIT, REWARD, STATS, TRAINER
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
@@ -174,13 +174,15 @@ class Driver:
     def __init__(self, workload: Workload, out: str, cluster: ClusterHandle, *,
                  overwrite: bool = False, resume: bool = False,
                  on_iteration: Callable[[IterationSummary], None] | None = None,
-                 tracker: Any = None):
+                 commit_interval: float = 0.0, tracker: Any = None):
         self.w = workload
         self.out = out
         self.handle = cluster
         self.overwrite = overwrite
         self.resume = resume
         self.on_iteration = on_iteration
+        #: Seconds between two commits to the store (:class:`StoreWriter`).
+        self.commit_interval = commit_interval
         #: The experiment trackers (a :class:`digenrl.tracking.Tracker`, or None), handed
         #: each iteration's rows once they are committed.
         self.tracker = tracker
@@ -318,6 +320,24 @@ class Driver:
             logger.debug("could not end run %s on the scheduler: %r", self.run_id, e)
 
     def _run(self, store: RunStore, start: int) -> RunResult:
+        writer = StoreWriter(store, self.commit_interval)
+        try:
+            result = self._iterate(writer, start)
+        except BaseException:
+            # What is complete reaches the store, however the run ends.
+            try:
+                writer.close()
+            except StoreError:
+                logger.exception("could not commit the run's last complete iterations")
+            raise
+        writer.close()
+        result.final = self.w.finish(self.handle.client, store, result.final)
+        store.update_attrs(finished=self.w.iterations)
+        return result
+
+    def _iterate(self, writer: StoreWriter, start: int) -> RunResult:
+        """Run iterations ``start ..`` to the end, handing each to ``writer`` once it is
+        complete; ``result.final`` is then the last version's published weights."""
         w, client = self.w, self.handle.client
         pipeline = Pipeline(w, client, self._submit, self.plan)
         pipeline.begin(start)
@@ -326,7 +346,7 @@ class Driver:
         pipeline.submit_ready(start)
         for i in range(start, w.iterations):
             pipeline.wait_for(i, self._stalled)
-            summary = self._commit(store, pipeline, window, i)
+            summary = self._commit(writer, pipeline, window, i)
             result.iterations.append(summary)
             if self.on_iteration is not None:
                 self.on_iteration(summary)
@@ -336,8 +356,7 @@ class Driver:
             for version, mean, count in summary.evaluations:
                 logger.info("evaluation of policy version %d  reward %.4f  (%d held-out "
                             "prompts)", version, mean, count)
-        result.final = w.finish(client, store, pipeline.published[w.iterations])
-        store.update_attrs(finished=w.iterations)
+        result.final = pipeline.published[w.iterations]
         return result
 
     def _stalled(self) -> str | None:
@@ -346,11 +365,12 @@ class Driver:
         client = self.handle.client
         return client.sync(client.scheduler.digenrl_stalled, run=self.run_id)
 
-    def _commit(self, store: RunStore, pipeline: Pipeline, window: _Window,
+    def _commit(self, writer: StoreWriter, pipeline: Pipeline, window: _Window,
                 i: int) -> IterationSummary:
         """Iteration ``i`` is complete: gather what the workload stores, read the task
-        records, append the iteration to the store and commit it, then drop the
-        checkpoints and weights no later piece reads (:meth:`GraphLayout.retains`)."""
+        records, hand the iteration to the store's writer (which commits it, then drops
+        the checkpoints a run resumed after it no longer needs), and let go of the
+        weights no later piece reads (:meth:`GraphLayout.retains`)."""
         w, client = self.w, self.handle.client
         futs = pipeline.take(i)
         wanted = {k: f for k, f in futs.items() if kind_of(k) in w.collected}
@@ -374,13 +394,8 @@ class Driver:
         })
         groups["metrics"] = {k: np.asarray(v, np.float64) for k, v in metrics.items()}
         groups["tasks"] = task_columns(records)
-        store.append_iteration(groups)
-        # Keep what the run, now at i + 1, may read, recompute or resume from.
-        drop_checkpoints(self.out, lambda v: not w.layout.retains(v, i + 1))
-        store.commit()
+        writer.submit(groups, after=lambda: self._committed(i, groups))
         pipeline.release(i)
-        if self.tracker is not None:  # after the commit, which no tracker holds up
-            self.tracker.log_iteration(i, groups)
         client.sync(client.scheduler.digenrl_metrics, run=self.run_id, iteration=i,
                     metrics={k: float(v) for k, v in metrics.items()})
         window.opened = t1
@@ -388,6 +403,14 @@ class Driver:
                                 metrics.get("reward_std", float("nan")),
                                 metrics.get("loss", float("nan")), metrics["images_per_s"],
                                 metrics, evaluations)
+
+    def _committed(self, i: int, groups: dict) -> None:
+        """Iteration ``i`` is in the store (the store's writer calls this): keep what a
+        run resumed at ``i + 1`` may read or recompute from, and hand the iteration to
+        the experiment trackers (which no commit waits for)."""
+        drop_checkpoints(self.out, lambda v: not self.w.layout.retains(v, i + 1))
+        if self.tracker is not None:
+            self.tracker.log_iteration(i, groups)
 
     def _weight_receipts(self) -> dict[str, float]:
         """The seconds workers spent receiving policy weights since the last iteration

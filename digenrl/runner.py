@@ -370,6 +370,7 @@ class Runner:
             try:
                 result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
                                 resume=self.resume, on_iteration=self.on_iteration,
+                                commit_interval=self.config.store.commit_interval,
                                 tracker=tracker).run()
             finally:
                 if self.cluster is None:

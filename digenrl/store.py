@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import xarray as xr
 import zarr
 
-__all__ = ["RunStore", "open_run", "read_attrs", "committed_iterations", "GROUPS",
-           "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError", "frame_strip",
-           "STRIP_FRAMES"]
+__all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
+           "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError",
+           "frame_strip", "STRIP_FRAMES"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
@@ -89,6 +91,10 @@ class RunStore:
     def __init__(self, path: str | Path, root: zarr.Group):
         self.path = str(path)
         self.root = root
+        #: Every array of the groups, by (group, name), read once: this writer is the
+        #: store's only one, so an array's metadata stays true (its resizes are its own).
+        self._arrays: dict[tuple[str, str], zarr.Array] = {
+            (g, name): arr for g in GROUPS if g in root for name, arr in root[g].arrays()}
 
     # ------------------------------------------------------------------ create/open
 
@@ -125,7 +131,6 @@ class RunStore:
             for name, arr in grp.arrays():
                 shapes[(g, name)] = arr.shape
         root = zarr.open_group(str(p), mode="r+", zarr_format=3, use_consolidated=False)
-        store = cls(p, root)
         for g in GROUPS:
             grp = root.require_group(g)
             for name, arr in list(grp.arrays()):
@@ -134,7 +139,7 @@ class RunStore:
                     del grp[name]
                 elif arr.shape != shape:
                     arr.resize(shape)
-        return store
+        return cls(p, root)
 
     # ------------------------------------------------------------------ metadata
 
@@ -154,11 +159,11 @@ class RunStore:
 
     @property
     def iterations_complete(self) -> int:
-        return _length(self.root["metrics"], "iteration")
+        return self._length("metrics")
 
     @property
     def tasks_complete(self) -> int:
-        return _length(self.root["tasks"], "task")
+        return self._length("tasks")
 
     # ------------------------------------------------------------------ writing
 
@@ -170,66 +175,196 @@ class RunStore:
         arr = grp.create_array(name, shape=values.shape, dtype=values.dtype,
                                dimension_names=dims)
         arr[...] = values
+        self._arrays[group, name] = arr
+
+    def _array(self, group: str, name: str) -> zarr.Array | None:
+        """The array ``group.name`` (None while there is none)."""
+        return self._arrays.get((group, name))
 
     def _append(self, group: str, name: str, values: np.ndarray, rows: int = 0) -> None:
-        """Append ``values`` to ``group.name``; ``rows``: the rows a column new to the
-        group starts with (a ``tasks`` or ``eval`` group's length before this commit,
-        else 0)."""
-        grp = self.root[group]
+        """Append ``values`` to ``group.name``: an iteration's value of an iteration
+        group's variable, or a row group's (``tasks``, ``eval``) rows. ``rows``: the rows
+        a column new to a row group starts with (the group's length before this commit)."""
+        values = np.asarray(values)
+        self._write(group, name, values if group in _ROW_CHUNKS else values[None], rows)
+
+    def _write(self, group: str, name: str, block: np.ndarray, rows: int = 0) -> None:
+        """Append ``block``, whose first dimension is the group's (iterations, tasks or
+        entries), to ``group.name``, making the array when it is new (its first ``rows``
+        rows then hold the fill value)."""
         dims = _DIMS[group]
         extra = _EXTRA_DIMS.get((group, name), ())
-        values = np.asarray(values)
-        if values.dtype.kind in ("U", "O", "T"):
-            values = values.astype(str)
+        if block.dtype.kind in ("U", "O", "T"):
+            block = block.astype(str)
             dtype: Any = str
         else:
-            dtype = values.dtype
-        by_rows = group in _ROW_CHUNKS
-        lead = len(values) if by_rows else 1
-        if not by_rows:
-            values = values[None]
+            dtype = block.dtype
         ndim_expected = len(dims) + len(extra)
-        if values.ndim != ndim_expected:
+        if block.ndim != ndim_expected:
             raise StoreError(f"{group}.{name}: expected {ndim_expected} dimensions "
-                             f"{dims + extra}, got shape {values.shape}")
-        if name not in grp:
-            chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in values.shape[1:])
-            fill = np.nan if values.dtype.kind == "f" else None
+                             f"{dims + extra}, got shape {block.shape}")
+        arr = self._array(group, name)
+        if arr is None:
+            chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in block.shape[1:])
             # A column new to this version, appended to an older run's store (or an
             # evaluation's column first written after some were stored): its earlier
             # rows hold the fill value (NaN), so every column keeps one length.
-            grp.create_array(name, shape=(rows,) + values.shape[1:],
-                             chunks=chunks, dtype=dtype, dimension_names=dims + extra,
-                             fill_value=fill)
-        arr = grp[name]
-        if arr.shape[1:] != values.shape[1:]:
+            arr = self.root[group].create_array(
+                name, shape=(rows,) + block.shape[1:], chunks=chunks, dtype=dtype,
+                dimension_names=dims + extra, fill_value=_fill_value(block))
+            self._arrays[group, name] = arr
+        if arr.shape[1:] != block.shape[1:]:
             raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
-                             f"got {values.shape[1:]}")
-        n = arr.shape[0]
+                             f"got {block.shape[1:]}")
+        n, lead = arr.shape[0], block.shape[0]
         if lead == 0:
             return
         arr.resize((n + lead,) + arr.shape[1:])
-        arr[n:n + lead] = values
+        arr[n:n + lead] = block
 
     def append_iteration(self, groups: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         """Write one iteration's rows of every group, then commit them atomically."""
+        self.append_iterations([groups])
+
+    def append_iterations(self, batch: Sequence[Mapping[str, Mapping[str, np.ndarray]]]
+                          ) -> None:
+        """Write the rows of consecutive iterations (each as :meth:`append_iteration`
+        takes one), then commit them atomically: each array is written once for all of
+        them. A row group's column one iteration lacks holds the fill value in that
+        iteration's rows; an iteration group's variable must be in every iteration."""
         expected = self.iterations_complete
-        for group in ("samples", "steps", "metrics"):
-            for name, arr in self.root[group].arrays():
-                if _first_dim(arr) == "iteration" and arr.shape[0] != expected:
-                    raise StoreError(f"{group}.{name}: has {arr.shape[0]} iterations, "
-                                     f"expected {expected}")
-        for group, variables in groups.items():
+        for (group, name), arr in self._arrays.items():
+            if _first_dim(arr) == "iteration" and arr.shape[0] != expected:
+                raise StoreError(f"{group}.{name}: has {arr.shape[0]} iterations, "
+                                 f"expected {expected}")
+        groups = list(dict.fromkeys(g for groups in batch for g in groups))
+        for group in groups:
             if group not in _DIMS:
                 raise StoreError(f"group: expected one of {list(_DIMS)}, got {group!r}")
-            rows = (_length(self.root[group], _DIMS[group][0]) if group in _ROW_CHUNKS
-                    else 0)
-            for name, values in variables.items():
-                self._append(group, name, values, rows)
+            parts = [{k: np.asarray(v) for k, v in groups.get(group, {}).items()}
+                     for groups in batch]
+            names = list(dict.fromkeys(n for variables in parts for n in variables))
+            if group in _ROW_CHUNKS:
+                before = self._length(group)
+                counts = [_rows(variables) for variables in parts]
+                for name in names:
+                    like = next(v[name] for v in parts if name in v)
+                    block = [v[name] if name in v else _filled(like, n)
+                             for v, n in zip(parts, counts)]
+                    self._write(group, name, np.concatenate(block), before)
+            else:
+                for name in names:
+                    missing = [k for k, v in enumerate(parts) if name not in v]
+                    if missing:
+                        raise StoreError(f"{group}.{name}: expected a value in every "
+                                         f"iteration, missing in {len(missing)} of "
+                                         f"{len(parts)}")
+                    self._write(group, name, np.stack([v[name] for v in parts]))
         self.commit()
+
+    def _length(self, group: str) -> int:
+        """The rows of ``group`` (its first dimension's length) as written so far."""
+        dim = _DIMS[group][0]
+        for (g, _), arr in self._arrays.items():
+            if g == group and _first_dim(arr) == dim:
+                return arr.shape[0]
+        return 0
 
     def commit(self) -> None:
         _quiet_consolidate(self.path)
+
+
+class StoreWriter:
+    """Commits a run's complete iterations to its store from a thread of its own.
+
+    :meth:`submit` hands over one iteration's rows (and what to do once they are
+    committed) and returns at once. The thread appends and commits what it was handed
+    as soon as ``interval`` seconds have passed since its last commit, all iterations
+    handed over meanwhile together (:meth:`RunStore.append_iterations`: each array
+    written once for them), so the cost of a commit, mostly per array, is paid once per
+    interval rather than once per iteration; with ``interval`` 0 every iteration is
+    committed on its own as soon as it is handed over. A reader sees complete
+    iterations only, as always. :meth:`flush` returns once everything handed over is
+    committed; a failure to write is raised by the next :meth:`submit` or
+    :meth:`flush`, and nothing is written after it."""
+
+    def __init__(self, store: RunStore, interval: float):
+        self.store = store
+        self.interval = interval
+        self._pending: list[tuple[Mapping[str, Mapping[str, np.ndarray]],
+                                  Callable[[], None] | None]] = []
+        self._writing = False
+        self._flushing = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._last = float("-inf")     # when the last commit was made
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="digenrl-store-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, groups: Mapping[str, Mapping[str, np.ndarray]],
+               after: Callable[[], None] | None = None) -> None:
+        """Hand over one iteration's rows; ``after()`` runs once they are committed."""
+        with self._cond:
+            self._raise()
+            self._pending.append((groups, after))
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Commit everything handed over now, and wait until it is."""
+        with self._cond:
+            self._flushing = True
+            self._cond.notify_all()
+            while (self._pending or self._writing) and self._error is None:
+                self._cond.wait()
+            self._flushing = False
+            self._raise()
+
+    def close(self) -> None:
+        """:meth:`flush`, then end the thread (also after a failure to write)."""
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise StoreError(f"store: writing {self.store.path!r} failed: "
+                             f"{self._error!r}") from self._error
+
+    def _due(self) -> bool:
+        return bool(self._pending) and (
+            self._flushing or time.monotonic() - self._last >= self.interval)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due() and not self._closed:
+                    wait = (self.interval - (time.monotonic() - self._last)
+                            if self._pending else None)
+                    self._cond.wait(timeout=wait)
+                if not self._pending and self._closed:
+                    return
+                batch, self._pending = self._pending, []
+                self._writing = True
+            try:
+                self.store.append_iterations([groups for groups, _ in batch])
+                for _, after in batch:
+                    if after is not None:
+                        after()
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                with self._cond:
+                    self._error = e
+            with self._cond:
+                self._last = time.monotonic()
+                self._writing = False
+                self._cond.notify_all()
+                if self._error is not None:
+                    return
 
 
 def _write_run_attrs(path: Path, attrs: dict[str, Any]) -> None:
@@ -243,6 +378,27 @@ def _write_run_attrs(path: Path, attrs: dict[str, Any]) -> None:
     tmp = meta.with_name(f".zarr.json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, meta)
+
+
+def _fill_value(values: np.ndarray) -> Any:
+    """What a new column's rows before its first value hold: NaN for floats, the
+    dtype's zero otherwise."""
+    return np.nan if values.dtype.kind == "f" else None
+
+
+def _filled(like: np.ndarray, rows: int) -> np.ndarray:
+    """``rows`` rows of ``like``'s shape holding :func:`_fill_value` (zero for others)."""
+    fill = _fill_value(like)
+    return np.full((rows,) + like.shape[1:], 0 if fill is None else fill, dtype=like.dtype)
+
+
+def _rows(variables: Mapping[str, np.ndarray]) -> int:
+    """How many rows a row group's variables hold (they hold as many each)."""
+    lengths = {len(v) for v in variables.values()}
+    if len(lengths) > 1:
+        raise StoreError(f"rows: expected every column to hold as many rows, got "
+                         f"{sorted(lengths)}")
+    return lengths.pop() if lengths else 0
 
 
 def _first_dim(arr: zarr.Array) -> str | None:

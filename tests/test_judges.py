@@ -130,7 +130,7 @@ def test_a_yes_no_judge_scores_p_yes_over_the_first_tokens_logprobs(judge):
     judge.requests.clear()
     spec = _judge_reward(judge, model="yes-no", concurrency=3,
                          question="Is this {prompt} in the {style} style? Answer yes or no.")
-    assert spec.device == "cpu" and spec.takes_metadata
+    assert spec.device == "wait" and spec.takes_metadata
     metadata = [{"style": f"style-{i}"} for i in range(6)]
     scores = spec(IMAGES, PROMPTS, metadata)
     np.testing.assert_allclose(scores, BRIGHTNESS, rtol=1e-12)

@@ -467,7 +467,7 @@ def test_a_remote_reward_takes_no_gpu_slot():
     ctx = GraphContext.from_config(cfg)
     assert ctx.layout.reward_gpu is False
     (spec, weight), = ctx.rewards
-    assert (spec.name, spec.device, spec.takes_metadata, weight) == ("served", "cpu", True, 1.0)
+    assert (spec.name, spec.device, spec.takes_metadata, weight) == ("served", "wait", True, 1.0)
     assert TOKEN not in repr(spec)
 
 

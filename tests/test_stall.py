@@ -11,15 +11,26 @@ from digenrl.store import committed_iterations, open_run
 
 from conftest import assert_complete
 from test_driver_loss import resume
-from test_signals import start_run, wait_for_commits
+from test_signals import start_run
 
 #: Short, so the test is quick; long enough for a tiny model's slowest step on a
 #: loaded machine.
 STALL = 6.0
-#: Two more than the driver keeps in the scheduler at once (the oldest uncommitted
-#: iteration and two more, with one-step staleness), so that work is left when the
-#: workers pause however far the pipeline has run ahead of the first commit.
+#: Two more than the driver keeps in the scheduler at once (the oldest iteration it has
+#: not collected and two more, with one-step staleness), so that work is left when the
+#: workers pause once it has collected the first, however far the pipeline ran ahead.
 ITERATIONS = 5
+
+
+def wait_for_iteration(proc, i: int) -> list[str]:
+    """Read the run's log until the driver has collected iteration ``i`` (its line);
+    returns the lines read."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if f" iteration {i}/" in line:
+            return lines
+    raise AssertionError("the run ended first: " + "".join(lines))
 
 
 def _pause(dask_worker, paused: bool) -> None:
@@ -42,9 +53,10 @@ def test_a_run_whose_workers_are_all_paused_stops_and_says_what_it_waits_for(
     proc, out, address = start_run(tmp_path, cluster_1x1, {"schedule": {"stall_timeout": STALL}},
                                    iterations=ITERATIONS)
     try:
-        wait_for_commits(proc, out, 1)
+        head = wait_for_iteration(proc, 1)
         client.run(_pause, paused=True)
         _, err = proc.communicate(timeout=120)
+        err = "".join(head) + err
     finally:
         client.run(_pause, paused=False)
         if proc.poll() is None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from digenrl.config import ModelConfig, SamplerConfig
+from digenrl.metering import model_time
 from digenrl.models.base import Conditioning, ModelFamily, to_uint8
 from digenrl.models.parts import TORCH_DTYPES
 from digenrl.models.registry import FAMILIES, family
@@ -59,15 +60,18 @@ def predict_velocity(cfg: ModelConfig, transformer: torch.nn.Module, x: torch.Te
     """v(x, sigma | prompt), with the family's guidance, in float32: the transformer runs
     in ``model.dtype`` (its input and the conditioning are cast to it)."""
     dtype = TORCH_DTYPES[cfg.dtype]
-    if dtype == torch.float32:
-        return family(cfg).predict_velocity(transformer, x, sigma, cond, guidance_scale)
-    v = family(cfg).predict_velocity(transformer, x.to(dtype), sigma, cond.to_dtype(dtype),
-                                     guidance_scale)
-    return v.float()
+    with model_time():
+        if dtype == torch.float32:
+            return family(cfg).predict_velocity(transformer, x, sigma, cond, guidance_scale)
+        v = family(cfg).predict_velocity(transformer, x.to(dtype), sigma,
+                                         cond.to_dtype(dtype), guidance_scale)
+        return v.float()
 
 
 @torch.no_grad()
 def decode_latents(cfg: ModelConfig, vae: torch.nn.Module, latents: torch.Tensor) -> np.ndarray:
     """Latents to uint8 pixels: images ``(n, height, width, 3)``, or videos
     ``(n, frames, height, width, 3)`` for a video family (numpy)."""
-    return to_uint8(family(cfg).decode(vae, latents))
+    with model_time():
+        pixels = family(cfg).decode(vae, latents)
+    return to_uint8(pixels)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from distributed import get_worker, secede
 
-from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards
+from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards, rewards_wait
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
 __all__ = ["score", "group_advantages", "advantage"]
@@ -21,12 +22,25 @@ def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration:
 
     ``rewards`` are :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs: the task
     carries the reward functions themselves. ``metadata`` is each sample's prompt
-    metadata as JSON text (none when empty)."""
+    metadata as JSON text (none when empty). When a reward waits for something outside
+    the worker (``device="wait"``: a reward server, a judge), the task first leaves the
+    worker's thread pool, so that its wait holds no thread other tasks need."""
+    if rewards_wait(rewards):
+        _leave_thread_pool()
     total, per, valid, problems = evaluate_rewards(
         decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration,
         decode_metadata(metadata, len(decoded.images)))
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
+
+
+def _leave_thread_pool() -> None:
+    """Secede from the Dask worker's thread pool (nothing outside a worker)."""
+    try:
+        get_worker()
+    except ValueError:
+        return
+    secede()
 
 
 def group_advantages(rewards: np.ndarray, valid: np.ndarray, clip: float,

@@ -21,6 +21,7 @@ from distributed import WorkerPlugin
 
 from digenrl.config import ModelConfig
 from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
+from digenrl.metering import model_time
 from digenrl.models import Conditioning, build_vae, family
 from digenrl.process import freeze_collector, tune_malloc
 from digenrl.tasks.types import PolicyWeights
@@ -109,7 +110,7 @@ class ResidentModels:
 
     def conditioning(self, prompts, guidance_scale: float) -> Conditioning:
         """The prompts' conditioning on the CPU (and the negative prompt's with guidance)."""
-        with self._lock:
+        with self._lock, model_time():
             return self.encoder.encode(tuple(prompts), guidance_scale > 1.0)
 
     def resident_versions(self) -> list[int]:

@@ -65,9 +65,9 @@ def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
     if config.protocol == "openai":
         from digenrl.tasks.judges import openai_judge
 
-        return RewardSpec(name, openai_judge(name, config, token), "cpu",
+        return RewardSpec(name, openai_judge(name, config, token), "wait",
                           f"judged by {config.model} at {config.url}", takes_metadata=True)
     fn = RemoteReward(name, config.url, config.protocol, config.timeout, config.retries,
                       config.backoff, config.batch_size, token)
-    return RewardSpec(name, fn, "cpu", f"scored by the reward server at {config.url}",
+    return RewardSpec(name, fn, "wait", f"scored by the reward server at {config.url}",
                       takes_metadata=True)

@@ -4,13 +4,17 @@ A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their pro
 one float per image: ``fn(images, prompts)``. A function with a third parameter named
 ``metadata`` also receives each sample's prompt metadata (a dict per sample: the other
 keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in ones need no
-model weights. ``device="gpu"`` marks a reward that runs a torch module and so needs a GPU
-slot on the worker that runs it. A reward named under ``reward.remote`` is scored by a
+model weights. A reward's ``device`` says what its task needs on the worker that runs it:
+``"cpu"`` (the default) a thread of the worker's, ``"gpu"`` a GPU slot (it runs a torch
+module), and ``"wait"`` neither: it waits for something outside the worker (a reward
+server, a judge), so its task leaves the worker's thread pool for as long as it waits
+(Dask's ``secede``) and the waiting rewards of an iteration all wait at once, beside the
+GPU work and the other tasks of the worker. A reward named under ``reward.remote`` is scored by a
 reward server (:mod:`digenrl.tasks.remote`), one named under ``reward.models`` by a model
 resident on the worker (:mod:`digenrl.tasks.reward_models`);
 :func:`~digenrl.tasks.reward_sources.resolve_rewards` makes their specs, and from there
-on they are rewards like the others (a remote reward is a ``cpu`` one: it holds no GPU
-slot while it waits; a model reward is a ``gpu`` one).
+on they are rewards like the others (a remote reward is a ``wait`` one, a model reward a
+``gpu`` one).
 
 A reward declares what it scores: ``scores="image"`` (the default) or ``"video"``
 (batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
@@ -30,9 +34,13 @@ import numpy as np
 from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
-           "evaluate_rewards", "rewards_need_gpu", "decode_metadata"]
+           "evaluate_rewards", "rewards_need_gpu", "rewards_wait", "decode_metadata",
+           "DEVICES"]
 
 RewardFn = Callable[..., np.ndarray]
+
+#: What a reward's task needs on its worker (the module's docstring says what each means).
+DEVICES = ("cpu", "gpu", "wait")
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,8 @@ def register_reward(name: str, *, device: str = "cpu", description: str = "",
                     scores: str = "image", on_video: str = "mean"):
     """Decorator registering ``fn(images, prompts) -> rewards`` under ``name``
     (``fn(videos, prompts)`` with ``scores="video"``)."""
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device: expected 'cpu' or 'gpu', got {device!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {list(DEVICES)}, got {device!r}")
     if scores not in ("image", "video"):
         raise ValueError(f"scores: expected 'image' or 'video', got {scores!r}")
     if on_video not in ("mean", "first", "middle", "last"):
@@ -125,6 +133,11 @@ def rewards_need_gpu(rewards: Sequence[tuple[RewardSpec, float]]) -> bool:
     """Whether the reward task of these
     :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs needs a GPU slot."""
     return any(spec.device == "gpu" for spec, _ in rewards)
+
+
+def rewards_wait(rewards: Sequence[tuple["RewardSpec", float]]) -> bool:
+    """Whether any of ``rewards`` waits for something outside the worker."""
+    return any(spec.device == "wait" for spec, _ in rewards)
 
 
 def _jpeg_kilobytes(images: np.ndarray) -> np.ndarray:

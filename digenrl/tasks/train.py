@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
+from digenrl.metering import model_time
 from digenrl.lora import Trainable, build_policy, trainable_parameters
 from digenrl.models import predict_velocity
 from digenrl.tasks.resident import resident
@@ -184,8 +185,9 @@ def _gradients(total: torch.Tensor, params: dict[str, torch.Tensor],
     """
     scale = FLOAT16_LOSS_SCALE if dtype == "float16" else 1.0
     while True:
-        raw = torch.autograd.grad(total * scale, list(params.values()), allow_unused=True,
-                                  retain_graph=scale > 1.0)
+        with model_time():
+            raw = torch.autograd.grad(total * scale, list(params.values()),
+                                      allow_unused=True, retain_graph=scale > 1.0)
         grads = {n: (g if g is not None else torch.zeros_like(p)).detach().float().cpu()
                  for (n, p), g in zip(params.items(), raw)}
         if scale == 1.0 or all(torch.isfinite(g).all() for g in grads.values()):

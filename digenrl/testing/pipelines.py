@@ -175,14 +175,17 @@ def t5_encoder(tokenizer, d_model: int, seed: int, umt5: bool = False):
 
 
 def _vae(seed: int, **kw):
+    """A 3-block AutoencoderKL (8x8x4 latents of 32-pixel images unless ``kw`` says
+    otherwise)."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
+    config = {"block_out_channels": (8, 8, 8), "latent_channels": 4, "norm_num_groups": 8,
+              "sample_size": SIZE, **kw}
     return AutoencoderKL(in_channels=3, out_channels=3,
                          down_block_types=("DownEncoderBlock2D",) * 3,
-                         up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 8, 8),
-                         layers_per_block=1, latent_channels=4, norm_num_groups=8,
-                         sample_size=SIZE, **kw).eval()
+                         up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1,
+                         **config).eval()
 
 
 def save_sd3(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
@@ -203,6 +206,34 @@ def save_sd3(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
         text_encoder=clip_encoder(tok, 8, text_seed), tokenizer=tok,
         text_encoder_2=clip_encoder(tok, 8, text_seed + 1), tokenizer_2=clip_tokenizer(),
         text_encoder_3=t5_encoder(t5_tokenizer(), 32, text_seed + 2),
+        tokenizer_3=t5_tokenizer())
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def save_sd3_default_compute(folder: Path, seed: int = 0, text_seed: int = 100) -> Path:
+    """StableDiffusion3Pipeline with the compute of the built-in default model: its
+    transformer (8 layers x 4 heads x 32, 4.66M parameters) on 16-channel latents of
+    64-pixel images (64 image tokens), CLIP-L/G-like encoders (width 16) with 77
+    positions and a T5-like encoder (width 64), so a prompt is 77 + 128 text tokens as
+    flow_grpo encodes it: the folder of ``workflows/peer_flow_grpo.py``."""
+    from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, out_channels=16, num_layers=8,
+        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64,
+        caption_projection_dim=128, pooled_projection_dim=32, pos_embed_max_size=16)
+    tok = clip_tokenizer(77)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(seed + 1, latent_channels=16, block_out_channels=(32, 64, 64),
+                 norm_num_groups=32, sample_size=64, scaling_factor=1.5305,
+                 shift_factor=0.0609),
+        text_encoder=clip_encoder(tok, 16, text_seed), tokenizer=tok,
+        text_encoder_2=clip_encoder(tok, 16, text_seed + 1), tokenizer_2=clip_tokenizer(77),
+        text_encoder_3=t5_encoder(t5_tokenizer(), 64, text_seed + 2),
         tokenizer_3=t5_tokenizer())
     pipe.save_pretrained(folder)
     return folder
