@@ -1,6 +1,6 @@
 """Where each worker idles while the policy version changes, from a run's task records.
 
-    python workflows/version_waits.py runs/bench7/digenrl.zarr
+    python workflows/version_waits.py runs/modes/digenrl.zarr
 
 With one-step bounded staleness every version change is a point both pools meet at:
 the next iteration's micro-steps and the generation after them both read the version
