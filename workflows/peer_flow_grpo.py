@@ -121,13 +121,13 @@ import os
 if os.environ.get("PEER_STEPS"):
     import time
 
-    import torch.optim.optimizer
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     def _note_step(optimizer, args, kwargs):
         with open(os.environ["PEER_STEPS"] + "." + os.environ.get("RANK", "0"), "a") as f:
             f.write(repr(time.time()) + "\\n")
 
-    torch.optim.optimizer.register_optimizer_step_post_hook(_note_step)
+    register_optimizer_step_post_hook(_note_step)
 
     _delay = float(os.environ.get("PEER_REWARD_DELAY", "0"))
     if _delay > 0:
@@ -213,7 +213,7 @@ def run_flow_grpo(flow_grpo: Path, python: str, processes: int, folder: Path,
            "PYTHONPATH": os.pathsep.join([str(hook), str(flow_grpo)])}
     script = ["scripts/train_sd3.py", f"--config={config}:get"]
     cmd = ([python, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-            "--master_port=0", *script] if processes > 1 else [python, *script])
+            "--standalone", *script] if processes > 1 else [python, *script])
     with open(out / "flow_grpo.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=flow_grpo, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
