@@ -2,7 +2,8 @@
 
 ``checkpoints/v{N}`` holds the trainer state that policy version N was published with:
 one uncompressed (bit-exact) array of shape (part, element) whose rows are the flattened
-tensors of ``params``, ``exp_avg`` and ``exp_avg_sq``, chunked in runs of at most
+tensors of ``params``, ``exp_avg`` and ``exp_avg_sq`` (and ``sampling``, the sampling copy
+of an algorithm that keeps one), chunked in runs of at most
 ``_CHECKPOINT_CHUNK`` elements. Its attributes give the layout (tensor names, shapes), the
 ``version``, the optimizer ``step`` and ``complete`` (set last). One array per version
 keeps writes and the store's metadata commit cheap however many tensors the model has.

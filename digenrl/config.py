@@ -6,8 +6,8 @@ fields. What a config names elsewhere (a model folder's family, prompt sets and 
 registered rewards, LoRA target modules, the tokenizers' view of the prompts) is
 checked by :func:`digenrl.resolve.check_world`, which every entry point calls before it
 starts any cluster. Nothing here imports torch, Dask or another digenrl module but the
-schedule's switches, so the scheduler plugin and the simulator can read a configuration
-too.
+schedule's switches and the algorithms' shapes (plain data, :mod:`digenrl.algorithms`),
+so the scheduler plugin and the simulator can read a configuration too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from digenrl.algorithms import (ALGORITHMS, DEFAULT_ALGORITHM, KL_SPACES, LATENT, VELOCITY,
+                                Algorithm)
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, Switch, switches
 
@@ -31,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ModelConfig",
     "SamplerConfig",
+    "AlgorithmConfig",
     "DataConfig",
     "RolloutConfig",
     "RewardConfig",
@@ -286,6 +289,111 @@ class SamplerConfig:
     @property
     def trained_steps(self) -> int:
         return int(self.num_steps * self.timestep_fraction)
+
+
+# ----------------------------------------------------------------------- algorithm
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Which algorithm trains the policy (docs/algorithm.md): flow_grpo, the coupled family (SDE sampling; the trained steps' log-probabilities in a clipped policy ratio), or diffusion_nft, awm and dpo, the decoupled one (any ODE sampler without log-probabilities; the clean samples noised afresh and a velocity regressed). The fields of sampler, train and data keep their meaning under every algorithm; each field here says which algorithms read it."""
+
+    name: str = DEFAULT_ALGORITHM
+    """flow_grpo (coupled), diffusion_nft, awm or dpo (decoupled)."""
+    dynamics: str | None = None
+    """The sampler's dynamics: flow (Flow-GRPO's SDE, noise scale sampler.noise_level x sqrt(sigma / (1 - sigma))), dance (DanceGRPO's constant noise scale sampler.noise_level), cps (coefficients-preserving sampling: std sigma_next x sin(noise_level x pi / 2)); ode for the decoupled algorithms. null: the algorithm's own (flow for flow_grpo, ode for the others)."""
+    sde_steps: tuple[int, ...] = ()
+    """flow_grpo: an SDE window's candidate steps (0-based, never the last): each iteration samples num_sde_steps of them, drawn from (seed, iteration), with the SDE and every other step with the ODE, and trains exactly those (Flow-GRPO-Fast, MixGRPO; sampler.timestep_fraction is then not read). Empty: every step is an SDE step and the first int(num_steps x timestep_fraction) are trained."""
+    num_sde_steps: int | None = None
+    """flow_grpo with sde_steps: how many of them each iteration samples with the SDE (and trains); null: all of them."""
+    guard: bool = False
+    """flow_grpo: GRPO-Guard's regulated clipping: each step's log-ratio shifted by its mean and scaled by the step's std before the clip, each step's loss weighted by 1 / |dt|."""
+    kl_space: str | None = None
+    """Where the KL term of train.kl_beta is measured against the reference (version 0; with LoRA the base model, adapters off): latent (the SDE step's means, flow_grpo only) or velocity (the predicted velocities). null: latent for flow_grpo, velocity for the others."""
+    train_timesteps: int | None = None
+    """diffusion_nft, awm, dpo: the micro-steps of a chunk, each training every sample (or pair) at a noise level and noise drawn for it; null: sampler.timestep_fraction's trained steps, int(num_steps x timestep_fraction)."""
+    nft_beta: float = 1.0
+    """diffusion_nft: beta of the implicit policies, v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v."""
+    ema_ramp: float = 0.001
+    """diffusion_nft: the sampling copy moves as old = eta_i old + (1 - eta_i) new after iteration i, eta_i = min(ema_ramp x i, ema_max)."""
+    ema_max: float = 0.5
+    """diffusion_nft: the largest eta_i (see ema_ramp); 0 samples with the trained weights."""
+    dpo_beta: float = 100.0
+    """dpo: beta, the inverse temperature of the preference loss -log sigmoid(-beta / 2 x ((err - err_ref)_winner - (err - err_ref)_loser))."""
+
+    def validate(self, p: str) -> None:
+        _choice(self.name, f"{p}.name", ALGORITHMS)
+        alg = ALGORITHMS[self.name]
+        named = f"{p}.name {self.name!r}"
+        if self.dynamics is not None:
+            if alg.coupled:
+                why = "its stochastic dynamics"
+            else:
+                why = "it samples with the ODE and needs no log-probabilities"
+            _require(self.dynamics in alg.dynamics_choices, f"{p}.dynamics",
+                     f"one of {list(alg.dynamics_choices)} or null with {named} ({why})",
+                     self.dynamics)
+        _require(isinstance(self.sde_steps, tuple)
+                 and all(_is_int(t) and t >= 0 for t in self.sde_steps)
+                 and len(set(self.sde_steps)) == len(self.sde_steps), f"{p}.sde_steps",
+                 "a list of distinct step numbers >= 0", list(self.sde_steps)
+                 if isinstance(self.sde_steps, tuple) else self.sde_steps)
+        if self.num_sde_steps is not None:
+            _positive_int(self.num_sde_steps, f"{p}.num_sde_steps")
+            _require(len(self.sde_steps) > 0, f"{p}.num_sde_steps",
+                     f"null without {p}.sde_steps (the window's candidate steps)",
+                     self.num_sde_steps)
+            _require(self.num_sde_steps <= len(self.sde_steps), f"{p}.num_sde_steps",
+                     f"at most the {len(self.sde_steps)} candidate steps of {p}.sde_steps",
+                     self.num_sde_steps)
+        _require(isinstance(self.guard, bool), f"{p}.guard", "true or false", self.guard)
+        if self.kl_space is not None:
+            _choice(self.kl_space, f"{p}.kl_space", KL_SPACES)
+        if self.train_timesteps is not None:
+            _positive_int(self.train_timesteps, f"{p}.train_timesteps")
+        _finite(self.nft_beta, f"{p}.nft_beta", 0.0, lo_open=True)
+        _finite(self.ema_ramp, f"{p}.ema_ramp", 0.0)
+        _finite(self.ema_max, f"{p}.ema_max", 0.0, 1.0, hi_open=True)
+        _finite(self.dpo_beta, f"{p}.dpo_beta", 0.0, lo_open=True)
+        if alg.coupled:
+            _require(self.train_timesteps is None, f"{p}.train_timesteps",
+                     f"null with {named} (its micro-steps are the trained steps of the "
+                     f"trajectory)", self.train_timesteps)
+            return
+        why = "(it samples with the ODE: a decoupled algorithm has no SDE steps)"
+        _require(not self.sde_steps, f"{p}.sde_steps", f"an empty list with {named} {why}",
+                 list(self.sde_steps))
+        _require(self.num_sde_steps is None, f"{p}.num_sde_steps", f"null with {named} {why}",
+                 self.num_sde_steps)
+        _require(not self.guard, f"{p}.guard", f"false with {named} (GRPO-Guard "
+                 f"normalises the policy ratio of SDE log-probabilities)", self.guard)
+        _require(self.kl_space != LATENT, f"{p}.kl_space", f"velocity or null with {named} "
+                 f"(the latent KL compares the means of SDE steps)", self.kl_space)
+
+    @property
+    def coupled(self) -> bool:
+        return ALGORITHMS[self.name].coupled
+
+    @property
+    def kl(self) -> str:
+        """The space of the KL term: ``kl_space``, or the algorithm family's."""
+        if self.kl_space is not None:
+            return self.kl_space
+        return LATENT if self.coupled else VELOCITY
+
+    def shape(self, sampler: "SamplerConfig", seed: int) -> Algorithm:
+        """The algorithm's shape for a run with ``sampler`` and run ``seed``."""
+        alg = ALGORITHMS[self.name]
+        steps = sampler.trained_steps
+        if not alg.coupled and self.train_timesteps is not None:
+            steps = self.train_timesteps
+        return alg(num_steps=sampler.num_steps, trained_steps=steps,
+                   dynamics=self.dynamics or "", sde_candidates=tuple(self.sde_steps),
+                   num_sde_steps=self.num_sde_steps, seed=seed)
+
+    def sampling_copy_decay(self, iteration: int) -> float:
+        """eta_i of DiffusionNFT's sampling copy after iteration ``iteration``."""
+        return min(self.ema_ramp * iteration, self.ema_max)
 
 
 # ---------------------------------------------------------------------------- data
@@ -950,6 +1058,7 @@ class RunConfig:
     """Iterations to run (each publishes one policy version)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -977,6 +1086,14 @@ class RunConfig:
         _require(total % chunk == 0, "rollout.chunk_size",
                  f"a divisor of the samples per iteration (data.prompts_per_iteration x "
                  f"data.samples_per_prompt = {total})", chunk)
+        a, n = self.algorithm, self.sampler.num_steps
+        _require(all(t <= n - 2 for t in a.sde_steps), "algorithm.sde_steps",
+                 f"steps from 0 to {n - 2} (sampler.num_steps = {n}; the last, near-clean "
+                 f"step is never an SDE step of a window)", list(a.sde_steps))
+        if not a.coupled:
+            _require(not self.store.save_latents, "store.save_latents",
+                     f"false with algorithm.name {a.name!r} (a decoupled run keeps no "
+                     f"trajectory: only each chunk's final latent)", self.store.save_latents)
 
     # Derived totals, logged at start.
     @property
@@ -984,8 +1101,20 @@ class RunConfig:
         return self.data.samples_per_iteration // self.rollout.chunk_size
 
     @property
+    def algorithm_shape(self) -> Algorithm:
+        """The algorithm's shape for this run (:mod:`digenrl.algorithms`)."""
+        return self.algorithm.shape(self.sampler, self.seed)
+
+    @property
+    def micro_steps_per_chunk(self) -> int:
+        return self.algorithm_shape.micro_steps_per_chunk()
+
+    @property
     def micro_steps_per_iteration(self) -> int:
-        return self.chunks_per_iteration * self.sampler.trained_steps
+        units = self.chunks_per_iteration
+        if self.algorithm_shape.pairwise:  # each group's first chunk trains its pairs
+            units = min(units, self.data.prompts_per_iteration)
+        return units * self.micro_steps_per_chunk
 
     @property
     def denoise_tasks_per_iteration(self) -> int:
@@ -997,7 +1126,7 @@ class RunConfig:
             "chunks_per_iteration": self.chunks_per_iteration,
             "denoise_tasks_per_iteration": self.denoise_tasks_per_iteration,
             "micro_steps_per_iteration": self.micro_steps_per_iteration,
-            "trained_steps": self.sampler.trained_steps,
+            "trained_steps": self.micro_steps_per_chunk,
         }
 
 

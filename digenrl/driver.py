@@ -30,7 +30,7 @@ from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import checkpoint_key, kind_of, publish_key, restore_key
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_iteration,
-                                     init_nodes, reduce_root_key, restore_nodes,
+                                     init_nodes, restore_nodes,
                                      rollout_nodes, tail_nodes, train_nodes)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
@@ -612,7 +612,7 @@ class Pipeline:
         if (j not in self.rollouts or j in self.trains or j not in self.published
                 or (layout.kl and 0 not in self.published)):
             return False
-        root = reduce_root_key(j, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
+        root = layout.reduce_root(plan)
         keys = iteration_outputs(plan)[ADVANTAGE]
         futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
         self._outputs[j].update({k: futs[k] for k in keys})

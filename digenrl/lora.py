@@ -16,6 +16,7 @@ float32 (so do the AdamW moments, and the SDE step, log-probs and loss downstrea
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,7 +28,7 @@ from digenrl.models.parts import TORCH_DTYPES
 from digenrl.seeding import INIT_DRAW, stable_seed
 
 __all__ = ["Trainable", "trainable_spec", "build_policy", "trainable_parameters",
-           "cast_for_forward", "check_targets", "lora_config"]
+           "cast_for_forward", "check_targets", "lora_config", "adapters_off"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,19 @@ def build_policy(model: ModelConfig, spec: Trainable, seed: int) -> torch.nn.Mod
     if spec.gradient_checkpointing:
         module.enable_gradient_checkpointing()
     return module
+
+
+@contextmanager
+def adapters_off(module: torch.nn.Module):
+    """``module`` computing as its base model: its LoRA adapters switched off (peft's
+    switch, through diffusers' ``disable_adapters``) and on again after, so the frozen
+    reference of a KL term or of DPO needs no copy of any weight. Switching them off also
+    stops their gradients (peft), so call this before the forward pass that trains."""
+    module.disable_adapters()
+    try:
+        yield module
+    finally:
+        module.enable_adapters()
 
 
 def trainable_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

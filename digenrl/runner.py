@@ -1,11 +1,13 @@
-"""The Flow-GRPO workload: what ``digenrl run`` computes and writes.
+"""The training workload: what ``digenrl run`` computes and writes.
 
-:class:`FlowGRPOWorkload` binds the iteration DAG to the real task functions (a
+:class:`FlowGRPOWorkload` (named after the default algorithm; it runs whichever
+``algorithm.name`` selects) binds the iteration DAG to the real task functions (a
 diffusers model on every worker) and turns each iteration's decoded images, rewards,
 advantages and statistics (gathered by sample in an :class:`IterationResults`) into the
 ``samples``, ``steps`` and ``metrics`` rows of the store, and the held-out evaluations
-stored with the iteration into ``eval`` rows. :class:`Runner` runs it with the generic
-:class:`~digenrl.driver.Driver`.
+stored with the iteration into ``eval`` rows. A decoupled algorithm keeps no trajectory:
+its runs write no ``steps`` rows (the group stays empty). :class:`Runner` runs it with
+the generic :class:`~digenrl.driver.Driver`.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ Key = Hashable
 
 
 class FlowGRPOWorkload:
-    """Flow-GRPO post-training of the configured model."""
+    """Post-training of the configured model with the configured algorithm."""
 
     collected = (DECODE, REWARD, ADVANTAGE, STATS, EVAL, EVAL_REWARD)
 
@@ -89,7 +91,8 @@ class FlowGRPOWorkload:
 
     def attrs(self) -> dict[str, Any]:
         attrs = {"config": config_to_dict(self.config), "derived": self.config.derived(),
-                 "workload": "flow-grpo", "prompt_files": self._prompt_files()}
+                 "workload": "flow-grpo", "algorithm": self.config.algorithm.name,
+                 "prompt_files": self._prompt_files()}
         if self.tracking_runs:
             attrs[TRACKING_ATTRIBUTE] = self.tracking_runs
         return attrs
@@ -129,11 +132,15 @@ class FlowGRPOWorkload:
     def prepare(self, client, store: RunStore) -> None:
         self.checkpoint_spec = CheckpointSpec(os.path.abspath(store.path))
         cfg = self.config
-        store.set_static("steps", "sigma", np.asarray(self.ctx.rollout.sigmas[:-1], np.float64),
-                         ("step",))
+        shape = self.layout.algorithm
+        if shape.keeps_trajectory():
+            store.set_static("steps", "sigma",
+                             np.asarray(self.ctx.rollout.sigmas[:-1], np.float64), ("step",))
+        # A version with a sampling copy is two modules on a trainer.
+        versions = (self.options.max_staleness + 3) * (2 if shape.sampling_copy else 1)
         client.register_plugin(ResidentPlugin(cfg.model, model_seed(cfg.model, cfg.seed),
                                               cfg.cluster.torch_threads,
-                                              max_versions=self.options.max_staleness + 3,
+                                              max_versions=versions,
                                               trainable=self.ctx.rollout.trainable))
         if cfg.reward.models:
             from digenrl.tasks.reward_models import EVENT_TOPIC, log_load_event
@@ -143,18 +150,31 @@ class FlowGRPOWorkload:
 
     def describe(self) -> list[str]:
         cfg, d = self.config, self.config.derived()
-        return [f"per iteration: {d['images_per_iteration']} images "
+        shape = self.layout.algorithm
+        if not shape.coupled:
+            what = (f"{d['trained_steps']} per chunk, drawn noise levels; ODE sampling, "
+                    f"{cfg.sampler.num_steps} steps")
+        elif shape.window:
+            what = (f"{d['trained_steps']} SDE steps of {cfg.sampler.num_steps} drawn per "
+                    f"iteration from {list(shape.sde_candidates)}, {shape.dynamics} dynamics")
+        else:
+            what = (f"{d['trained_steps']} trained timesteps of {cfg.sampler.num_steps}, "
+                    f"{shape.dynamics} dynamics")
+        return [f"algorithm {shape.name} ({'coupled' if shape.coupled else 'decoupled'}, "
+                f"arXiv {shape.paper})",
+                f"per iteration: {d['images_per_iteration']} images "
                 f"({cfg.data.prompts_per_iteration} prompts x {cfg.data.samples_per_prompt}), "
                 f"{d['chunks_per_iteration']} chunks, {d['denoise_tasks_per_iteration']} denoise "
-                f"tasks, {d['micro_steps_per_iteration']} micro-steps ({d['trained_steps']} "
-                f"trained timesteps of {cfg.sampler.num_steps})"]
+                f"tasks, {d['micro_steps_per_iteration']} micro-steps ({what})"]
 
     def rows(self, i: int, plan: IterationPlan,
              values: dict[Key, Any]) -> tuple[dict[str, dict], dict[str, float]]:
         results = IterationResults.collect(i, plan, values, self.config)
         for p in results.problems:
             logger.warning("iteration %d: %s", i, p)
-        groups = {"samples": results.samples(), "steps": results.steps()}
+        groups = {"samples": results.samples()}
+        if self.layout.algorithm.keeps_trajectory():
+            groups["steps"] = results.steps()
         metrics = results.metrics()
         evaluated = self._eval_rows(i, values)
         if self.config.eval.on:
@@ -227,8 +247,8 @@ class IterationResults:
     components: dict[str, np.ndarray]
     #: Each sample's advantage (0 where invalid).
     advantage: np.ndarray
-    #: Each sample's log-prob at every step as generated, and the policy version that
-    #: generated it.
+    #: Each sample's log-prob at every step as generated (NaN at an ODE step; no steps for
+    #: a decoupled algorithm), and the policy version that generated it.
     log_prob: np.ndarray
     behaviour_version: np.ndarray
     #: What the optimizer step measured.
@@ -250,7 +270,8 @@ class IterationResults:
             iteration=i, plan=plan, reward=np.full(n, np.nan), valid=np.zeros(n, bool),
             components={name: np.full(n, np.nan) for name in config.reward.components},
             advantage=np.zeros(n, np.float32),
-            log_prob=np.zeros((n, config.sampler.num_steps), np.float32),
+            log_prob=np.zeros((n, config.sampler.num_steps if config.algorithm.coupled
+                               else 0), np.float32),
             behaviour_version=np.zeros(n, np.int32), stats=values[stats_key(i)])
         for c in range(len(plan.chunks)):
             results._scored(values[reward_key(i, c)])

@@ -12,7 +12,9 @@ import hashlib
 from typing import Hashable
 
 __all__ = ["stable_seed", "NOISE_DRAW", "GROUP_NOISE_DRAW", "SDE_DRAW", "EVAL_NOISE_DRAW",
-           "PROMPTS_DRAW", "PROMPT_ORDER_DRAW", "INIT_DRAW", "PROMPT_ENCODER_DRAW"]
+           "PROMPTS_DRAW", "PROMPT_ORDER_DRAW", "INIT_DRAW", "PROMPT_ENCODER_DRAW",
+           "SDE_WINDOW_DRAW", "TRAIN_LEVEL_DRAW", "TRAIN_NOISE_DRAW", "PAIR_LEVEL_DRAW",
+           "PAIR_NOISE_DRAW"]
 
 # The names of the draws: what a draw is of, after the run seed in its identity. They
 # are part of every seed, so renaming one changes every result drawn with it.
@@ -34,6 +36,20 @@ INIT_DRAW = "init"
 #: The built-in model's hash prompt encoder: a word's embedding row, and the positional
 #: and pooled rows, ``(PROMPT_ENCODER_DRAW, what, word)``.
 PROMPT_ENCODER_DRAW = "prompt-encoder"
+#: Which candidate steps of an SDE window iteration i samples with the SDE
+#: (``algorithm.sde_steps``): each candidate ``c`` is ranked by
+#: ``(seed, SDE_WINDOW_DRAW, iteration, c)`` and the first ``num_sde_steps`` are taken.
+SDE_WINDOW_DRAW = "sde-window"
+#: A decoupled algorithm's micro-step ``j`` of sample ``s``: the noise level it is trained
+#: at, ``(seed, TRAIN_LEVEL_DRAW, iteration, s, j)``, and the forward-process noise that
+#: noises its clean latent there, ``(seed, TRAIN_NOISE_DRAW, iteration, s, j)``.
+TRAIN_LEVEL_DRAW = "train-level"
+TRAIN_NOISE_DRAW = "train-noise"
+#: The same for a preference pair of prompt group ``g`` (online DPO: both images of the
+#: pair are noised alike): ``(seed, PAIR_LEVEL_DRAW, iteration, g, j)`` and
+#: ``(seed, PAIR_NOISE_DRAW, iteration, g, j)``.
+PAIR_LEVEL_DRAW = "pair-level"
+PAIR_NOISE_DRAW = "pair-noise"
 
 
 def stable_seed(*parts: Hashable) -> int:

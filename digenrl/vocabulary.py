@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
            "INIT", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD", "REDUCE",
-           "OPTIMIZE", "PUBLISH", "STATS", "CHECKPOINT", "RESTORE", "EVAL", "EVAL_REWARD",
+           "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
+           "EVAL_REWARD",
            "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
            "BACKGROUND_KINDS", "stage_of"]
 
@@ -38,8 +39,13 @@ ADVANTAGE = "advantage"      # a prompt group's rewards normalised
 GRAD = "grad"                # the gradient of one chunk at one trained timestep
 REDUCE = "reduce"            # a node of the fixed gradient-sum tree
 OPTIMIZE = "optimize"        # the optimizer step of an iteration
-#: Its completion makes a new policy version available (the weights are its output).
+#: Its completion makes a new policy version available (the weights are its output: what
+#: the rollouts sample with).
 PUBLISH = "publish"
+#: The trained weights of a version whose algorithm samples with a copy of its own
+#: (DiffusionNFT): what the micro-steps of the version's iteration differentiate; its
+#: ``publish`` is the sampling copy.
+TRAINED = "trained"
 STATS = "stats"              # an iteration's statistics: the iteration is complete
 CHECKPOINT = "checkpoint"    # a version's trainer state written to the store
 RESTORE = "restore"          # a version's trainer state read back from the store
@@ -52,7 +58,7 @@ EVAL_REWARD = "eval_reward"
 KIND_POOL = {
     INIT: TRAINER, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT, REWARD: ROLLOUT,
     ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
-    PUBLISH: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
+    PUBLISH: TRAINER, TRAINED: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
     EVAL: ROLLOUT, EVAL_REWARD: ROLLOUT,
 }
 KINDS = tuple(KIND_POOL)

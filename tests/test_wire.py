@@ -175,7 +175,7 @@ def _tampered(value, change):
      r"PolicyWeights: class: expected one of \[.*'PolicyWeights'.*\], got 'Evil'"),
     (lambda v: v.update(type="GradOut"),
      r"PolicyWeights: expected the fields \['grads', 'stats'\] of GradOut, got "
-     r"\['tensors', 'version'\]"),
+     r"\['sampling_copy', 'tensors', 'version'\]"),
     (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(dtype="object"),
      r"PolicyWeights.tensors\['float32'\]: tensor dtype: expected one of .*, got 'object'"),
     (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(shape=[6, 6]),

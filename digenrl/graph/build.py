@@ -1,4 +1,4 @@
-"""Bind the DAG of :mod:`digenrl.graph.structure` to the Flow-GRPO task functions.
+"""Bind the DAG of :mod:`digenrl.graph.structure` to the task functions.
 
 Each node's operation maps to a task function and the run-wide specs it takes first;
 ``Dep`` arguments become references to other tasks.
@@ -25,7 +25,7 @@ from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD, INIT,
-                                NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS)
+                                NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS, TRAINED)
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -56,25 +56,35 @@ class GraphContext:
         mseed = model_seed(config.model, config.seed)
         rewards = resolve_rewards(config.reward.components, config.reward.remote,
                                   config.reward.models)
+        shape = config.algorithm_shape
+        trainable = trainable_spec(config.model, config.train)
         rspec = rollout.RolloutSpec(
             model=config.model, sampler=config.sampler, seed=config.seed, model_seed=mseed,
             sigmas=sigmas, samples_per_prompt=config.data.samples_per_prompt,
             same_noise_in_group=config.data.same_noise_in_group,
-            save_latents=config.store.save_latents,
-            trainable=trainable_spec(config.model, config.train))
+            save_latents=config.store.save_latents, trainable=trainable, shape=shape,
+            keep_means=config.algorithm.guard)
+        # The rows a micro-step trains: samples, or one pair per prompt group.
+        rows = (config.data.prompts_per_iteration if shape.pairwise
+                else config.data.samples_per_iteration)
         tspec = train.TrainSpec(
             model=config.model, sampler=config.sampler, train=config.train, seed=mseed,
-            sigmas=sigmas,
-            normaliser=config.data.samples_per_iteration * config.sampler.trained_steps,
-            trainable=rspec.trainable)
+            sigmas=sigmas, normaliser=rows * shape.micro_steps_per_chunk(),
+            trainable=trainable, shape=shape, settings=config.algorithm,
+            draw_seed=config.seed)
+        # Version 0's weights are the reference where a micro-step reads one (a KL term,
+        # online DPO); with LoRA the reference is the base model, read from no version.
+        reads_reference = config.train.kl_beta > 0 or shape.reference
         layout = GraphLayout(
-            num_steps=config.sampler.num_steps, trained_steps=config.sampler.trained_steps,
+            num_steps=config.sampler.num_steps, trained_steps=shape.trained_steps,
             advantage_std=config.train.advantage_std,
             advantage_clip=config.train.advantage_clip,
-            reduce_fanin=config.train.reduce_fanin, kl=config.train.kl_beta > 0,
+            reduce_fanin=config.train.reduce_fanin,
+            kl=reads_reference and not trainable.lora,
             reward_gpu=rewards_need_gpu(rewards),
             version_lag=config.schedule.options().max_staleness,
-            stale_groups=config.schedule.stale_groups)
+            stale_groups=config.schedule.stale_groups, algorithm=shape,
+            save_latents=config.store.save_latents)
         evaluation = held_out = None
         if config.eval.on:
             esampler = config.eval.sampler(config.sampler)
@@ -105,10 +115,12 @@ class GraphContext:
             EVAL: (rollout.evaluate, (self.evaluation,)),
             EVAL_REWARD: (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
             ADVANTAGE: (adv_tasks.advantage, ()),
-            GRAD: (train.grad, (self.train,)),
+            GRAD: ((train.grad if self.layout.algorithm.coupled else train.matching_grad),
+                   (self.train,)),
             REDUCE: (train.reduce, ()),
             OPTIMIZE: (train.optimize, (self.train,)),
             PUBLISH: (train.publish, ()),
+            TRAINED: (train.trained, ()),
             STATS: (train.iteration_stats, ()),
         }[node.op]
 

@@ -13,12 +13,12 @@ from typing import Any, Hashable
 
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
                                 GPU_KINDS, GRAD, INIT, KIND_POOL, KINDS, NOISE, OPTIMIZE,
-                                PUBLISH, REDUCE, RESTORE, REWARD, STATS)
+                                PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
 
 __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "noise_key", "denoise_key",
            "decode_key", "reward_key", "advantage_key", "grad_key", "reduce_key",
-           "optimize_key", "publish_key", "checkpoint_key", "restore_key", "stats_key",
-           "eval_key", "eval_reward_key"]
+           "optimize_key", "publish_key", "trained_key", "checkpoint_key", "restore_key",
+           "stats_key", "eval_key", "eval_reward_key"]
 
 Key = Hashable
 
@@ -75,6 +75,12 @@ def publish_key(version: int) -> Key:
     return (PUBLISH, version)
 
 
+def trained_key(version: int) -> Key:
+    """The trained weights of policy ``version``, where they differ from its published
+    (sampling) weights."""
+    return (TRAINED, version)
+
+
 def checkpoint_key(version: int) -> Key:
     return (CHECKPOINT, version)
 
@@ -100,8 +106,10 @@ def eval_reward_key(version: int, chunk: int) -> Key:
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,
               timestep: int | None = None, chunk: int | None = None,
               group: int | None = None, behaviour_version: int | None = None,
-              samples: int = 0) -> dict[str, Any]:
-    """The annotation of one task (plain data: it travels to the scheduler)."""
+              samples: int = 0, sde: bool | None = None) -> dict[str, Any]:
+    """The annotation of one task (plain data: it travels to the scheduler). ``sde``: of
+    a ``denoise`` step, whether it is an SDE step (recording a log-probability) or an
+    ODE step (None for every other kind)."""
     if kind not in KIND_POOL:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     return {
@@ -115,4 +123,5 @@ def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | Non
         "group": group,
         "behaviour_version": behaviour_version,
         "samples": samples,
+        "sde": sde,
     }

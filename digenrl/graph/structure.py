@@ -1,11 +1,20 @@
 """The shape of an iteration's DAG as plain data (docs/architecture.md, "One iteration").
 
 ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
-(chunk) -> ``advantage`` (group) -> ``grad`` (chunk, t) for the trained timesteps ->
-``reduce`` (a fixed tree, each node a chain adding one part at a time) ->
-``optimize`` -> ``publish`` (the weights of version v+1, which later ``denoise`` and
-``grad`` tasks read) and ``stats``. A run on Dask checkpoints each version and
-publishes it from the checkpoint read back (:func:`tail_nodes`).
+(chunk) -> ``advantage`` (group) -> ``grad`` (chunk, micro-step) -> ``reduce`` (a fixed
+tree, each node a chain adding one part at a time) -> ``optimize`` -> ``publish`` (the
+weights of version v+1, which later ``denoise`` and ``grad`` tasks read) and ``stats``.
+A run on Dask checkpoints each version and publishes it from the checkpoint read back
+(:func:`tail_nodes`).
+
+The algorithm (:mod:`digenrl.algorithms`, the layout's ``algorithm``) says which
+``denoise`` steps are SDE steps (each annotated ``sde``), which micro-steps a chunk has
+and what each reads: a coupled algorithm's micro-step ``t`` reads the latents before and
+after step ``t`` (the trained steps of the trajectory); a decoupled one's reads the
+chunk's final latent only (its ``decode`` too), so the intermediate steps' results are
+released as soon as the next step has them. An algorithm with a sampling copy
+(DiffusionNFT) publishes the copy, and its micro-steps read the trained weights from a
+``trained`` task besides the copy the chunk was sampled with.
 
 Each :class:`Node` names its operation, its annotation, and its arguments -- literals
 and :class:`Dep` references to other keys. :mod:`digenrl.graph.build` binds operations
@@ -24,14 +33,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
                                 denoise_key, eval_key, eval_reward_key, grad_key, noise_key,
                                 optimize_key, publish_key, reduce_key, restore_key,
-                                reward_key, stats_key, task_meta)
+                                reward_key, stats_key, task_meta, trained_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
                                 GRAD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD,
-                                STATS)
+                                STATS, TRAINED)
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "rollout_version", "reduce_root_key",
@@ -104,10 +114,46 @@ class GraphLayout:
     advantage_std: str = "group"
     advantage_clip: float = 5.0
     reduce_fanin: int = 8
+    #: The micro-steps read version 0's published weights: the frozen reference of a KL
+    #: term or of online DPO (with LoRA the reference is the base model with its adapters
+    #: off, and nothing is read).
     kl: bool = False
     reward_gpu: bool = False
     version_lag: int = 0
     stale_groups: int | None = None
+    #: The algorithm's shape; None: Flow-GRPO with ``num_steps`` and ``trained_steps``.
+    algorithm: Algorithm | None = None
+    #: Every step's latent is stored (a coupled run's ``decode`` reads them all).
+    save_latents: bool = False
+
+    def __post_init__(self) -> None:
+        if self.algorithm is None:
+            object.__setattr__(self, "algorithm", FlowGRPO(num_steps=self.num_steps,
+                                                          trained_steps=self.trained_steps))
+        elif self.algorithm.num_steps != self.num_steps:
+            raise ValueError(f"algorithm: expected a shape of {self.num_steps} steps, got "
+                             f"{self.algorithm.num_steps}")
+
+    def units(self, plan: IterationPlan) -> list[tuple[int, list[int], list[int]]]:
+        """The chunks that have micro-steps, each as ``(chunk, the chunks whose latents
+        it reads, the groups whose advantages it reads)``: every chunk, reading itself;
+        with a pairwise algorithm the first chunk of each group, reading every chunk of
+        the groups it is the first of (their pairs are trained there)."""
+        if not self.algorithm.pairwise:
+            return [(c, [c], plan.groups_of_chunk(c)) for c in range(len(plan.chunks))]
+        owned: dict[int, list[int]] = {}
+        for g in range(plan.num_groups):
+            owned.setdefault(plan.chunks_of_group(g)[0], []).append(g)
+        return [(c, sorted({k for g in groups for k in plan.chunks_of_group(g)}), groups)
+                for c, groups in sorted(owned.items())]
+
+    def leaves(self, plan: IterationPlan) -> int:
+        """How many micro-steps (``grad`` tasks, the reduction's leaves) ``plan`` has."""
+        return len(self.units(plan)) * self.algorithm.micro_steps_per_chunk()
+
+    def reduce_root(self, plan: IterationPlan) -> Key:
+        """The key of the root of ``plan``'s reduction tree (its summed gradient)."""
+        return reduce_root_key(plan.iteration, self.leaves(plan), self.reduce_fanin)
 
     def chunk_version(self, plan: IterationPlan, chunk: int) -> int:
         """The policy version chunk ``chunk`` of ``plan`` is generated with."""
@@ -161,8 +207,9 @@ def restore_nodes(version: int, publish: bool = False, handoff: bool = False) ->
 def iteration_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     """The whole DAG of iteration ``plan.iteration``, its optimizer step reading the
     previous iteration's state directly (as the simulator runs it)."""
-    return (rollout_nodes(layout, plan) + train_nodes(layout, plan)
-            + tail_nodes(layout, plan, optimize_key(plan.iteration - 1)))
+    state = optimize_key(plan.iteration - 1)
+    return (rollout_nodes(layout, plan) + train_nodes(layout, plan, state)
+            + tail_nodes(layout, plan, state))
 
 
 def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
@@ -181,7 +228,9 @@ def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
     return (dataclasses.replace(plan, iteration=0), tuple(v - i for v in versions),
             optimize_key(i - 1) == INIT_KEY,
             # The KL reference is version 0: the same input as rollouts of version 0.
-            layout.kl and 0 in versions)
+            layout.kl and 0 in versions,
+            # The SDE window drawn for the iteration.
+            layout.algorithm.iteration_shape(i))
 
 
 def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
@@ -190,7 +239,10 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     i = plan.iteration
     out = []
     append = out.append
+    alg = layout.algorithm
     steps = range(layout.num_steps)
+    sde = set(alg.sde_steps(i))
+    last = layout.num_steps - 1
     for c in range(len(plan.chunks)):
         rv = layout.chunk_version(plan, c)
         ids = plan.sample_ids(c)
@@ -200,16 +252,20 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), (i, ids, prompts), []))
         chain = [prev]
         weights = publish_key(rv)
-        # The steps' annotations differ only in their timestep.
+        # The steps' annotations differ only in their timestep and kind of step.
         step_meta = task_meta(DENOISE, i, rv, timestep=0, **common)
         for t in steps:
             key = denoise_key(i, c, t)
             meta = step_meta.copy()
             meta["timestep"] = t
+            meta["sde"] = t in sde
             append(Node(key, DENOISE, meta, (Dep(weights), prompts, i, t, Dep(prev)),
                         [weights, prev]))
-            chain.append(key)
+            if layout.save_latents or t in sde or t == last:
+                chain.append(key)
             prev = key
+        if not alg.keeps_trajectory():
+            chain = chain[-1:]  # the final latent: the other steps' results go at once
         decoded = decode_key(i, c)
         append(Node(decoded, DECODE, task_meta(DECODE, i, rv, **common),
                     tuple(Dep(k) for k in chain), chain))
@@ -220,20 +276,35 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
 
 
 def chain_keys_trained(layout: GraphLayout, plan: IterationPlan) -> list[Key]:
-    """The rollout keys the micro-steps read (latents before and after each trained step)."""
+    """The rollout keys the micro-steps read: the latents before and after each trained
+    step (coupled), or each chunk's final latent (decoupled)."""
     i = plan.iteration
+    alg = layout.algorithm
     keys = []
+    if not alg.keeps_trajectory():
+        return [denoise_key(i, c, layout.num_steps - 1) for c in range(len(plan.chunks))]
+    trained = alg.micro_steps(i)
     for c in range(len(plan.chunks)):
-        keys.append(noise_key(i, c))
-        keys += [denoise_key(i, c, t) for t in range(layout.trained_steps)]
+        mine = dict.fromkeys(k for t in trained
+                             for k in (_before(i, c, t), denoise_key(i, c, t)))
+        keys += list(mine)
     return keys
 
 
-def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """advantage per group, grad per chunk and trained timestep, the reduction tree.
-    External inputs: rewards and latents of the rollout, the weights of version i."""
+def _before(i: int, c: int, t: int) -> Key:
+    """The latent step ``t`` of chunk ``c`` starts from."""
+    return noise_key(i, c) if t == 0 else denoise_key(i, c, t - 1)
+
+
+def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = None
+                ) -> list[Node]:
+    """advantage per group, grad per chunk and micro-step, the reduction tree. External
+    inputs: rewards and latents of the rollout, the weights of version i (and, for an
+    algorithm with a sampling copy, the trainer state ``state`` they are taken from:
+    version i's read back by default, as the driver submits it)."""
     i = plan.iteration
     tv = i
+    alg = layout.algorithm
     n_chunks = len(plan.chunks)
     versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
     out = []
@@ -245,30 +316,19 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                                   samples=plan.samples_per_prompt),
                         (grp, plan.group_sample_ids(grp), layout.advantage_std,
                          layout.advantage_clip, *(Dep(reward_key(i, c)) for c in chunks))))
-    reference = Dep(publish_key(0)) if layout.kl else None
     weights = publish_key(tv)
+    if alg.sampling_copy:
+        # The version's trained weights (its published ones are the sampling copy).
+        weights = trained_key(tv)
+        out.append(Node(weights, TRAINED, task_meta(TRAINED, i, tv),
+                        (Dep(restore_key(i) if state is None else state),)))
+    reference = Dep(publish_key(0)) if layout.kl else None
     leaves: list[Key] = []
-    for c in range(n_chunks):
-        groups = plan.groups_of_chunk(c)
-        prompts = plan.chunk_prompts(c)
-        advantages = [advantage_key(i, grp) for grp in groups]
-        # The micro-steps' annotations differ only in their timestep.
-        step_meta = task_meta(GRAD, i, tv, timestep=0, chunk=c, group=groups[0],
-                              behaviour_version=versions[c], samples=len(plan.sample_ids(c)))
-        for t in range(layout.trained_steps):
-            key = grad_key(i, c, t)
-            leaves.append(key)
-            before = noise_key(i, c) if t == 0 else denoise_key(i, c, t - 1)
-            after = denoise_key(i, c, t)
-            meta = step_meta.copy()
-            meta["timestep"] = t
-            deps = [weights, before, after, *advantages]
-            if reference is not None:
-                deps.insert(1, reference.key)
-            out.append(Node(key, GRAD, meta,
-                            (Dep(weights), reference, prompts, t, Dep(before), Dep(after),
-                             *(Dep(a) for a in advantages)), deps))
-    # A fixed reduction tree: sums in (chunk, t) order whoever computes the parts.
+    if alg.keeps_trajectory():
+        _coupled_grads(layout, plan, weights, reference, versions, out, leaves)
+    else:
+        _decoupled_grads(layout, plan, weights, reference, versions, out, leaves)
+    # A fixed reduction tree: sums in (chunk, micro-step) order whoever computes the parts.
     fanin = layout.reduce_fanin
     level, nodes = 0, leaves
     meta = task_meta(REDUCE, i, tv)
@@ -282,6 +342,63 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         if len(nodes) == 1:
             break
     return out
+
+
+def _coupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
+                   reference: Dep | None, versions: dict[int, int], out: list[Node],
+                   leaves: list[Key]) -> None:
+    """A coupled algorithm's micro-steps: chunk ``c`` at trained step ``t`` reads the
+    latents before and after step ``t`` (and the step's log-probability with it)."""
+    i = plan.iteration
+    trained = layout.algorithm.micro_steps(i)
+    for c, _, groups in layout.units(plan):
+        prompts = plan.chunk_prompts(c)
+        advantages = [advantage_key(i, grp) for grp in groups]
+        # The micro-steps' annotations differ only in their timestep.
+        step_meta = task_meta(GRAD, i, i, timestep=0, chunk=c, group=groups[0],
+                              behaviour_version=versions[c], samples=len(plan.sample_ids(c)))
+        for t in trained:
+            key = grad_key(i, c, t)
+            leaves.append(key)
+            before = _before(i, c, t)
+            after = denoise_key(i, c, t)
+            meta = step_meta.copy()
+            meta["timestep"] = t
+            deps = [weights, before, after, *advantages]
+            if reference is not None:
+                deps.insert(1, reference.key)
+            out.append(Node(key, GRAD, meta,
+                            (Dep(weights), reference, prompts, t, Dep(before), Dep(after),
+                             *(Dep(a) for a in advantages)), deps))
+
+
+def _decoupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
+                     reference: Dep | None, versions: dict[int, int], out: list[Node],
+                     leaves: list[Key]) -> None:
+    """A decoupled algorithm's micro-steps: draw ``j`` of a unit (a chunk, or a pairwise
+    algorithm's first chunk of its groups) reads the final latents of the chunks it
+    trains and their groups' advantages; with ``reads_sampler`` also the weights that
+    sampled them, where they are not the trained weights."""
+    i = plan.iteration
+    alg = layout.algorithm
+    final = layout.num_steps - 1
+    for c, reads, groups in layout.units(plan):
+        bv = min(versions[k] for k in reads)
+        sampling = None
+        if alg.reads_sampler and (alg.sampling_copy or bv != i):
+            sampling = Dep(publish_key(bv))
+        prompts = tuple(p for k in reads for p in plan.chunk_prompts(k))
+        latents = tuple(Dep(denoise_key(i, k, final)) for k in reads)
+        advantages = tuple(Dep(advantage_key(i, g)) for g in groups)
+        samples = (2 * len(groups) if alg.pairwise
+                   else sum(len(plan.sample_ids(k)) for k in reads))
+        for j in alg.micro_steps(i):
+            key = grad_key(i, c, j)
+            leaves.append(key)
+            meta = task_meta(GRAD, i, i, timestep=j, chunk=c, group=groups[0],
+                             behaviour_version=bv, samples=samples)
+            out.append(Node(key, GRAD, meta, (Dep(weights), sampling, reference, prompts,
+                                              i, j, *latents, *advantages)))
 
 
 def _summed_in_order(key: Key, parts: list[Key], meta: dict) -> list[Node]:
@@ -311,7 +428,7 @@ def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
     (:func:`restore_nodes` ``(i + 1, publish=True)``, once it is written): published
     weights then never need more than their own checkpoint to be recomputed."""
     i = plan.iteration
-    root = reduce_root_key(i, len(plan.chunks) * layout.trained_steps, layout.reduce_fanin)
+    root = layout.reduce_root(plan)
     stepped = optimize_key(i)
     out = [Node(stepped, OPTIMIZE, task_meta(OPTIMIZE, i, i), (Dep(state), Dep(root), i))]
     if checkpoint:

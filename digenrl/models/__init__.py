@@ -55,10 +55,11 @@ def flow_sigmas(sampler: SamplerConfig, model: ModelConfig) -> tuple[float, ...]
 
 
 def predict_velocity(cfg: ModelConfig, transformer: torch.nn.Module, x: torch.Tensor,
-                     sigma: float, cond: Conditioning, guidance_scale: float = 1.0
-                     ) -> torch.Tensor:
+                     sigma: float | torch.Tensor, cond: Conditioning,
+                     guidance_scale: float = 1.0) -> torch.Tensor:
     """v(x, sigma | prompt), with the family's guidance, in float32: the transformer runs
-    in ``model.dtype`` (its input and the conditioning are cast to it)."""
+    in ``model.dtype`` (its input and the conditioning are cast to it). ``sigma``: one
+    noise level for every sample, or a float64 tensor of one per sample."""
     dtype = TORCH_DTYPES[cfg.dtype]
     with model_time():
         if dtype == torch.float32:

@@ -133,8 +133,13 @@ def guided(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.
     return v_uncond + scale * (v_cond - v_uncond)
 
 
-def timesteps(x: torch.Tensor, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The transformer's timestep input: ``value`` for each sample of ``x``."""
+def timesteps(x: torch.Tensor, value: float | torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The transformer's timestep input: ``value`` for each sample of ``x``, or each
+    sample's own where ``value`` is a tensor of one per sample (a forward-process
+    micro-step trains every sample at a noise level drawn for it)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=x.device, dtype=dtype).reshape(x.shape[0])
     return torch.full((x.shape[0],), value, dtype=dtype, device=x.device)
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.structure import GraphLayout, reduce_root_key
+from digenrl.graph.structure import GraphLayout
 from digenrl.sim.profile import Profile
 from digenrl.vocabulary import GRAD, REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS
 
@@ -41,8 +41,7 @@ Key = Hashable
 def reduction_root(layout: GraphLayout, plan: IterationPlan) -> Key:
     """The key of the reduction root of ``plan``'s iteration: the ``reduce`` task that
     carries the all-reduce."""
-    return reduce_root_key(plan.iteration, len(plan.chunks) * layout.trained_steps,
-                           layout.reduce_fanin)
+    return layout.reduce_root(plan)
 
 
 def phase_of(kind: str) -> str | None:

@@ -8,7 +8,8 @@ iteration (start-up left out), in speed-1 seconds (a task's seconds times its wo
 declared speed) per sample of the task's iteration (the mean chunk size the driver
 recorded); bytes are the tasks' output sizes. What a run cannot measure keeps the
 profile's defaults and is named in ``sources``: the network (the link bandwidth the
-schedule assumes) and the co-located design's phase switch (none in this system).
+schedule assumes) and the co-located design's phase switch (none in this system). The
+run's algorithm goes with its task counts (``trained_steps``: the micro-steps of a chunk).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from digenrl.algorithms import DEFAULT_ALGORITHM
 from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, PUBLISH, REWARD, ROLLOUT, TRAINER
 
 __all__ = ["measured_profile"]
@@ -73,6 +75,7 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
         "chunk_size": size,
         "num_steps": int(cfg["sampler"]["num_steps"]),
         "trained_steps": int(derived["trained_steps"]),
+        "algorithm": str((cfg.get("algorithm") or {}).get("name", DEFAULT_ALGORITHM)),
         "costs": {
             "denoise_per_sample": denoise,
             "cfg_factor": 1.0,   # (the measured steps include guidance's extra batch)

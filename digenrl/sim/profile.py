@@ -1,8 +1,12 @@
 """Cost profiles: what each task costs on a GPU, as data files with their sources.
 
-A profile describes a published-setup-like workload (model, steps, batch, pools) and the
-seconds each kind of task takes on a speed-1 GPU, plus weight-synchronisation bytes,
-network bandwidth, and the phase-switch costs the co-located design pays. The emulator
+A profile describes a published-setup-like workload (model, algorithm, steps, batch, pools)
+and the seconds each kind of task takes on a speed-1 GPU, plus weight-synchronisation
+bytes, network bandwidth, and the phase-switch costs the co-located design pays. Its
+``algorithm`` (``flow_grpo`` unless named) shapes the graph as it does a run's: a
+decoupled algorithm's ``trained_steps`` are the micro-steps of a chunk (noise levels
+drawn afresh), its ``denoise`` steps are ODE steps, and a micro-step reads only the
+chunk's final latent. The emulator
 (real Dask, tasks that sleep) and the simulator (discrete events) read the same profile
 through :meth:`Profile.task_seconds`, so they model the same work.
 """
@@ -17,6 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
+from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from digenrl.analysis import ideal_bound
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
@@ -54,7 +59,9 @@ class Costs:
 
     denoise_per_sample: float          # one transformer forward of one sample at one step
     cfg_factor: float = 1.0            # 2.0 when classifier-free guidance doubles the batch
-    train_factor: float = 3.0          # forward + backward (+ recomputation) over a forward
+    train_factor: float = 3.0          # a micro-step over a forward (forward + backward,
+                                       # recomputation, a decoupled algorithm's other
+                                       # policies' forwards)
     decode_per_sample: float = 0.05
     reward_per_sample: float = 0.02
     reward_on: str = "gpu"             # gpu: a GPU slot on a rollout worker; remote: none
@@ -119,8 +126,15 @@ class Profile:
     #: Per-worker speeds by name (``rollout-0``, ``trainer-3``), over the pool speeds.
     worker_speeds: Mapping[str, float] = field(default_factory=dict)
     slowdowns: tuple[Slowdown, ...] = ()
+    #: The algorithm whose graph the profile runs (``algorithm.name``).
+    algorithm: str = DEFAULT_ALGORITHM
 
     # ------------------------------------------------------------------ shape
+
+    def shape(self) -> Algorithm:
+        """The algorithm's shape on the profile's steps."""
+        return ALGORITHMS[self.algorithm](num_steps=self.num_steps,
+                                          trained_steps=self.trained_steps)
 
     @property
     def gpus(self) -> int:
@@ -151,7 +165,8 @@ class Profile:
     def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
         return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,
                            reward_gpu=self.costs.reward_on == "gpu",
-                           version_lag=max_staleness, stale_groups=stale_groups)
+                           version_lag=max_staleness, stale_groups=stale_groups,
+                           algorithm=self.shape())
 
     def plans(self, iterations: int) -> list[IterationPlan]:
         prompts = tuple(f"prompt {j}" for j in range(self.prompts_per_iteration))
@@ -203,8 +218,11 @@ class Profile:
         if kind == DENOISE:
             return fwd
         if kind == GRAD:
-            extra = fwd if colocated and self.colocated.recompute_old_logprob else 0.0
-            return fwd * c.train_factor + extra
+            # The co-located design recomputes the old log-probs a coupled algorithm's
+            # micro-step reads (a decoupled one reads none).
+            recompute = (colocated and self.colocated.recompute_old_logprob
+                         and self.shape().coupled)
+            return fwd * c.train_factor + (fwd if recompute else 0.0)
         if kind == DECODE:
             return c.decode_per_sample * samples
         if kind == REWARD:
@@ -231,7 +249,13 @@ class Profile:
         chunks = n // self.chunk_size
         t = self.task_seconds
         total = chunks * self.num_steps * t(DENOISE, self.chunk_size)
-        total += chunks * self.trained_steps * t(GRAD, self.chunk_size, colocated=colocated)
+        if not self.shape().pairwise:
+            total += chunks * self.trained_steps * t(GRAD, self.chunk_size, colocated=colocated)
+        else:  # a micro-step per pair-training chunk, two samples per pair
+            layout = self.layout()
+            total += self.trained_steps * sum(
+                t(GRAD, 2 * len(groups), colocated=colocated)
+                for _, _, groups in layout.units(self.plans(1)[0]))
         total += chunks * t(DECODE, self.chunk_size)
         if self.costs.reward_on == "gpu":
             total += chunks * t(REWARD, self.chunk_size)
@@ -276,8 +300,12 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"profile.{k}",
               "an integer >= 1", v)
         ints[k] = v
-    _need(ints["trained_steps"] < ints["num_steps"], "profile.trained_steps",
-          f"fewer than num_steps ({ints['num_steps']})", ints["trained_steps"])
+    algorithm = data.get("algorithm", DEFAULT_ALGORITHM)
+    _need(algorithm in ALGORITHMS, "profile.algorithm", f"one of {sorted(ALGORITHMS)}",
+          algorithm)
+    if ALGORITHMS[algorithm].coupled:
+        _need(ints["trained_steps"] < ints["num_steps"], "profile.trained_steps",
+              f"fewer than num_steps ({ints['num_steps']})", ints["trained_steps"])
     n = ints["prompts_per_iteration"] * ints["samples_per_prompt"]
     _need(n % ints["chunk_size"] == 0, "profile.chunk_size",
           f"a divisor of the samples per iteration ({n})", ints["chunk_size"])
@@ -316,7 +344,7 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
         costs=costs, network=_section(Network, data.get("network"), "profile.network"),
         colocated=_section(ColocatedCosts, data.get("colocated"), "profile.colocated"),
         time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"),
-        worker_speeds=worker_speeds, slowdowns=tuple(slowdowns))
+        worker_speeds=worker_speeds, slowdowns=tuple(slowdowns), algorithm=algorithm)
 
 
 def list_profiles() -> list[str]:

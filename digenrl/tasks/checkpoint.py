@@ -20,7 +20,10 @@ from digenrl.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
 
-__all__ = ["CheckpointSpec", "save_state", "load_state"]
+__all__ = ["CheckpointSpec", "save_state", "load_state", "SAMPLING_PART"]
+
+#: The checkpoint part holding a version's sampling copy, where its algorithm keeps one.
+SAMPLING_PART = "sampling"
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,12 @@ def save_state(spec: CheckpointSpec, version: int, out: OptimizeOut) -> int:
     """Write the state ``out`` holds as version ``version``'s checkpoint."""
     state = out.state
     assert state.version == version, (state.version, version)
+    named = [("params", state.params), ("exp_avg", state.exp_avg),
+             ("exp_avg_sq", state.exp_avg_sq)]
+    if state.sampling is not None:  # an algorithm's sampling copy (DiffusionNFT)
+        named.append((SAMPLING_PART, state.sampling))
     parts = {name: {k: t.detach().cpu().numpy() for k, t in tensors.items()}
-             for name, tensors in (("params", state.params), ("exp_avg", state.exp_avg),
-                                   ("exp_avg_sq", state.exp_avg_sq))}
+             for name, tensors in named}
     write_checkpoint(spec.store, version, parts, state.step)
     return version
 
@@ -53,7 +59,8 @@ def load_state(spec: CheckpointSpec, version: int,
                for name, arrays in parts.items()}
     return OptimizeOut(TrainerState(version=version, params=tensors["params"],
                                     exp_avg=tensors["exp_avg"],
-                                    exp_avg_sq=tensors["exp_avg_sq"], step=step), None)
+                                    exp_avg_sq=tensors["exp_avg_sq"], step=step,
+                                    sampling=tensors.get(SAMPLING_PART)), None)
 
 
 def _in_memory(key: Hashable) -> OptimizeOut | None:

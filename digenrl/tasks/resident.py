@@ -43,7 +43,8 @@ class ResidentModels:
     """Transformers per policy version (least recently used evicted), VAE, text encoders.
 
     With LoRA the versions' transformers share one set of frozen base weights (loaded
-    once): each version's module differs only in its adapters."""
+    once): each version's module differs only in its adapters. A version's sampling copy
+    (DiffusionNFT) is a module of its own beside the version's trained weights."""
 
     def __init__(self, cfg: ModelConfig, seed: int, max_versions: int = 4,
                  trainable: Trainable = Trainable()):
@@ -51,7 +52,8 @@ class ResidentModels:
         self.trainable = trainable
         self.device = compute_device()
         self._lock = threading.RLock()
-        self._versions: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        #: (version, whether the weights are its sampling copy) -> the module holding them
+        self._versions: OrderedDict[tuple[int, bool], torch.nn.Module] = OrderedDict()
         #: With LoRA: the module whose frozen weights every version's module shares.
         self._base: torch.nn.Module | None = None
         self._vae = None
@@ -80,17 +82,18 @@ class ResidentModels:
 
     def policy(self, weights: PolicyWeights) -> torch.nn.Module:
         """The transformer holding ``weights`` (loaded once per version per worker)."""
+        key = (weights.version, weights.sampling_copy)
         with self._lock:
-            module = self._versions.get(weights.version)
+            module = self._versions.get(key)
             if module is not None:
-                self._versions.move_to_end(weights.version)
+                self._versions.move_to_end(key)
                 return module
             if len(self._versions) >= self.max_versions:
                 _, module = self._versions.popitem(last=False)
             else:
                 module = self._new_module()
             module.load_state_dict(weights.tensors, strict=False)
-            self._versions[weights.version] = module
+            self._versions[key] = module
             self.loads += 1
             return module
 
@@ -115,13 +118,14 @@ class ResidentModels:
 
     def resident_versions(self) -> list[int]:
         with self._lock:
-            return list(self._versions)
+            return sorted({v for v, _ in self._versions})
 
-    def loaded(self, version: int) -> dict[str, torch.Tensor] | None:
-        """The trainable parameters of the transformer holding ``version`` (None when
-        that version is not resident): what this worker computes with for that version."""
+    def loaded(self, version: int, sampling_copy: bool = False) -> dict[str, torch.Tensor] | None:
+        """The trainable parameters of the transformer holding ``version`` (its sampling
+        copy with ``sampling_copy``; None when not resident): what this worker computes
+        with for that version."""
         with self._lock:
-            module = self._versions.get(version)
+            module = self._versions.get((version, sampling_copy))
             if module is None:
                 return None
             return {n: p.detach().cpu().clone()

@@ -2,9 +2,12 @@
 chunk, decoding.
 
 Random draws are per sample: sample ``s`` of iteration ``i`` draws its starting noise
-from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``;
-held-out prompt ``j`` starts every evaluation from ``(seed, "eval-noise", j)``.
-How samples are chunked into tasks, or which worker runs a task, never changes a draw.
+from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``
+(an ODE step draws nothing); held-out prompt ``j`` starts every evaluation from
+``(seed, "eval-noise", j)``. How samples are chunked into tasks, or which worker runs a
+task, never changes a draw. Which steps are SDE steps, and their dynamics, is the
+algorithm's (:mod:`digenrl.algorithms`): every step with Flow-GRPO's SDE by default, an
+SDE window's steps, or none for a decoupled algorithm.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.lora import Trainable
 from digenrl.models import decode_latents, latent_shape, predict_velocity
 from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed
 from digenrl.tasks.resident import resident
-from digenrl.tasks.sde import sde_step
+from digenrl.tasks.sde import euler_step, sde_step
 from digenrl.tasks.slowdown import stretch
 from digenrl.tasks.types import DecodeOut, Latents, PolicyWeights, StepOut
 
@@ -40,6 +44,17 @@ class RolloutSpec:
     same_noise_in_group: bool = False
     save_latents: bool = False
     trainable: Trainable = Trainable()  # what of the transformer a version carries
+    #: The algorithm's shape (None: Flow-GRPO, every step an SDE step).
+    shape: Algorithm | None = None
+    #: Keep each SDE step's mean in its result (GRPO-Guard's training reads it).
+    keep_means: bool = False
+
+    @property
+    def algorithm(self) -> Algorithm:
+        if self.shape is not None:
+            return self.shape
+        return FlowGRPO(num_steps=len(self.sigmas) - 1,
+                        trained_steps=self.sampler.trained_steps)
 
 
 def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
@@ -72,41 +87,64 @@ def chunk_conditioning(prompts: tuple[str, ...], data: Latents | StepOut):
 
 def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
             iteration: int, t: int, previous: Latents | StepOut) -> StepOut:
-    """One SDE step of a chunk under policy ``weights``: x_t -> x_{t+1} and its log-prob."""
+    """One step of a chunk under policy ``weights``: x_t -> x_{t+1}, with its log-prob
+    when the algorithm samples step ``t`` of this iteration with an SDE (an ODE step
+    records none)."""
     started = time.perf_counter()
     models = resident(spec.model, spec.model_seed, spec.trainable)
     dev = models.device
     x = (previous.x if isinstance(previous, Latents) else previous.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
     cond = chunk_conditioning(prompts, previous)
+    alg = spec.algorithm
+    log_prob = mean = None
     with torch.no_grad():
         model = models.policy(weights)
         v = predict_velocity(spec.model, model, x, sigma, cond.to(dev),
                              spec.sampler.guidance_scale)
-        # Drawn on the CPU from per-sample seeds: the same numbers on any device.
-        eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, SDE_DRAW, iteration, s, t)
-                           for s in previous.sample_ids]).to(dev)
-        step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps)
-    out = StepOut(sample_ids=previous.sample_ids, timestep=t, latent=step.next_latent.cpu(),
-                  log_prob=step.log_prob.cpu(), version=weights.version, cond=cond)
+        if t in alg.sde_steps(iteration):
+            # Drawn on the CPU from per-sample seeds: the same numbers on any device.
+            eps = torch.stack([draw_normal(tuple(x.shape[1:]), spec.seed, SDE_DRAW, iteration,
+                                           s, t) for s in previous.sample_ids]).to(dev)
+            step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps,
+                            dynamics=alg.dynamics)
+            nxt, log_prob = step.next_latent, step.log_prob.cpu()
+            mean = step.mean.cpu() if spec.keep_means else None
+        else:
+            nxt = euler_step(x, v, sigma, sigma_next)
+    out = StepOut(sample_ids=previous.sample_ids, timestep=t, latent=nxt.cpu(),
+                  log_prob=log_prob, version=weights.version, cond=cond, mean=mean)
     stretch(started)  # an injected slowdown (drills, tests); none by default
     return out
 
 
-def decode(spec: RolloutSpec, start: Latents, *steps: StepOut) -> DecodeOut:
-    """Decode a chunk's final latents to images (videos for a video family); collect its
-    per-step log-probs."""
+def decode(spec: RolloutSpec, *parts: Latents | StepOut) -> DecodeOut:
+    """Decode a chunk's final latents to images (videos for a video family); collect the
+    log-probs its SDE steps recorded (NaN at ODE steps; none at all for a decoupled
+    algorithm, which reads only the final step). ``parts``: the chunk's starting noise
+    and the steps the graph gives it (every step when its latents are stored)."""
     models = resident(spec.model, spec.model_seed, spec.trainable)
-    steps = sorted(steps, key=lambda s: s.timestep)
-    assert [s.timestep for s in steps] == list(range(len(steps))), "missing steps"
+    steps = sorted((p for p in parts if isinstance(p, StepOut)), key=lambda s: s.timestep)
+    n_steps = len(spec.sigmas) - 1
+    assert steps and steps[-1].timestep == n_steps - 1, "missing the final step"
     images = decode_latents(spec.model, models.vae, steps[-1].latent.to(models.device))
-    log_probs = torch.stack([s.log_prob for s in steps], dim=1).numpy().astype(np.float32)
+    ids = steps[-1].sample_ids
+    if spec.algorithm.keeps_trajectory():
+        log_probs = np.full((len(ids), n_steps), np.nan, np.float32)
+        for s in steps:
+            if s.log_prob is not None:
+                log_probs[:, s.timestep] = s.log_prob.numpy()
+    else:
+        log_probs = np.zeros((len(ids), 0), np.float32)
     latents = None
     if spec.save_latents:
+        start = parts[0]
+        assert isinstance(start, Latents) and [s.timestep for s in steps] == list(
+            range(n_steps)), "stored latents need every step"
         latents = torch.stack([start.x] + [s.latent for s in steps], dim=1).numpy()
     versions = {s.version for s in steps}
     assert len(versions) == 1, f"a trajectory mixed policy versions {versions}"
-    return DecodeOut(sample_ids=start.sample_ids, images=images, log_probs=log_probs,
+    return DecodeOut(sample_ids=ids, images=images, log_probs=log_probs,
                      behaviour_version=versions.pop(), latents=latents)
 
 

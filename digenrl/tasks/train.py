@@ -1,8 +1,13 @@
 """Training tasks: the initial state, gradient micro-steps, the fixed-order reduction,
 the AdamW step that publishes the next policy version.
 
-Loss (Flow-GRPO, docs/algorithm.md), per sample and trained timestep, with
-``logp`` under the trainer's weights and ``logp_b`` recorded at rollout:
+A micro-step's loss is its algorithm's (:mod:`digenrl.tasks.algorithms`, found by the
+name of ``spec.algorithm``): :func:`grad` runs the coupled family's (Flow-GRPO: a chunk at
+one trained step of its trajectory, scored again under the current weights; the clipped
+policy loss with the off-policy correction below), :func:`matching_grad` a decoupled
+one's (DiffusionNFT, AWM, online DPO: a chunk's clean latents noised at freshly drawn
+noise levels). Flow-GRPO's loss (docs/algorithm.md), per sample and trained timestep,
+with ``logp`` under the trainer's weights and ``logp_b`` recorded at rollout:
 
 * ``off_policy_correction = "decoupled"`` (default; AReaL's decoupled PPO objective):
   the proximal log-prob is the trainer's own, ``logp_prox = logp.detach()``;
@@ -13,30 +18,39 @@ Loss (Flow-GRPO, docs/algorithm.md), per sample and trained timestep, with
   (what flow_grpo does for its second inner optimizer step, one version stale).
 
 ``loss = w * max(-A ratio, -A clip(ratio))`` plus, with ``kl_beta > 0``,
-``kl_beta * mean((mean_theta - mean_ref)^2) / (2 s_t^2)`` against version 0.
-Gradients are normalised by samples x trained timesteps, so the reduced sum is the
+``kl_beta * mean((mean_theta - mean_ref)^2) / (2 s_t^2)`` against the reference (or the
+velocity-space ``kl_beta * mean((v - v_ref)^2)``). Gradients are normalised by the
+iteration's trained rows (samples, or pairs) x micro-steps, so the reduced sum is the
 gradient of the mean loss.
+
+A policy version of an algorithm with a sampling copy (DiffusionNFT) keeps the copy in its
+trainer state beside the trained weights: :func:`publish` gives the rollouts the copy,
+:func:`trained` the micro-steps the weights, and :func:`optimize` moves the copy towards
+the new weights after each step.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from digenrl.config import ModelConfig, SamplerConfig, TrainConfig
+from digenrl.algorithms import Algorithm, FlowGRPO
+from digenrl.config import AlgorithmConfig, ModelConfig, SamplerConfig, TrainConfig
 from digenrl.metering import model_time
 from digenrl.lora import Trainable, build_policy, trainable_parameters
-from digenrl.models import predict_velocity
+from digenrl.models import Conditioning
+from digenrl.tasks.algorithms import math_of
+from digenrl.tasks.algorithms.common import MicroResult, Policies, policy_loss
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import chunk_conditioning
-from digenrl.tasks.sde import sde_step
 from digenrl.tasks.types import (AdvantageOut, GradOut, IterationStats, Latents, MicroStats,
                                  PolicyWeights, StepOut, TrainerState, travels)
 
-__all__ = ["TrainSpec", "OptimizeOut", "init_state", "publish", "iteration_stats",
-           "grad", "reduce", "optimize", "adamw_update", "policy_loss"]
+__all__ = ["TrainSpec", "OptimizeOut", "init_state", "publish", "trained", "iteration_stats",
+           "grad", "matching_grad", "reduce", "optimize", "adamw_update", "policy_loss",
+           "sampling_copy_update"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +60,40 @@ class TrainSpec:
     train: TrainConfig
     seed: int  # the model seed: builds version 0 and the resident transformer
     sigmas: tuple[float, ...]
-    normaliser: int  # samples per iteration x trained timesteps
+    normaliser: int  # trained rows (samples, or pairs) per iteration x micro-steps per chunk
     trainable: Trainable = Trainable()  # all weights, or LoRA adapters (digenrl/lora.py)
+    #: The algorithm's shape (None: Flow-GRPO with the sampler's trained steps) and its
+    #: settings.
+    shape: Algorithm | None = None
+    settings: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    draw_seed: int = 0  # the run seed: a decoupled micro-step's draws
+
+    @property
+    def algorithm(self) -> Algorithm:
+        if self.shape is not None:
+            return self.shape
+        return FlowGRPO(num_steps=self.sampler.num_steps,
+                        trained_steps=self.sampler.trained_steps)
+
+    @property
+    def guard(self) -> bool:
+        return self.settings.guard
+
+    @property
+    def kl_space(self) -> str:
+        return self.settings.kl
+
+    @property
+    def kl_beta(self) -> float:
+        return self.train.kl_beta
+
+    @property
+    def nft_beta(self) -> float:
+        return self.settings.nft_beta
+
+    @property
+    def dpo_beta(self) -> float:
+        return self.settings.dpo_beta
 
 
 @dataclass
@@ -60,41 +106,37 @@ travels(OptimizeOut)  # to the checkpoint, statistics and read-back tasks
 
 
 def init_state(spec: TrainSpec) -> OptimizeOut:
-    """Version 0: the initial trainable weights (float32) and a zero AdamW state."""
+    """Version 0: the initial trainable weights (float32) and a zero AdamW state (and,
+    for an algorithm with a sampling copy, the copy: the same weights)."""
     model = build_policy(spec.model, spec.trainable, spec.seed)
     params = {n: p.detach().clone() for n, p in trainable_parameters(model).items()}
     zeros = {n: torch.zeros_like(p) for n, p in params.items()}
+    sampling = ({n: p.clone() for n, p in params.items()}
+                if spec.algorithm.sampling_copy else None)
     return OptimizeOut(TrainerState(version=0, params=params, exp_avg=zeros,
-                                    exp_avg_sq={n: z.clone() for n, z in zeros.items()}),
+                                    exp_avg_sq={n: z.clone() for n, z in zeros.items()},
+                                    sampling=sampling),
                        None)
 
 
 def publish(out: OptimizeOut) -> PolicyWeights:
-    """The weights of the version ``out`` holds, as the rollout workers receive them."""
+    """The weights of the version ``out`` holds, as the rollout workers receive them: its
+    sampling copy where it keeps one, else the trained weights."""
+    state = out.state
+    if state.sampling is not None:
+        return PolicyWeights(version=state.version, tensors=state.sampling, sampling_copy=True)
+    return PolicyWeights(version=state.version, tensors=state.params)
+
+
+def trained(out: OptimizeOut) -> PolicyWeights:
+    """The trained weights of the version ``out`` holds (what its iteration's micro-steps
+    differentiate, where they are not what the version publishes)."""
     return PolicyWeights(version=out.state.version, tensors=out.state.params)
 
 
 def iteration_stats(out: OptimizeOut) -> IterationStats:
     assert out.stats is not None
     return out.stats
-
-
-def policy_loss(logp: torch.Tensor, logp_b: torch.Tensor, adv: torch.Tensor,
-                clip_range: float, correction: str, cap: float):
-    """Per-sample clipped policy loss; returns (loss, ratio, weight, truncated)."""
-    if correction == "decoupled":
-        prox = logp.detach()
-        raw_w = torch.exp(prox - logp_b)
-        weight = raw_w.clamp(max=cap)
-        truncated = raw_w > cap
-        ratio = torch.exp(logp - prox)
-    else:
-        weight = torch.ones_like(logp)
-        truncated = torch.zeros_like(logp, dtype=torch.bool)
-        ratio = torch.exp(logp - logp_b)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    return weight * torch.maximum(unclipped, clipped), ratio, weight, truncated
 
 
 def _chunk_advantages(sample_ids, parts: tuple[AdvantageOut, ...]):
@@ -107,11 +149,19 @@ def _chunk_advantages(sample_ids, parts: tuple[AdvantageOut, ...]):
     return adv, valid
 
 
+def _policies(spec: TrainSpec, models, model: torch.nn.Module,
+              sampling: PolicyWeights | None, reference: PolicyWeights | None) -> Policies:
+    return Policies(spec.model, spec.sampler.guidance_scale, model,
+                    models.policy(sampling) if sampling is not None else None,
+                    models.policy(reference) if reference is not None else None,
+                    spec.trainable.lora)
+
+
 def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | None,
          prompts: tuple[str, ...], t: int, before: Latents | StepOut, after: StepOut,
          *advantages: AdvantageOut) -> GradOut:
-    """One micro-step: the gradient of the loss of one chunk at one timestep."""
-    cfg, tc = spec.sampler, spec.train
+    """One micro-step of the coupled family: the gradient of the loss of one chunk at
+    one trained timestep (:mod:`digenrl.tasks.algorithms.flow_grpo`)."""
     models = resident(spec.model, spec.seed, spec.trainable)
     dev = models.device
     model = models.policy(weights)
@@ -121,44 +171,89 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     cond = chunk_conditioning(prompts, after).to(dev)
     adv, valid = _chunk_advantages(after.sample_ids, advantages)
     adv, valid = adv.to(dev), valid.to(dev)
-    next_latent = after.latent.to(dev)
+    policies = _policies(spec, models, model, None, reference)
+    # The reference first: with LoRA it is this module with its adapters switched off.
+    v_ref = policies.reference(x, sigma, cond) if spec.kl_beta > 0 else None
+    result = math_of(spec.algorithm).micro_step(spec, policies, x, cond, sigma, sigma_next,
+                                                after, adv, valid, v_ref)
+    return _grad_out(spec, model, result, weights.version - after.version)
 
-    v = predict_velocity(spec.model, model, x, sigma, cond, cfg.guidance_scale)
-    step = sde_step(x, v, sigma, sigma_next, cfg.noise_level, next_latent=next_latent)
-    logp, logp_b = step.log_prob, after.log_prob.to(dev)
-    per_sample, ratio, weight, truncated = policy_loss(
-        logp, logp_b, adv, tc.clip_range, tc.off_policy_correction, tc.importance_weight_cap)
-    kl = torch.zeros_like(per_sample)
-    if tc.kl_beta > 0:
-        assert reference is not None
-        with torch.no_grad():
-            v_ref = predict_velocity(spec.model, models.policy(reference), x, sigma, cond,
-                                     cfg.guidance_scale)
-            mean_ref = sde_step(x, v_ref, sigma, sigma_next, cfg.noise_level,
-                                next_latent=next_latent).mean
-        kl = ((step.mean - mean_ref) ** 2).mean(dim=tuple(range(1, x.ndim))) \
-            / (2.0 * step.scale ** 2)
-    mask = valid.to(torch.float32)
-    total = ((per_sample + tc.kl_beta * kl) * mask).sum() / spec.normaliser
-    params = trainable_parameters(model)
-    grads = _gradients(total, params, spec.model.dtype)
 
-    staleness = weights.version - after.version
+def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeights | None,
+                  reference: PolicyWeights | None, prompts: tuple[str, ...], iteration: int,
+                  j: int, *inputs: StepOut | AdvantageOut) -> GradOut:
+    """Micro-step ``j`` of a decoupled algorithm on the final latents of the chunks in
+    ``inputs`` (their ``StepOut``), with their groups' advantages (the ``AdvantageOut``
+    in ``inputs``). ``weights``: the trained weights; ``sampling``: the weights the chunks
+    were sampled with, where the algorithm reads them and they are other weights;
+    ``reference``: version 0's, where the micro-step reads a frozen reference (None with
+    LoRA: the base model)."""
+    finals = [p for p in inputs if isinstance(p, StepOut)]
+    parts = tuple(p for p in inputs if isinstance(p, AdvantageOut))
+    models = resident(spec.model, spec.seed, spec.trainable)
+    dev = models.device
+    model = models.policy(weights)
+    batch = _Batch.of(prompts, finals, parts, dev)
+    policies = _policies(spec, models, model, sampling, reference)
+    result = math_of(spec.algorithm).micro_step(spec, policies, batch, iteration, j)
+    behaviour = min(f.version for f in finals)
+    return _grad_out(spec, model, result, weights.version - behaviour)
+
+
+@dataclass
+class _Batch:
+    """A decoupled micro-step's samples: their ids, clean (final) latents, conditioning,
+    advantages and whether each is valid, and the advantage parts themselves."""
+
+    ids: tuple[int, ...]
+    x0: torch.Tensor
+    cond: Conditioning
+    adv: torch.Tensor
+    valid: torch.Tensor
+    parts: tuple[AdvantageOut, ...]
+
+    @classmethod
+    def of(cls, prompts, finals: list[StepOut], parts: tuple[AdvantageOut, ...], dev):
+        ids = tuple(s for f in finals for s in f.sample_ids)
+        conds = [f.cond for f in finals]
+        assert all(c is not None for c in conds) and \
+            tuple(p for c in conds for p in c.prompts) == tuple(prompts), \
+            "a chunk's conditioning must come from its noise task, for its prompts"
+        cond = Conditioning(tuple(prompts), {k: torch.cat([c.tensors[k] for c in conds])
+                                             for k in conds[0].tensors}, conds[0].negative)
+        adv, valid = _chunk_advantages(ids, parts)
+        x0 = torch.cat([f.latent for f in finals]).to(dev)
+        return cls(ids, x0, cond.to(dev), adv.to(dev), valid.to(dev), parts)
+
+
+def _grad_out(spec: TrainSpec, model: torch.nn.Module, r: MicroResult,
+              staleness: int) -> GradOut:
+    """The gradient of a micro-step's summed loss (over its valid rows, normalised) and
+    its statistics."""
+    tc = spec.train
+    kl = r.kl if r.kl is not None else torch.zeros_like(r.loss)
+    mask = r.valid.to(torch.float32)
+    total = ((r.loss + tc.kl_beta * kl) * mask).sum() / spec.normaliser
+    grads = _gradients(total, trainable_parameters(model), spec.model.dtype)
+    valid = r.valid
     with torch.no_grad():
-        r_b = torch.exp(logp - logp_b)[valid]
         n_valid = int(valid.sum())
-        stats = MicroStats(
-            count=n_valid,
-            loss_sum=float(per_sample[valid].sum()),
-            kl_sum=float(kl[valid].sum()),
-            approx_kl_sum=float((0.5 * (logp - logp_b) ** 2)[valid].sum()),
-            clipped=int(((ratio - 1.0).abs() > tc.clip_range)[valid].sum()),
-            importance_weight_sum=float(weight[valid].sum()),
-            truncated=int(truncated[valid].sum()),
-            staleness_sum=staleness * n_valid,
-        )
-        if t == 0 and staleness == 0 and n_valid:
-            stats.ratio_dev = float((r_b - 1.0).abs().max())
+        stats = MicroStats(count=n_valid, loss_sum=float(r.loss[valid].sum()),
+                           kl_sum=float(kl[valid].sum()), staleness_sum=staleness * n_valid)
+        if r.weight is not None:
+            stats.importance_weight_sum = float(r.weight[valid].sum())
+            stats.truncated = int(r.truncated[valid].sum())
+        else:  # no policy ratio: every row counts with weight 1
+            stats.importance_weight_sum = float(n_valid)
+        if r.approx_kl is not None:
+            stats.approx_kl_sum = float(r.approx_kl[valid].sum())
+        if r.ratio is not None:
+            stats.clipped = int(((r.ratio - 1.0).abs() > tc.clip_range)[valid].sum())
+        log_ratio = r.extra.get("log_ratio")
+        if log_ratio is not None and staleness == 0 and n_valid:
+            # On-policy: the rollout and the trainer scored the same step with the same
+            # weights, so the ratio is exactly 1.
+            stats.ratio_dev = float((torch.exp(log_ratio) - 1.0)[valid].abs().max())
             stats.ratio_dev_count = n_valid
     return GradOut(grads=grads, stats=stats)
 
@@ -235,7 +330,9 @@ def adamw_update(params, exp_avg, exp_avg_sq, grads, step: int, tc: TrainConfig)
 
 def optimize(spec: TrainSpec, previous: OptimizeOut, total: GradOut,
              iteration: int) -> OptimizeOut:
-    """Clip the gradient norm, take one AdamW step, produce version + 1."""
+    """Clip the gradient norm, take one AdamW step, produce version + 1 (and move a
+    sampling copy: ``copy = eta_i copy + (1 - eta_i) params``, DiffusionNFT's schedule
+    ``eta_i = min(algorithm.ema_ramp x i, algorithm.ema_max)``)."""
     state = previous.state
     grads = total.grads
     norm = float(torch.linalg.vector_norm(
@@ -246,8 +343,20 @@ def optimize(spec: TrainSpec, previous: OptimizeOut, total: GradOut,
     step = state.step + 1
     params, m, v = adamw_update(state.params, state.exp_avg, state.exp_avg_sq, grads, step,
                                 spec.train)
+    sampling = None
+    if state.sampling is not None:
+        sampling = sampling_copy_update(state.sampling, params,
+                                        spec.settings.sampling_copy_decay(iteration))
     new = TrainerState(version=state.version + 1, params=params, exp_avg=m, exp_avg_sq=v,
-                       step=step)
+                       step=step, sampling=sampling)
+    published = sampling if sampling is not None else params
     return OptimizeOut(new, IterationStats(iteration=iteration, version=new.version,
                                            micro=total.stats, grad_norm=norm,
-                                           weight_bytes=PolicyWeights(new.version, params).nbytes))
+                                           weight_bytes=PolicyWeights(new.version,
+                                                                      published).nbytes))
+
+
+def sampling_copy_update(copy: dict[str, torch.Tensor], params: dict[str, torch.Tensor],
+                         eta: float) -> dict[str, torch.Tensor]:
+    """``eta copy + (1 - eta) params``, new tensors."""
+    return {n: eta * c + (1.0 - eta) * params[n] for n, c in copy.items()}

@@ -27,6 +27,9 @@ class PolicyWeights:
 
     version: int
     tensors: dict[str, torch.Tensor]
+    #: These are a sampling copy (DiffusionNFT's slowly moving average, what the version's
+    #: rollouts sample with), not the trained weights of the version.
+    sampling_copy: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -35,13 +38,15 @@ class PolicyWeights:
 
 @dataclass
 class TrainerState:
-    """Weights plus AdamW state: what ``optimize`` consumes and produces."""
+    """Weights plus AdamW state: what ``optimize`` consumes and produces; with an
+    algorithm that samples with a copy of its own (DiffusionNFT), that copy too."""
 
     version: int
     params: dict[str, torch.Tensor]
     exp_avg: dict[str, torch.Tensor]
     exp_avg_sq: dict[str, torch.Tensor]
     step: int = 0
+    sampling: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -56,21 +61,25 @@ class Latents:
 
 @dataclass
 class StepOut:
-    """One denoising step of a chunk: the next latent and its log-probability."""
+    """One denoising step of a chunk: the next latent and, for an SDE step, its
+    log-probability (None for an ODE step)."""
 
     sample_ids: tuple[int, ...]
     timestep: int
     latent: torch.Tensor
-    log_prob: torch.Tensor
+    log_prob: torch.Tensor | None
     version: int
     cond: Conditioning | None = None  # the chunk's conditioning, passed along the chain
+    #: The SDE step's mean, where the training reads it (GRPO-Guard); else None.
+    mean: torch.Tensor | None = None
 
 
 @dataclass
 class DecodeOut:
     sample_ids: tuple[int, ...]
     images: np.ndarray            # (n, H, W, 3) uint8; videos (n, F, H, W, 3)
-    log_probs: np.ndarray         # (n, num_steps) float32, at rollout
+    log_probs: np.ndarray         # (n, num_steps) float32 at rollout, NaN at ODE steps;
+                                  # (n, 0) for a decoupled algorithm
     behaviour_version: int
     latents: np.ndarray | None = None  # (n, num_steps + 1, C, h, w) when asked for
 

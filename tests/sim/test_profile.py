@@ -2,7 +2,12 @@
 
 import pytest
 
+from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.profile import ProfileError, list_profiles, load_profile, profile_from_dict
+from digenrl.sim.simulate import simulate
+
+#: The DigenRL paper's four models, each on the testbed size its profile names.
+PAPER_MODELS = ("flux12b-16gpu", "wan14b-32gpu", "qwenimage20b-32gpu", "hunyuanvideo13b-32gpu")
 
 
 def test_shipped_profiles_load_with_their_sources():
@@ -29,6 +34,35 @@ def test_costs_follow_the_profile():
     assert p.ideal_images_per_s() == pytest.approx(288 / (work / 16))
     wan = load_profile("wan14b-32gpu")
     assert wan.task_seconds("denoise", 1) == pytest.approx(4.6 * 2)  # guidance doubles it
+
+
+def test_the_paper_models_cost_what_their_sources_derive():
+    qwen = load_profile("qwenimage20b-32gpu")
+    # True classifier-free guidance: two forwards per sample-step, in sampling and training.
+    assert qwen.task_seconds("denoise", 4) == pytest.approx(0.47 * 2 * 4)
+    assert qwen.task_seconds("grad", 4) == pytest.approx(4 * 0.47 * 2 * 4)
+    assert qwen.weight_sync_seconds() == pytest.approx(40.9e9 / 50e9 + 5e-6)
+    hunyuan = load_profile("hunyuanvideo13b-32gpu")
+    # Guidance-distilled: one forward per sample-step; one video per task.
+    assert hunyuan.task_seconds("denoise", 1) == pytest.approx(1.14)
+    assert hunyuan.chunk_size == 1 and hunyuan.images_per_iteration == 8 * 24
+    for name in PAPER_MODELS:
+        p = load_profile(name)
+        assert p.gpus in (16, 32) and p.trained_steps < p.num_steps
+
+
+@pytest.mark.parametrize("name", ["qwenimage20b-32gpu", "hunyuanvideo13b-32gpu"])
+def test_every_mode_runs_on_the_new_paper_models_at_16_gpus(name):
+    p = load_profile(name).scaled(16)
+    reports = {mode: simulate(p, ScheduleOptions(mode=mode, **MODES[mode]), 3)
+               for mode in ("colocated", "disaggregated", "digenrl")}
+    for r in reports.values():
+        assert 0 < r.ideal_fraction <= 1.0
+        assert r.tasks == len(r.result.records)
+    # The synchronous disaggregated design idles each pool while the other works; the
+    # co-located one pays phase switches and recomputed log-probs; digenrl neither.
+    ips = {mode: r.images_per_s for mode, r in reports.items()}
+    assert ips["digenrl"] > ips["colocated"] > ips["disaggregated"]
 
 
 def test_scaling_keeps_the_work_per_gpu():
