@@ -287,9 +287,10 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
 
 
 def group_reward_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """A ``group_reward`` task per prompt group, reading the decoded images of the
-    chunks holding its samples (a chunk may hold several groups, a group span several
-    chunks). It sits at its last chunk's place, with that chunk's version."""
+    """A ``group_reward`` task per prompt group, reading the decoded images and the
+    rewards of the chunks holding its samples (a chunk may hold several groups, a group
+    span several chunks), in pairs. It sits at its last chunk's place, with that chunk's
+    version."""
     i = plan.iteration
     out = []
     for g in range(plan.num_groups):
@@ -302,7 +303,8 @@ def group_reward_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                                   gpu=layout.group_reward_gpu, chunk=last, group=g,
                                   samples=len(ids)),
                         (ids, plan.prompts[g], metadata,
-                         *(Dep(decode_key(i, c)) for c in chunks))))
+                         *(Dep(k) for c in chunks for k in (decode_key(i, c),
+                                                              reward_key(i, c))))))
     return out
 
 

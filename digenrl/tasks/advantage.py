@@ -36,19 +36,32 @@ def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration:
 
 def score_group(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
                 sample_ids: tuple[int, ...], prompt: str, metadata: str,
-                *decoded: DecodeOut) -> RewardOut:
+                *chunks: DecodeOut | RewardOut) -> RewardOut:
     """The group reward task: the weighted group rewards of one prompt group's samples
-    ``sample_ids``, scored together. ``decoded`` are the decode outputs of the chunks
-    holding them (which may hold other groups' samples too); ``metadata`` is the
-    prompt's metadata as JSON text (empty for none)."""
+    ``sample_ids``, scored together. ``chunks`` are the decode and reward outputs of the
+    chunks holding them, in pairs (a chunk may hold other groups' samples too);
+    ``metadata`` is the prompt's metadata as JSON text (empty for none). A sample the
+    chunk's rewards left invalid (``reward.on_error: drop``) is left out: the group is
+    scored without it, and it stays invalid."""
     if rewards_wait(rewards):
         _leave_thread_pool()
-    where = {s: (d, j) for d in decoded for j, s in enumerate(d.sample_ids)}
-    images = np.stack([where[s][0].images[where[s][1]] for s in sample_ids])
+    where = {s: (d, j) for d in chunks[0::2] for j, s in enumerate(d.sample_ids)}
+    valid_ids = {s for r in chunks[1::2] for s, v in zip(r.sample_ids, r.valid) if v}
+    kept = [s for s in sample_ids if s in valid_ids]
     n = len(sample_ids)
-    total, per, valid, problems = evaluate_rewards(
-        images, [prompt] * n, sample_ids, rewards, on_error, iteration,
-        decode_metadata([metadata] * n if metadata else (), n))
+    total, valid = np.full(n, np.nan), np.zeros(n, bool)
+    per = {spec.name: np.full(n, np.nan) for spec, _ in rewards}
+    problems: list[str] = []
+    if kept:
+        images = np.stack([where[s][0].images[where[s][1]] for s in kept])
+        k = len(kept)
+        got, got_per, got_valid, problems = evaluate_rewards(
+            images, [prompt] * k, kept, rewards, on_error, iteration,
+            decode_metadata([metadata] * k if metadata else (), k))
+        at = [sample_ids.index(s) for s in kept]
+        total[at], valid[at] = got, got_valid
+        for name, values in got_per.items():
+            per[name][at] = values
     return RewardOut(sample_ids=tuple(sample_ids), rewards=total, components=per,
                      valid=valid, problems=problems)
 
