@@ -211,3 +211,37 @@ def test_group_reward_tasks_run_after_their_groups_chunks_and_before_the_advanta
         assert np.array_equal(rank[i][mine], _rank_by_hand(list(jpeg[i][mine])))
     assert np.array_equal(s.reward.values, (0.0 + 1.0 * jpeg) + (0.0 + 0.5 * rank))
     assert bool(s.valid.all())
+
+
+# ------------------------------------------------------------------ the simulator
+
+
+def test_a_profiles_group_reward_cost_adds_simulated_group_reward_tasks_in_order():
+    import dataclasses
+
+    from digenrl.schedulers.options import MODES, ScheduleOptions
+    from digenrl.sim.profile import load_profile
+    from digenrl.sim.simulate import simulate
+
+    base = dataclasses.replace(load_profile("flux12b-16gpu"), rollout_workers=2,
+                               trainer_workers=2, prompts_per_iteration=2,
+                               samples_per_prompt=4, chunk_size=2, num_steps=4,
+                               trained_steps=2)
+    costs = dataclasses.replace(base.costs, group_reward_per_sample=0.5)
+    grouped = dataclasses.replace(base, costs=costs)
+    options = ScheduleOptions(mode="digenrl", **MODES["digenrl"])
+    plain = simulate(base, options, 6)
+    r = simulate(grouped, options, 6)
+    assert r.tasks == plain.tasks + 6 * 2
+    assert grouped.gpu_seconds_per_iteration() == (base.gpu_seconds_per_iteration()
+                                                   + 2 * 4 * 0.5)
+    assert r.images_per_s <= r.ideal_images_per_s
+    runs = {rec.key: rec for rec in r.result.records}
+    plan = grouped.plans(1)[0]
+    for i in range(6):
+        for g in range(2):
+            task = runs[group_reward_key(i, g)]
+            assert task.gpu and task.stop - task.start >= 4 * 0.5 / base.rollout_speed - 1e-9
+            for c in plan.chunks_of_group(g):
+                assert runs[reward_key(i, c)].stop <= task.start
+            assert task.stop <= runs[advantage_key(i, g)].start

@@ -6,7 +6,9 @@ bytes, network bandwidth, and the phase-switch costs the co-located design pays.
 ``algorithm`` (``flow_grpo`` unless named) shapes the graph as it does a run's: a
 decoupled algorithm's ``trained_steps`` are the micro-steps of a chunk (noise levels
 drawn afresh), its ``denoise`` steps are ODE steps, and a micro-step reads only the
-chunk's final latent. The emulator
+chunk's final latent. A ``costs.group_reward_per_sample`` above 0 (none by default) adds
+a reward that scores whole prompt groups: a ``group_reward`` task per group, after its
+chunks' rewards, on the GPU like the rewards (``reward_on``). The emulator
 (real Dask, tasks that sleep) and the simulator (discrete events) read the same profile
 through :meth:`Profile.task_seconds`, so they model the same work.
 """
