@@ -18,7 +18,7 @@ from digenrl.graph.structure import Dep, GraphLayout, iteration_nodes
 from digenrl.tasks.advantage import advantage, group_advantages, score_group
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import (get_reward, group_rank, group_win_rate, ranked_reward,
-                                   split_group_rewards)
+                                   register_reward, split_group_rewards)
 from digenrl.tasks.types import DecodeOut, RewardOut
 from digenrl.vocabulary import GROUP_REWARD, KIND_POOL, ROLLOUT, ROLLOUT_KINDS, stage_of
 
@@ -245,3 +245,32 @@ def test_a_profiles_group_reward_cost_adds_simulated_group_reward_tasks_in_order
             for c in plan.chunks_of_group(g):
                 assert runs[reward_key(i, c)].stop <= task.start
             assert task.stop <= runs[advantage_key(i, g)].start
+
+
+# ------------------------------------------------------------------ a registered one
+
+
+@register_reward("tests_brightness_spread", group=True)
+def brightness_spread(images, prompts):
+    """Each image's brightness less its group's mean brightness."""
+    b = get_reward("brightness")(images, prompts)
+    return b - b.mean()
+
+
+def test_a_registered_group_reward_scores_its_group_whole():
+    spec = get_reward("tests_brightness_spread")
+    assert spec.group
+    images = _images(4, 3)
+    b = get_reward("brightness")(images, ["p"] * 4)
+    assert np.allclose(spec.score_group(images, ["p"] * 4), b - b.mean(), rtol=0, atol=1e-15)
+    with pytest.raises(ConfigError, match=r"^data\.samples_per_prompt: "):
+        checked_config(**{"reward.components": {"tests_brightness_spread": 1.0},
+                          "data.samples_per_prompt": 1})
+
+
+def test_the_reward_server_refuses_a_group_reward_in_one_line(capsys):
+    from digenrl.cli import main
+
+    assert main(["reward-server", "tests_brightness_spread"]) == 2
+    err = capsys.readouterr().err
+    assert "group reward 'tests_brightness_spread'" in err and err.count("\n") == 1, err
