@@ -750,6 +750,10 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
             spec = get_reward(args.name)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if spec.group:
+        raise ConfigError(f"reward: expected a reward that scores each image alone (a "
+                          f"server gathers requests of many groups into one pass), got the "
+                          f"group reward {args.name!r}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: expected 0 to 65535, got {args.port}")
     max_bytes = rs.DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes

@@ -39,6 +39,7 @@ __all__ = [
     "RewardConfig",
     "RemoteRewardConfig",
     "RewardModelConfig",
+    "GroupRewardConfig",
     "TrainConfig",
     "ScheduleConfig",
     "ScheduleOptions",
@@ -647,6 +648,34 @@ def _check_folder(path: str, field_path: str, needs: list[tuple[str, ...]],
             _fail(field_path, f"{what} holding {' or '.join(names)}", path)
 
 
+#: How a group reward turns another reward's scores within a prompt group into its own
+#: (digenrl.tasks.rewards implements each).
+GROUP_REWARD_METHODS = ("rank", "win_rate")
+
+
+@dataclass(frozen=True)
+class GroupRewardConfig:
+    """A reward that scores a whole prompt group at once: another reward's scores ranked
+    within each group. Named under ``reward.group`` and weighted in ``reward.components``
+    like any reward; its task (``group_reward``) runs once the group's images exist, and
+    its weighted score is added to each sample's weighted sum of the others. It needs
+    ``data.samples_per_prompt`` >= 2 and is left out of held-out evaluation (one image
+    per prompt there): its ``reward_NAME`` column of the evaluations is NaN."""
+
+    of: str = ""
+    """The reward whose scores are ranked: a registered reward that scores each sample alone, or one of reward.remote or reward.models (a CLIP/PickScore or aesthetic model)."""
+    method: str = "rank"
+    """rank: the sample's rank in its group scaled to [0, 1] (the fraction of the others it beats, a tie counting half); win_rate: its mean probability of being preferred to each other sample of its group, sigmoid((score - other) / temperature), as PickScore's pairwise preference is."""
+    temperature: float = 1.0
+    """win_rate: the score difference that makes a preference e (about 2.7) times as likely (1 for PickScore's logit-scaled scores)."""
+
+    def validate(self, p: str) -> None:
+        _require(isinstance(self.of, str) and self.of != "", f"{p}.of",
+                 "the name of the reward whose scores are ranked", self.of)
+        _choice(self.method, f"{p}.method", GROUP_REWARD_METHODS)
+        _finite(self.temperature, f"{p}.temperature", lo=0, lo_open=True)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """A weighted sum of registered rewards, e.g. ``{jpeg_compressibility: 1.0}``.
@@ -657,18 +686,21 @@ class RewardConfig:
 
     components: Mapping[str, float] = field(
         default_factory=lambda: {"jpeg_compressibility": 1.0})
-    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards). A name is a registered reward or one of reward.remote or reward.models."""
+    """Reward name -> weight; the reward is the weighted sum (see digenrl.tasks.rewards). A name is a registered reward or one of reward.remote, reward.models or reward.group."""
     on_error: str = "raise"
     """raise: a failing reward stops the run naming the reward and samples; drop: those samples are left out and counted."""
     remote: Mapping[str, RemoteRewardConfig] = field(default_factory=dict)
     """Name -> a reward scored by a reward server (the fields below); the name is then usable in components."""
     models: Mapping[str, RewardModelConfig] = field(default_factory=dict)
     """Name -> a reward that owns a model, resident on the workers (the fields below); the name is then usable in components."""
+    group: Mapping[str, GroupRewardConfig] = field(default_factory=dict)
+    """Name -> a reward that scores a whole prompt group at once, ranking another reward's scores within the group (the fields below); the name is then usable in components."""
 
     def validate(self, p: str) -> None:
         for group, cls, what, fields in (
                 ("remote", RemoteRewardConfig, "server settings", "url, protocol, ..."),
-                ("models", RewardModelConfig, "model settings", "kind, path, ...")):
+                ("models", RewardModelConfig, "model settings", "kind, path, ..."),
+                ("group", GroupRewardConfig, "group reward settings", "of, method, ...")):
             named = getattr(self, group)
             _require(isinstance(named, Mapping), f"{p}.{group}",
                      f"a mapping of reward name to {what}", named)
@@ -679,6 +711,8 @@ class RewardConfig:
                          sub, "a name of letters, digits, '_', '-' and '.'", name)
                 _require(group == "remote" or name not in self.remote, sub,
                          "a name that is not also under reward.remote", name)
+                _require(group != "group" or name not in self.models, sub,
+                         "a name that is not also under reward.models", name)
                 _require(isinstance(settings, cls), sub, f"a mapping of {what} ({fields})",
                          settings)
                 settings.validate(sub)
@@ -691,7 +725,8 @@ class RewardConfig:
 
     def __hash__(self) -> int:
         return hash((tuple(sorted(self.components.items())), self.on_error,
-                     tuple(sorted(self.remote.items())), tuple(sorted(self.models.items()))))
+                     tuple(sorted(self.remote.items())), tuple(sorted(self.models.items())),
+                     tuple(sorted(self.group.items()))))
 
 
 # --------------------------------------------------------------------------- train

@@ -39,7 +39,8 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError, StoreWriter,
                            committed_iterations, read_attrs)
-from digenrl.vocabulary import ADVANTAGE, DECODE, DENOISE, INIT, REWARD, STATS, TRAINER
+from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
+                                TRAINER)
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
@@ -598,8 +599,8 @@ class Pipeline:
         reads = {layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
         if not reads <= set(self.published):
             return False
-        outputs = iteration_outputs(plan)
-        keys = outputs[DECODE] + outputs[REWARD]
+        outputs = iteration_outputs(plan, layout.group_rewards)
+        keys = outputs[DECODE] + outputs[REWARD] + outputs[GROUP_REWARD]
         trained = chain_keys_trained(layout, plan)
         futs = self._submit(rollout_nodes(layout, plan), keys + trained, f"rollout-{j}")
         self._outputs.setdefault(j, {}).update({k: futs[k] for k in keys})

@@ -5,7 +5,8 @@ What it names elsewhere is checked here, each in one line naming the field as th
 config's own checks do: the model folder's family, its size (what the transformer's
 patch grid and rotary or positional tables take) and what its tokenizers make of every
 prompt; the built-in prompt set and the prompt files; the reward names (registered, or
-under ``reward.remote`` / ``reward.models``); the held-out prompts an evaluation needs;
+under ``reward.remote`` / ``reward.models`` / ``reward.group``, a group reward's ranked
+reward, and the prompt groups a group reward needs); the held-out prompts an evaluation needs;
 the LoRA target modules of the transformer; settings that ask images of a video model
 or videos of an image model; the libraries of the experiment trackers and their folder
 (:func:`check_trackers`; whether a tracker starts is known only once the runner starts
@@ -50,6 +51,7 @@ def check_world(config: RunConfig) -> None:
         if path is not None:
             load_prompt_file(path, f"data.{name}")
     check_rewards(config.reward)
+    _check_group_rewards(config)
     check_trackers(config.tracking)
     if config.eval.on:
         _require(has_held_out_prompts(data), "eval.every",
@@ -87,14 +89,29 @@ def _check_sample_kind(config: RunConfig) -> None:
 
 def check_rewards(reward: RewardConfig) -> None:
     """Every name in ``reward.components`` is a registered reward or one of
-    ``reward.remote`` / ``reward.models``, and those two name no registered reward."""
-    for group in ("remote", "models"):
+    ``reward.remote`` / ``reward.models`` / ``reward.group``, those three name no
+    registered reward, and each group reward ranks a reward that scores samples alone."""
+    for group in ("remote", "models", "group"):
         for name in getattr(reward, group):
             _require(name not in REWARDS, _sub_path(f"reward.{group}", name),
                      "a name that is not a registered reward's", name)
-    known = set(REWARDS) | set(reward.remote) | set(reward.models)
+    alone = ({name for name, spec in REWARDS.items() if not spec.group}
+             | set(reward.remote) | set(reward.models))
+    for name, settings in reward.group.items():
+        _choice(settings.of, f"{_sub_path('reward.group', name)}.of", alone)
+    known = set(REWARDS) | set(reward.remote) | set(reward.models) | set(reward.group)
     for name in reward.components:
         _choice(name, "reward.components", known)
+
+
+def _check_group_rewards(config: RunConfig) -> None:
+    """A group reward ranks the samples of a prompt group: a group needs two."""
+    grouped = [name for name in config.reward.components
+               if name in config.reward.group or (name in REWARDS and REWARDS[name].group)]
+    if grouped:
+        _require(config.data.samples_per_prompt >= 2, "data.samples_per_prompt",
+                 f"at least 2 with the group reward {grouped[0]!r} (it ranks the samples "
+                 f"of each prompt group)", config.data.samples_per_prompt)
 
 
 def _check_prompts(config: RunConfig) -> None:

@@ -26,19 +26,20 @@ from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
                             evaluation_means, library_versions)
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
-from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key, kind_of,
-                                reward_key, stats_key)
+from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
+                                group_reward_key, kind_of, reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore, frame_strip
+from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
 from digenrl.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD, RESTORE,
-                                REWARD, STATS)
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD,
+                                GROUP_REWARD, RESTORE, REWARD, STATS)
 
 __all__ = ["FlowGRPOWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
            "library_versions"]
@@ -50,7 +51,7 @@ Key = Hashable
 class FlowGRPOWorkload:
     """Post-training of the configured model with the configured algorithm."""
 
-    collected = (DECODE, REWARD, ADVANTAGE, STATS, EVAL, EVAL_REWARD)
+    collected = (DECODE, REWARD, GROUP_REWARD, ADVANTAGE, STATS, EVAL, EVAL_REWARD)
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -273,8 +274,15 @@ class IterationResults:
             log_prob=np.zeros((n, config.sampler.num_steps if config.algorithm.coupled
                                else 0), np.float32),
             behaviour_version=np.zeros(n, np.int32), stats=values[stats_key(i)])
-        for c in range(len(plan.chunks)):
-            results._scored(values[reward_key(i, c)])
+        scored = [values[reward_key(i, c)] for c in range(len(plan.chunks))]
+        # The group rewards' outputs, where the run has group rewards.
+        grouped = (group_reward_key(i, g) for g in range(plan.num_groups))
+        scored += [values[k] for k in grouped if k in values]
+        for r in scored:
+            results._scored(r)
+        ids, reward, valid = scored_samples(scored)  # as the advantage tasks sum them
+        results.reward[ids] = reward
+        results.valid[ids] = valid
         for g in range(plan.num_groups):
             a = values[advantage_key(i, g)]
             results.advantage[list(a.sample_ids)] = a.advantages
@@ -284,8 +292,6 @@ class IterationResults:
 
     def _scored(self, r: RewardOut) -> None:
         ids = list(r.sample_ids)
-        self.reward[ids] = r.rewards
-        self.valid[ids] = r.valid
         for name, vals in r.components.items():
             self.components[name][ids] = vals
         self.problems += r.problems

@@ -11,7 +11,7 @@ from __future__ import annotations
 __all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
            "INIT", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD", "REDUCE",
            "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
-           "EVAL_REWARD",
+           "EVAL_REWARD", "GROUP_REWARD",
            "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
            "BACKGROUND_KINDS", "stage_of"]
 
@@ -35,6 +35,9 @@ NOISE = "noise"              # a chunk's starting latents
 DENOISE = "denoise"          # one sampler step of a chunk
 DECODE = "decode"            # a chunk's latents to images, with their log-probs
 REWARD = "reward"            # a chunk's images scored
+#: A prompt group's images scored together (a ranking or preference within the group),
+#: by the rewards that score a whole group at once; only where the run has one.
+GROUP_REWARD = "group_reward"
 ADVANTAGE = "advantage"      # a prompt group's rewards normalised
 GRAD = "grad"                # the gradient of one chunk at one trained timestep
 REDUCE = "reduce"            # a node of the fixed gradient-sum tree
@@ -57,14 +60,14 @@ EVAL_REWARD = "eval_reward"
 #: The pool each kind belongs to in the modes that use pools.
 KIND_POOL = {
     INIT: TRAINER, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT, REWARD: ROLLOUT,
-    ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
+    GROUP_REWARD: ROLLOUT, ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
     PUBLISH: TRAINER, TRAINED: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
     EVAL: ROLLOUT, EVAL_REWARD: ROLLOUT,
 }
 KINDS = tuple(KIND_POOL)
 
-#: Kinds that hold a GPU slot (a ``reward`` or ``eval_reward`` does too when its reward
-#: needs the GPU).
+#: Kinds that hold a GPU slot (a ``reward``, ``group_reward`` or ``eval_reward`` does too
+#: when its reward needs the GPU).
 GPU_KINDS = frozenset({DENOISE, DECODE, GRAD, OPTIMIZE, EVAL})
 
 #: Work that runs only in GPU slots nothing else can use: never part of an iteration's
@@ -79,9 +82,12 @@ ROLLOUT_KINDS = frozenset(k for k, pool in KIND_POOL.items()
 TRAINING_KINDS = frozenset({ADVANTAGE, GRAD, REDUCE, OPTIMIZE})
 
 # A chunk's order of work: ``noise``, then its steps in timestep order, then ``decode``
-# and ``reward``. A ``denoise`` or ``grad`` sits at its timestep, every other kind at 0.
+# and ``reward`` (a ``group_reward`` sits at the place of its group's last chunk, after
+# that chunk's reward). A ``denoise`` or ``grad`` sits at its timestep, every other kind
+# at 0.
 _AFTER_THE_STEPS = 1_000_000
-_STAGE = {NOISE: -1, DECODE: _AFTER_THE_STEPS, REWARD: _AFTER_THE_STEPS + 1}
+_STAGE = {NOISE: -1, DECODE: _AFTER_THE_STEPS, REWARD: _AFTER_THE_STEPS + 1,
+          GROUP_REWARD: _AFTER_THE_STEPS + 2}
 
 
 def stage_of(kind: str, timestep: int | None) -> int:

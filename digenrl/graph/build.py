@@ -23,9 +23,10 @@ from digenrl.resolve import check_world
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
-from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu
-from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD, INIT,
-                                NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS, TRAINED)
+from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu, split_group_rewards
+from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD,
+                                GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD,
+                                STATS, TRAINED)
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -38,8 +39,11 @@ class GraphContext:
     layout: GraphLayout
     rollout: rollout.RolloutSpec
     train: train.TrainSpec
-    #: The reward functions with their weights (the reward tasks carry them).
+    #: The reward functions with their weights (the reward tasks carry them): those
+    #: that score each sample alone, and those that score a whole prompt group at once
+    #: (the group reward tasks').
     rewards: tuple[tuple[RewardSpec, float], ...] = ()
+    group_rewards: tuple[tuple[RewardSpec, float], ...] = ()
     #: Held-out evaluation: its sampler (its own steps and guidance) and prompts; None
     #: while evaluation is off.
     evaluation: rollout.RolloutSpec | None = None
@@ -54,8 +58,9 @@ class GraphContext:
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)
-        rewards = resolve_rewards(config.reward.components, config.reward.remote,
-                                  config.reward.models)
+        rewards, group_rewards = split_group_rewards(resolve_rewards(
+            config.reward.components, config.reward.remote, config.reward.models,
+            config.reward.group))
         shape = config.algorithm_shape
         trainable = trainable_spec(config.model, config.train)
         rspec = rollout.RolloutSpec(
@@ -84,7 +89,8 @@ class GraphContext:
             reward_gpu=rewards_need_gpu(rewards),
             version_lag=config.schedule.options().max_staleness,
             stale_groups=config.schedule.stale_groups, algorithm=shape,
-            save_latents=config.store.save_latents)
+            save_latents=config.store.save_latents, group_rewards=bool(group_rewards),
+            group_reward_gpu=rewards_need_gpu(group_rewards))
         evaluation = held_out = None
         if config.eval.on:
             esampler = config.eval.sampler(config.sampler)
@@ -94,7 +100,8 @@ class GraphContext:
                                              save_latents=False)
             held_out = held_out_prompts(config.data)
         return cls(config=config, layout=layout, rollout=rspec, train=tspec,
-                   rewards=rewards, evaluation=evaluation, held_out=held_out)
+                   rewards=rewards, group_rewards=group_rewards, evaluation=evaluation,
+                   held_out=held_out)
 
     def eval_nodes(self, version: int) -> list[Node]:
         """The evaluation of policy ``version`` (none when it is not evaluated)."""
@@ -112,6 +119,8 @@ class GraphContext:
             DENOISE: (rollout.denoise, (self.rollout,)),
             DECODE: (rollout.decode, (self.rollout,)),
             REWARD: (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
+            GROUP_REWARD: (adv_tasks.score_group,
+                           (self.group_rewards, on_error, node.meta["iteration"])),
             EVAL: (rollout.evaluate, (self.evaluation,)),
             EVAL_REWARD: (adv_tasks.score, (self.rewards, on_error, node.meta["iteration"])),
             ADVANTAGE: (adv_tasks.advantage, ()),
@@ -143,4 +152,5 @@ def init_graph(ctx: GraphContext) -> IterationGraph:
 
 
 def iteration_graph(ctx: GraphContext, plan: IterationPlan) -> IterationGraph:
-    return bind(iteration_nodes(ctx.layout, plan), ctx.binding, iteration_outputs(plan))
+    return bind(iteration_nodes(ctx.layout, plan), ctx.binding,
+                iteration_outputs(plan, ctx.layout.group_rewards))

@@ -13,11 +13,12 @@ from typing import Any, Callable, Sequence
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, decode_key, optimize_key,
-                                publish_key, reward_key, stats_key)
+from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, decode_key, group_reward_key,
+                                optimize_key, publish_key, reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Dep, Node
-from digenrl.vocabulary import ADVANTAGE, ANNOTATION, DECODE, PUBLISH, REWARD, STATS
+from digenrl.vocabulary import (ADVANTAGE, ANNOTATION, DECODE, GROUP_REWARD, PUBLISH, REWARD,
+                                STATS)
 
 __all__ = ["IterationGraph", "bind", "init_outputs", "iteration_outputs"]
 
@@ -66,13 +67,16 @@ def init_outputs() -> dict[str, list[Key]]:
     return {PUBLISH: [publish_key(0)], STATE: [INIT_KEY]}
 
 
-def iteration_outputs(plan: IterationPlan) -> dict[str, list[Key]]:
+def iteration_outputs(plan: IterationPlan,
+                      group_rewards: bool = False) -> dict[str, list[Key]]:
     """The keys the driver collects of an iteration, by kind (the trainer state under
-    :data:`STATE`)."""
+    :data:`STATE`; the group reward tasks' where the run has group rewards)."""
     i, n_chunks = plan.iteration, len(plan.chunks)
     return {
         DECODE: [decode_key(i, c) for c in range(n_chunks)],
         REWARD: [reward_key(i, c) for c in range(n_chunks)],
+        GROUP_REWARD: ([group_reward_key(i, g) for g in range(plan.num_groups)]
+                       if group_rewards else []),
         ADVANTAGE: [advantage_key(i, grp) for grp in range(plan.num_groups)],
         STATS: [stats_key(i)],
         STATE: [optimize_key(i)],

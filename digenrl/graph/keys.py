@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
-                                GPU_KINDS, GRAD, INIT, KIND_POOL, KINDS, NOISE, OPTIMIZE,
-                                PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
+                                GPU_KINDS, GRAD, GROUP_REWARD, INIT, KIND_POOL, KINDS, NOISE,
+                                OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
 
 __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "noise_key", "denoise_key",
-           "decode_key", "reward_key", "advantage_key", "grad_key", "reduce_key",
-           "optimize_key", "publish_key", "trained_key", "checkpoint_key", "restore_key",
-           "stats_key", "eval_key", "eval_reward_key"]
+           "decode_key", "reward_key", "group_reward_key", "advantage_key", "grad_key",
+           "reduce_key", "optimize_key", "publish_key", "trained_key", "checkpoint_key",
+           "restore_key", "stats_key", "eval_key", "eval_reward_key"]
 
 Key = Hashable
 
@@ -47,6 +47,11 @@ def decode_key(iteration: int, chunk: int) -> Key:
 
 def reward_key(iteration: int, chunk: int) -> Key:
     return (REWARD, iteration, chunk)
+
+
+def group_reward_key(iteration: int, group: int) -> Key:
+    """A prompt group's images scored by the rewards that score a whole group at once."""
+    return (GROUP_REWARD, iteration, group)
 
 
 def advantage_key(iteration: int, group: int) -> Key:

@@ -4,6 +4,8 @@
 (chunk) -> ``advantage`` (group) -> ``grad`` (chunk, micro-step) -> ``reduce`` (a fixed
 tree, each node a chain adding one part at a time) -> ``optimize`` -> ``publish`` (the
 weights of version v+1, which later ``denoise`` and ``grad`` tasks read) and ``stats``.
+With a reward that scores whole prompt groups, a ``group_reward`` (group) task reads the
+decoded images of the group's chunks and its ``advantage`` reads it too.
 A run on Dask checkpoints each version and publishes it from the checkpoint read back
 (:func:`tail_nodes`).
 
@@ -35,17 +37,18 @@ from typing import Any, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
-                                denoise_key, eval_key, eval_reward_key, grad_key, noise_key,
-                                optimize_key, publish_key, reduce_key, restore_key,
-                                reward_key, stats_key, task_meta, trained_key)
+                                denoise_key, eval_key, eval_reward_key, grad_key,
+                                group_reward_key, noise_key, optimize_key, publish_key,
+                                reduce_key, restore_key, reward_key, stats_key, task_meta,
+                                trained_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
-                                GRAD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD,
+                                GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD,
                                 STATS, TRAINED)
 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "rollout_version", "reduce_root_key",
-           "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
+           "group_reward_nodes", "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
 
 
 def rollout_version(iteration: int, version_lag: int) -> int:
@@ -125,6 +128,11 @@ class GraphLayout:
     algorithm: Algorithm | None = None
     #: Every step's latent is stored (a coupled run's ``decode`` reads them all).
     save_latents: bool = False
+    #: A reward scores whole prompt groups: a ``group_reward`` task per group, after its
+    #: chunks' images, which its ``advantage`` reads (holding a GPU slot with
+    #: ``group_reward_gpu``).
+    group_rewards: bool = False
+    group_reward_gpu: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -234,8 +242,9 @@ def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
 
 
 def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """noise -> denoise chain -> decode -> reward, per chunk. External inputs: the
-    published weights of the versions the chunks read."""
+    """noise -> denoise chain -> decode -> reward, per chunk (and, with group rewards,
+    :func:`group_reward_nodes`). External inputs: the published weights of the versions
+    the chunks read."""
     i = plan.iteration
     out = []
     append = out.append
@@ -272,6 +281,30 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         append(Node(reward_key(i, c), REWARD,
                     task_meta(REWARD, i, rv, gpu=layout.reward_gpu, **common),
                     (prompts, Dep(decoded), plan.chunk_metadata(c)), [decoded]))
+    if layout.group_rewards:
+        out += group_reward_nodes(layout, plan)
+    return out
+
+
+def group_reward_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """A ``group_reward`` task per prompt group, reading the decoded images and the
+    rewards of the chunks holding its samples (a chunk may hold several groups, a group
+    span several chunks), in pairs. It sits at its last chunk's place, with that chunk's
+    version."""
+    i = plan.iteration
+    out = []
+    for g in range(plan.num_groups):
+        chunks = plan.chunks_of_group(g)
+        last = chunks[-1]
+        ids = plan.group_sample_ids(g)
+        metadata = plan.metadata[g] if plan.metadata else ""
+        out.append(Node(group_reward_key(i, g), GROUP_REWARD,
+                        task_meta(GROUP_REWARD, i, layout.chunk_version(plan, last),
+                                  gpu=layout.group_reward_gpu, chunk=last, group=g,
+                                  samples=len(ids)),
+                        (ids, plan.prompts[g], metadata,
+                         *(Dep(k) for c in chunks for k in (decode_key(i, c),
+                                                              reward_key(i, c))))))
     return out
 
 
@@ -308,14 +341,19 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = No
     n_chunks = len(plan.chunks)
     versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
     out = []
+    batch = layout.advantage_std == "batch"
     for grp in range(plan.num_groups):
-        chunks = range(n_chunks) if layout.advantage_std == "batch" else plan.chunks_of_group(grp)
+        chunks = range(n_chunks) if batch else plan.chunks_of_group(grp)
+        scored = [reward_key(i, c) for c in chunks]
+        if layout.group_rewards:
+            scored += [group_reward_key(i, g)
+                       for g in (range(plan.num_groups) if batch else [grp])]
         bv = min(versions[c] for c in plan.chunks_of_group(grp))
         out.append(Node(advantage_key(i, grp), ADVANTAGE,
                         task_meta(ADVANTAGE, i, tv, group=grp, behaviour_version=bv,
                                   samples=plan.samples_per_prompt),
                         (grp, plan.group_sample_ids(grp), layout.advantage_std,
-                         layout.advantage_clip, *(Dep(reward_key(i, c)) for c in chunks))))
+                         layout.advantage_clip, *(Dep(k) for k in scored))))
     weights = publish_key(tv)
     if alg.sampling_copy:
         # The version's trained weights (its published ones are the sampling copy).

@@ -31,7 +31,7 @@ from typing import Hashable, Sequence
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.sim.profile import Profile
-from digenrl.vocabulary import GRAD, REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS
+from digenrl.vocabulary import GRAD, GROUP_REWARD, REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS
 
 __all__ = ["TaskCosts", "Extras", "WorkerHeld", "phase_of", "reduction_root"]
 
@@ -73,7 +73,7 @@ class TaskCosts:
             return self.allreduce if self.roots.get(iteration) == key else 0.0
         seconds = self._seconds.get((kind, samples))
         if seconds is None:
-            if kind == REWARD and self.remote_reward:
+            if kind in (REWARD, GROUP_REWARD) and self.remote_reward:
                 seconds = 0.0
             else:
                 seconds = self.profile.task_seconds(kind, samples, colocated=self.colocated)

@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from digenrl.algorithms import DEFAULT_ALGORITHM
-from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, PUBLISH, REWARD, ROLLOUT, TRAINER
+from digenrl.vocabulary import (DECODE, DENOISE, GRAD, GROUP_REWARD, OPTIMIZE, PUBLISH, REWARD,
+                                ROLLOUT, TRAINER)
 
 __all__ = ["measured_profile"]
 
@@ -57,7 +58,7 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
     size = max(d for d in range(1, images + 1)
                if images % d == 0 and d <= max(1, round(float(np.mean(chunk)))))
     latent = mean(nbytes, DENOISE) / max(float(np.mean(chunk)), 1.0)
-    return {
+    profile = {
         "name": name,
         "description": f"measured from run {attrs.get('run')} ({len(chunk)} complete "
                        f"iterations, mode {attrs['schedule']['mode']})",
@@ -94,6 +95,10 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
         "worker_speeds": {w: s for w, s in speeds.items()
                           if s != 1.0 and w in _profile_names(tagged)},
     }
+    if (kind == GROUP_REWARD).any():  # a group_reward task scores one prompt group
+        profile["costs"]["group_reward_per_sample"] = (
+            mean(seconds, GROUP_REWARD) / int(cfg["data"]["samples_per_prompt"]))
+    return profile
 
 
 def _profile_names(tagged: Mapping[str, Any]) -> set[str]:

@@ -6,7 +6,9 @@ bytes, network bandwidth, and the phase-switch costs the co-located design pays.
 ``algorithm`` (``flow_grpo`` unless named) shapes the graph as it does a run's: a
 decoupled algorithm's ``trained_steps`` are the micro-steps of a chunk (noise levels
 drawn afresh), its ``denoise`` steps are ODE steps, and a micro-step reads only the
-chunk's final latent. The emulator
+chunk's final latent. A ``costs.group_reward_per_sample`` above 0 (none by default) adds
+a reward that scores whole prompt groups: a ``group_reward`` task per group, after its
+chunks' rewards, on the GPU like the rewards (``reward_on``). The emulator
 (real Dask, tasks that sleep) and the simulator (discrete events) read the same profile
 through :meth:`Profile.task_seconds`, so they model the same work.
 """
@@ -25,7 +27,8 @@ from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from digenrl.analysis import ideal_bound
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.vocabulary import DECODE, DENOISE, GRAD, OPTIMIZE, REWARD, ROLLOUT, TRAINER
+from digenrl.vocabulary import (DECODE, DENOISE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD, ROLLOUT,
+                                TRAINER)
 
 __all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR",
            "slowdown_at"]
@@ -65,6 +68,8 @@ class Costs:
     decode_per_sample: float = 0.05
     reward_per_sample: float = 0.02
     reward_on: str = "gpu"             # gpu: a GPU slot on a rollout worker; remote: none
+    group_reward_per_sample: float = 0.0  # > 0: a reward scoring whole prompt groups, a
+                                          # group_reward task per group (where reward_on)
     optimizer_step: float = 1.0
     weight_bytes: float = 0.0          # synchronised to each rollout worker per version
     grad_bytes: float = 0.0            # all-reduced among trainers once per iteration
@@ -163,10 +168,12 @@ class Profile:
         return slowdown_at(self.slowdowns, worker, now)
 
     def layout(self, max_staleness: int = 0, stale_groups: int | None = None) -> GraphLayout:
+        gpu = self.costs.reward_on == "gpu"
         return GraphLayout(num_steps=self.num_steps, trained_steps=self.trained_steps,
-                           reward_gpu=self.costs.reward_on == "gpu",
-                           version_lag=max_staleness, stale_groups=stale_groups,
-                           algorithm=self.shape())
+                           reward_gpu=gpu, version_lag=max_staleness,
+                           stale_groups=stale_groups, algorithm=self.shape(),
+                           group_rewards=self.costs.group_reward_per_sample > 0,
+                           group_reward_gpu=gpu)
 
     def plans(self, iterations: int) -> list[IterationPlan]:
         prompts = tuple(f"prompt {j}" for j in range(self.prompts_per_iteration))
@@ -227,6 +234,8 @@ class Profile:
             return c.decode_per_sample * samples
         if kind == REWARD:
             return c.reward_per_sample * samples
+        if kind == GROUP_REWARD:
+            return c.group_reward_per_sample * samples
         if kind == OPTIMIZE:
             return c.optimizer_step
         return 0.0
@@ -259,6 +268,7 @@ class Profile:
         total += chunks * t(DECODE, self.chunk_size)
         if self.costs.reward_on == "gpu":
             total += chunks * t(REWARD, self.chunk_size)
+            total += self.prompts_per_iteration * t(GROUP_REWARD, self.samples_per_prompt)
         return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:

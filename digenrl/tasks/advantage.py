@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO) and the reward task."""
+"""Group-relative advantages (GRPO), the reward task and the group reward task."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from distributed import get_worker, secede
 from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards, rewards_wait
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
-__all__ = ["score", "group_advantages", "advantage"]
+__all__ = ["score", "score_group", "scored_samples", "group_advantages", "advantage"]
 
 STD_EPS = 1e-4
 
@@ -32,6 +32,57 @@ def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration:
         decode_metadata(metadata, len(decoded.images)))
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
+
+
+def score_group(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
+                sample_ids: tuple[int, ...], prompt: str, metadata: str,
+                *chunks: DecodeOut | RewardOut) -> RewardOut:
+    """The group reward task: the weighted group rewards of one prompt group's samples
+    ``sample_ids``, scored together. ``chunks`` are the decode and reward outputs of the
+    chunks holding them, in pairs (a chunk may hold other groups' samples too);
+    ``metadata`` is the prompt's metadata as JSON text (empty for none). A sample the
+    chunk's rewards left invalid (``reward.on_error: drop``) is left out: the group is
+    scored without it, and it stays invalid."""
+    if rewards_wait(rewards):
+        _leave_thread_pool()
+    where = {s: (d, j) for d in chunks[0::2] for j, s in enumerate(d.sample_ids)}
+    valid_ids = {s for r in chunks[1::2] for s, v in zip(r.sample_ids, r.valid) if v}
+    kept = [s for s in sample_ids if s in valid_ids]
+    n = len(sample_ids)
+    total, valid = np.full(n, np.nan), np.zeros(n, bool)
+    per = {spec.name: np.full(n, np.nan) for spec, _ in rewards}
+    problems: list[str] = []
+    if kept:
+        images = np.stack([where[s][0].images[where[s][1]] for s in kept])
+        k = len(kept)
+        got, got_per, got_valid, problems = evaluate_rewards(
+            images, [prompt] * k, kept, rewards, on_error, iteration,
+            decode_metadata([metadata] * k if metadata else (), k))
+        at = [sample_ids.index(s) for s in kept]
+        total[at], valid[at] = got, got_valid
+        for name, values in got_per.items():
+            per[name][at] = values
+    return RewardOut(sample_ids=tuple(sample_ids), rewards=total, components=per,
+                     valid=valid, problems=problems)
+
+
+def scored_samples(parts: Sequence[RewardOut]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The samples ``parts`` score (in the order first met), each one's reward and
+    whether it is valid: the sum of its rewards over the parts holding it (its chunk's
+    weighted reward, plus its group's weighted group reward where the run has group
+    rewards), valid where every one of them is."""
+    by_id: dict[int, list] = {}
+    for p in parts:
+        for i, s in enumerate(p.sample_ids):
+            held = by_id.get(s)
+            if held is None:
+                by_id[s] = [p.rewards[i], bool(p.valid[i])]
+            else:
+                held[0] = held[0] + p.rewards[i]
+                held[1] = held[1] and bool(p.valid[i])
+    ids = list(by_id)
+    return (ids, np.array([by_id[s][0] for s in ids], dtype=np.float64),
+            np.array([by_id[s][1] for s in ids], dtype=bool))
 
 
 def _leave_thread_pool() -> None:
@@ -64,18 +115,18 @@ def advantage(group: int, sample_ids: tuple[int, ...], std_scope: str, clip: flo
               *parts: RewardOut) -> AdvantageOut:
     """The advantage task of one prompt group.
 
-    ``parts`` are the reward outputs of the chunks holding the group's samples (or of the
-    whole iteration when ``std_scope == "batch"``).
+    ``parts`` are the reward outputs of the chunks holding the group's samples, then
+    (with group rewards) the group's group reward output; of the whole iteration when
+    ``std_scope == "batch"``. A sample's reward is their sum (:func:`scored_samples`).
     """
-    by_id = {}
-    for p in parts:
-        for i, s in enumerate(p.sample_ids):
-            by_id[s] = (p.rewards[i], p.valid[i])
-    rewards = np.array([by_id[s][0] for s in sample_ids], dtype=np.float64)
-    valid = np.array([by_id[s][1] for s in sample_ids], dtype=bool)
+    ids, summed, ok = scored_samples(parts)
+    at = {s: j for j, s in enumerate(ids)}
+    pick = [at[s] for s in sample_ids]
+    rewards = summed[pick]
+    valid = ok[pick]
     batch_std = None
     if std_scope == "batch":
-        everything = np.array([r for r, v in by_id.values() if v], dtype=np.float64)
+        everything = summed[ok]
         batch_std = float(everything.std()) if len(everything) else 0.0
     adv = group_advantages(rewards, valid, clip, batch_std)
     return AdvantageOut(group=group, sample_ids=tuple(sample_ids), advantages=adv, valid=valid)

@@ -1,5 +1,6 @@
 """Where each named reward of a run comes from: the registry, a reward server, a VLM
-judge, or a model resident on the workers.
+judge, a model resident on the workers, or another reward ranked within each prompt
+group.
 
 :func:`resolve_rewards` is the one place they meet; the registry
 (:mod:`digenrl.tasks.rewards`), the reward-server client (:mod:`digenrl.tasks.remote`),
@@ -13,7 +14,7 @@ import os
 from typing import Any, Mapping
 
 from digenrl.config import ConfigError, RemoteRewardConfig
-from digenrl.tasks.rewards import RewardSpec, get_reward
+from digenrl.tasks.rewards import RewardSpec, get_reward, ranked_reward
 
 __all__ = ["resolve_rewards", "remote_reward"]
 
@@ -21,11 +22,14 @@ __all__ = ["resolve_rewards", "remote_reward"]
 def resolve_rewards(components: Mapping[str, float],
                     remote: Mapping[str, Any] | None = None,
                     models: Mapping[str, Any] | None = None,
+                    group: Mapping[str, Any] | None = None,
                     ) -> tuple[tuple[RewardSpec, float], ...]:
     """Each named reward's spec with its weight, in order: a registered reward's, for a
     name in ``remote`` (``reward.remote``: name -> RemoteRewardConfig) a reward scored by
     that server, and for a name in ``models`` (``reward.models``: name ->
-    RewardModelConfig) a reward scored by a model resident on the worker. Raises
+    RewardModelConfig) a reward scored by a model resident on the worker, and for a name
+    in ``group`` (``reward.group``: name -> GroupRewardConfig) the group reward ranking
+    the reward it names within each prompt group. Raises
     ConfigError for settings found wrong only now (an unset token variable, an aesthetic
     head that does not fit its CLIP model): call it before any work starts.
 
@@ -36,8 +40,12 @@ def resolve_rewards(components: Mapping[str, float],
     """
     remote = remote or {}
     models = models or {}
+    group = group or {}
 
     def spec(name: str) -> RewardSpec:
+        if name in group:
+            g = group[name]
+            return ranked_reward(name, spec(g.of), g.method, g.temperature)
         if name in remote:
             return remote_reward(name, remote[name])
         if name in models:

@@ -20,6 +20,17 @@ A reward declares what it scores: ``scores="image"`` (the default) or ``"video"`
 (batches ``(n, frames, height, width, 3)``). An image reward applied to videos scores
 every frame and, by default, takes the mean over frames (``on_video="mean"``); it may
 say otherwise: ``"first"``, ``"middle"`` or ``"last"`` scores that frame alone.
+
+A reward may score a whole prompt group at once (``group=True``: a ranking or a pairwise
+preference within the group): ``fn(samples, prompts[, metadata])`` then receives the
+samples of one group -- images or videos, as the model makes them, all of one prompt --
+and returns one float per sample; :meth:`RewardSpec.score_group` is its call. Its task
+is the group's ``group_reward``, after the group's images exist; its weighted score is
+added to each sample's weighted sum of the other rewards. :func:`ranked_reward` makes one
+from any reward that scores samples alone: each sample's normalised rank within its
+group (:func:`group_rank`) or its mean preference probability against the others of its
+group (:func:`group_win_rate`, Bradley-Terry on the score, as PickScore's preference
+is).
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from PIL import Image
 
 __all__ = ["RewardSpec", "REWARDS", "register_reward", "get_reward", "RewardError",
            "evaluate_rewards", "rewards_need_gpu", "rewards_wait", "decode_metadata",
-           "DEVICES"]
+           "DEVICES", "split_group_rewards", "group_rank", "group_win_rate", "ranked_reward",
+           "GROUP_METHODS"]
 
 RewardFn = Callable[..., np.ndarray]
 
@@ -53,6 +65,8 @@ class RewardSpec:
     on_video: str = "mean"   # an image reward on videos: mean over frames, or one frame
     #: ``fn`` takes ``metadata`` (one dict per sample) after the prompts.
     takes_metadata: bool = False
+    #: ``fn`` scores a whole prompt group at once (:meth:`score_group`).
+    group: bool = False
 
     def _score(self, samples: np.ndarray, prompts: list, metadata: list):
         if self.takes_metadata:
@@ -84,6 +98,15 @@ class RewardSpec:
             return values  # the caller reports the wrong shape
         return values.reshape(n, f).mean(axis=1)
 
+    def score_group(self, samples: np.ndarray, prompts: Sequence[str],
+                    metadata: Sequence[dict] = ()) -> np.ndarray:
+        """The reward of each sample of one prompt group, scored together (a reward
+        declared with ``group=True``)."""
+        if not self.group:
+            raise RewardError(f"reward {self.name!r} scores each sample alone, not a group")
+        prompts = list(prompts)
+        return self._score(samples, prompts, list(metadata) or [{} for _ in prompts])
+
 
 REWARDS: dict[str, RewardSpec] = {}
 
@@ -93,9 +116,10 @@ class RewardError(ValueError):
 
 
 def register_reward(name: str, *, device: str = "cpu", description: str = "",
-                    scores: str = "image", on_video: str = "mean"):
+                    scores: str = "image", on_video: str = "mean", group: bool = False):
     """Decorator registering ``fn(images, prompts) -> rewards`` under ``name``
-    (``fn(videos, prompts)`` with ``scores="video"``)."""
+    (``fn(videos, prompts)`` with ``scores="video"``; with ``group=True`` ``fn`` scores
+    the samples of one prompt group together, whatever they are)."""
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {list(DEVICES)}, got {device!r}")
     if scores not in ("image", "video"):
@@ -109,7 +133,8 @@ def register_reward(name: str, *, device: str = "cpu", description: str = "",
             raise ValueError(f"reward {name!r} is already registered; "
                              f"registered rewards: {sorted(REWARDS)}")
         REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip(),
-                                   scores, on_video, takes_metadata=_takes_metadata(fn))
+                                   scores, on_video, takes_metadata=_takes_metadata(fn),
+                                   group=group)
         return fn
 
     return wrap
@@ -192,7 +217,8 @@ def evaluate_rewards(
     """The weighted sum of ``components`` for each image.
 
     ``components`` maps registered reward names to weights, or is the ``(spec,
-    weight)`` pairs of :func:`~digenrl.tasks.reward_sources.resolve_rewards`.
+    weight)`` pairs of :func:`~digenrl.tasks.reward_sources.resolve_rewards` (a group
+    reward among them scores ``images`` as one prompt group).
     ``metadata`` (one dict per image, none by default) reaches the rewards that take
     it. Returns ``(total,
     per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
@@ -214,7 +240,8 @@ def evaluate_rewards(
     for spec, weight in pairs:
         name = spec.name
         try:
-            values = spec(images, list(prompts), metadata)
+            call = spec.score_group if spec.group else spec
+            values = call(images, list(prompts), metadata)
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
@@ -254,3 +281,86 @@ def decode_metadata(texts: Sequence[str], n: int) -> list[dict[str, Any]]:
     if not texts:
         return [{} for _ in range(n)]
     return [json.loads(t) if t else {} for t in texts]
+
+
+# ------------------------------------------------------------------ group rewards
+
+#: How :func:`ranked_reward` turns a reward's scores within a group into the group
+#: reward: the normalised rank, or the mean Bradley-Terry preference probability.
+GROUP_METHODS = ("rank", "win_rate")
+
+
+def split_group_rewards(rewards: Sequence[tuple[RewardSpec, float]]
+                        ) -> tuple[tuple[tuple[RewardSpec, float], ...],
+                                   tuple[tuple[RewardSpec, float], ...]]:
+    """``rewards`` as (the ones that score each sample alone, the group rewards)."""
+    return (tuple(p for p in rewards if not p[0].group),
+            tuple(p for p in rewards if p[0].group))
+
+
+def group_rank(scores: np.ndarray) -> np.ndarray:
+    """Each score's rank within ``scores`` scaled to [0, 1] (0 the lowest, 1 the
+    highest; ties share their mean rank): the fraction of the others it beats, a tie
+    counting half. NaN scores get NaN and are left out of the others' ranks; a lone
+    finite score gets 0.5."""
+    s = np.asarray(scores, dtype=np.float64)
+    out = np.full(s.shape, np.nan)
+    ok = np.isfinite(s)
+    v = s[ok]
+    if len(v) == 1:
+        out[ok] = 0.5
+    elif len(v) > 1:
+        below = (v[None, :] < v[:, None]).sum(axis=1)
+        ties = (v[None, :] == v[:, None]).sum(axis=1) - 1
+        out[ok] = (below + 0.5 * ties) / (len(v) - 1)
+    return out
+
+
+def group_win_rate(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Each score's mean probability of being preferred to each other score of the group
+    under the Bradley-Terry model on the score, ``sigmoid((s_i - s_j) / temperature)``
+    (PickScore's preference between two images is this on its logit-scaled scores, at
+    temperature 1). NaN scores as in :func:`group_rank`."""
+    s = np.asarray(scores, dtype=np.float64)
+    out = np.full(s.shape, np.nan)
+    ok = np.isfinite(s)
+    v = s[ok]
+    if len(v) == 1:
+        out[ok] = 0.5
+    elif len(v) > 1:
+        d = (v[:, None] - v[None, :]) / temperature
+        p = 0.5 * (1.0 + np.tanh(0.5 * d))   # sigmoid, without overflow
+        out[ok] = (p.sum(axis=1) - 0.5) / (len(v) - 1)   # less the diagonal's 0.5
+    return out
+
+
+class _Ranked:
+    """A group reward's function: ``method`` applied to ``base``'s scores of the group."""
+
+    def __init__(self, base: RewardSpec, method: str, temperature: float):
+        self.base, self.method, self.temperature = base, method, temperature
+
+    def __call__(self, samples: np.ndarray, prompts: list, metadata: list) -> np.ndarray:
+        scores = np.asarray(self.base(samples, prompts, metadata), dtype=np.float64)
+        if scores.shape != (len(samples),):
+            return scores  # evaluate_rewards reports the wrong shape
+        if self.method == "rank":
+            return group_rank(scores)
+        return group_win_rate(scores, self.temperature)
+
+
+def ranked_reward(name: str, base: RewardSpec, method: str = "rank",
+                  temperature: float = 1.0) -> RewardSpec:
+    """The group reward ``name``: ``method`` (:data:`GROUP_METHODS`) of ``base``'s score
+    within each prompt group. It needs what ``base`` needs (its device). A sample
+    ``base`` cannot score is left out of its group's ranking and is itself invalid."""
+    if method not in GROUP_METHODS:
+        raise ValueError(f"method: expected one of {list(GROUP_METHODS)}, got {method!r}")
+    if base.group:
+        raise ValueError(f"base: expected a reward that scores each sample alone, got the "
+                         f"group reward {base.name!r}")
+    what = ("rank" if method == "rank"
+            else f"mean preference probability (temperature {temperature})")
+    return RewardSpec(name, _Ranked(base, method, temperature), base.device,
+                      f"the within-group {what} of {base.name!r}", scores=base.scores,
+                      on_video=base.on_video, takes_metadata=True, group=True)
