@@ -37,6 +37,7 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
                                          measure_chunks)
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
+from digenrl.metering import CpuMeter
 from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError, StoreWriter,
                            committed_iterations, read_attrs)
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
@@ -340,6 +341,8 @@ class Driver:
         """Run iterations ``start ..`` to the end, handing each to ``writer`` once it is
         complete; ``result.final`` is then the last version's published weights."""
         w, client = self.w, self.handle.client
+        #: The CPU the run's processes spend, read as each iteration is committed.
+        self.cpu_meter = CpuMeter(client)
         pipeline = Pipeline(w, client, self._submit, self.plan)
         pipeline.begin(start)
         result = RunResult(store=self.out)
@@ -391,6 +394,7 @@ class Driver:
             "wall_time": t1 - window.started,
             "policy_version": float(i + 1),
             **self._weight_receipts(),
+            **self._cpu(),
             **window_metrics(window.recent, self.pools(), t0, t1),
         })
         groups["metrics"] = {k: np.asarray(v, np.float64) for k, v in metrics.items()}
@@ -412,6 +416,12 @@ class Driver:
         drop_checkpoints(self.out, lambda v: not self.w.layout.retains(v, i + 1))
         if self.tracker is not None:
             self.tracker.log_iteration(i, groups)
+
+    def _cpu(self) -> dict[str, float]:
+        """The CPU seconds of every process of the run since the last iteration was
+        committed, and those the tasks spent in the model (:class:`CpuMeter`)."""
+        cpu, model = self.cpu_meter.read()
+        return {"cpu_seconds": cpu, "model_cpu_seconds": model}
 
     def _weight_receipts(self) -> dict[str, float]:
         """The seconds workers spent receiving policy weights since the last iteration

@@ -11,14 +11,65 @@ both). Outside a Dask task nothing is recorded.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 
+import psutil
 from distributed.metrics import context_meter
 
-__all__ = ["model_time"]
+__all__ = ["model_time", "CpuMeter", "process_cpu"]
 
 
 def model_time():
     """A context manager: the CPU seconds of this thread inside it are the running
     task's ``model`` activity."""
     return context_meter.meter("model", func=time.thread_time)
+
+
+def process_cpu() -> tuple[str, int, float]:
+    """This process's host, pid and CPU seconds so far (user and system)."""
+    t = psutil.Process().cpu_times()
+    return socket.gethostname(), os.getpid(), t.user + t.system
+
+
+def _model_seconds(dask_scheduler) -> float:
+    """On the scheduler: the ``model`` seconds of every task its workers have run."""
+    return sum(v for k, v in dask_scheduler.cumulative_worker_metrics.items()
+               if isinstance(k, tuple) and len(k) == 4 and k[0] == "execute"
+               and k[2] == "model" and k[3] == "seconds")
+
+
+class CpuMeter:
+    """The CPU a run costs, beside the model's own arithmetic, between two readings.
+
+    Each reading sums the CPU seconds of every process the run uses (this driver, the
+    scheduler, every worker and every nanny, once each) and the seconds the tasks spent
+    in the model (:func:`model_time`, from Dask's metrics), and returns both since the
+    previous reading. A process that joined meanwhile counts from its start; one that
+    left takes its last seconds with it.
+    """
+
+    def __init__(self, client):
+        self.client = client
+        self._seen: dict[tuple[str, int], float] = {}
+        self._model = 0.0
+        self.read()
+
+    def _processes(self) -> set[tuple[str, int, float]]:
+        client = self.client
+        found = {process_cpu(), client.run_on_scheduler(process_cpu)}
+        found.update(client.run(process_cpu, on_error="ignore").values())
+        found.update(v for v in client.run(process_cpu, nanny=True,
+                                           on_error="ignore").values()
+                     if isinstance(v, tuple))
+        return {v for v in found if isinstance(v, tuple)}
+
+    def read(self) -> tuple[float, float]:
+        """``(cpu_seconds, model_seconds)`` since the previous reading."""
+        now = {(host, pid): s for host, pid, s in self._processes()}
+        cpu = sum(s - self._seen.get(p, 0.0) for p, s in now.items())
+        model = self.client.run_on_scheduler(_model_seconds)
+        spent = model - self._model
+        self._seen, self._model = now, model
+        return cpu, spent

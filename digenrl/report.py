@@ -26,6 +26,17 @@ from digenrl.store import EVAL_GROUP, REWARD_COLUMN, open_run
 __all__ = ["write_report", "summarise"]
 
 
+def cpu_line(cpu: np.ndarray, model: np.ndarray) -> str:
+    """What the run's processes spent on the CPU beside the model's arithmetic, per
+    iteration after the first (which imports, loads and builds)."""
+    total, in_model = float(np.nansum(cpu)), float(np.nansum(model))
+    beside = total - in_model
+    share = f"{beside / in_model:.0%} of the model's own" if in_model > 0 else "no model time"
+    return (f"CPU per iteration after the first: {total / len(cpu):.2f} s in all processes "
+            f"(driver, scheduler, workers, nannies), {in_model / len(cpu):.2f} s of it in "
+            f"the model; beside the model {beside / len(cpu):.2f} s = {share}")
+
+
 def summarise(ds, profile: Path | None = None) -> str:
     """The summary's lines; ``profile``: where the run's measured cost profile was
     written (named with the command that simulates other splits on it)."""
@@ -79,6 +90,8 @@ def summarise(ds, profile: Path | None = None) -> str:
                      f"task {o['denoise_dask_ms']:.1f} ms (median "
                      f"{o['denoise_dask_median_ms']:.1f}) against a mean denoise task of "
                      f"{o['denoise_ms']:.1f} ms")
+    if n >= 2 and "cpu_seconds" in m:
+        lines.append(cpu_line(m.cpu_seconds.values[1:], m.model_cpu_seconds.values[1:]))
     e = ds[EVAL_GROUP]
     if e.sizes.get("entry", 0):
         evals = [f"v{v} {np.nanmean(e[REWARD_COLUMN].values[e.version.values == v]):.4f}"

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from digenrl.config import load_config
+from digenrl.report import summarise
 from digenrl.runner import Runner
 from digenrl.store import open_run
 
@@ -49,6 +50,11 @@ def test_disaggregated_run_writes_every_step_as_its_own_task(cluster_1x1, shared
     for name in ("reward_mean", "reward_std", "loss", "clip_fraction", "approx_kl",
                  "images_per_s", "wall_time"):
         assert np.isfinite(m[name].values).all(), name
+    # The CPU of every process of the run, and the model's share of it (Dask's metrics
+    # reach the scheduler with the workers' heartbeats: compared over the run).
+    cpu, model = m.cpu_seconds.values.sum(), m.model_cpu_seconds.values.sum()
+    assert 0 < model < cpu, (model, cpu)
+    assert "beside the model" in summarise(ds)
     s = ds["samples"]
     assert s.reward.dims == ("iteration", "sample") and s.reward.shape == (3, 4)
     assert (s.trained_version.values - s.behaviour_version.values == 0).all()
