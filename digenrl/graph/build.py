@@ -24,8 +24,9 @@ from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu
-from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD, INIT,
-                                NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS, TRAINED)
+from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, ENCODE, EVAL, EVAL_REWARD, GRAD,
+                                INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD, STATS,
+                                TRAINED)
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -108,6 +109,7 @@ class GraphContext:
         on_error = self.config.reward.on_error
         return {
             INIT: (train.init_state, (self.train,)),
+            ENCODE: (rollout.encode, (self.rollout,)),
             NOISE: (rollout.noise, (self.rollout,)),
             DENOISE: (rollout.denoise, (self.rollout,)),
             DECODE: (rollout.decode, (self.rollout,)),
