@@ -24,7 +24,7 @@ from digenrl.vocabulary import (COLOCATED, DENOISE, GPU_KINDS, OPTIMIZE, ROLLOUT
                                 ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
 
 __all__ = ["ideal_seconds", "ideal_bound", "ideal_fraction", "gpu_capacity", "WindowStats",
-           "window_stats", "window_metrics", "optimize_stop", "busy_seconds",
+           "window_stats", "window_metrics", "optimize_stop", "busy_seconds", "busy_shares",
            "utilisation_timeline", "dispatch_overhead", "pools_served", "store_pools",
            "SplitAdvice", "split_advice"]
 
@@ -80,6 +80,19 @@ def busy_seconds(tasks, t0: float, t1: float) -> dict[str, float]:
         out[str(name)] = float(_overlap(rows["start"].to_numpy(), rows["stop"].to_numpy(),
                                         t0, t1).sum())
     return out
+
+
+def busy_shares(tasks, pool: str) -> dict[str, float]:
+    """Each task kind's share of the GPU-busy seconds of the workers serving ``pool``
+    (their GPU tasks, by the records' ``pool`` column), largest first; empty when they
+    ran none."""
+    g = tasks[tasks["gpu"]] if "gpu" in tasks else tasks[tasks["kind"].isin(GPU_KINDS)]
+    g = g[g["pool"] == pool]
+    seconds = (g["stop"] - g["start"]).groupby(g["kind"]).sum()
+    total = float(seconds.sum())
+    if not total > 0:
+        return {}
+    return {str(k): float(v) / total for k, v in seconds.sort_values(ascending=False).items()}
 
 
 def window_metrics(records: list[dict], pools: Mapping[str, Iterable[str]], t0: float,

@@ -147,8 +147,10 @@ class ModelConfig:
     """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3, Wan, Qwen-Image and its edit)."""
     max_sequence_length: int | None = None
     """With path: tokens of the T5/UMT5 prompt encoding, or of a language model's after its template (Qwen-Image, HunyuanVideo); null is the pipeline's default (SD3 256, FLUX 512, Wan 512, Qwen-Image 512, HunyuanVideo 256). A longer prompt is refused."""
-    text_encoder_dtype: str = "float32"
-    """With path: dtype of the text encoders resident on rollout workers (float32, bfloat16, float16)."""
+    text_encoder_dtype: str | None = None
+    """With path: dtype of the text encoders' weights and forward pass on the workers that run encode tasks (float32, bfloat16, float16); null is model.dtype."""
+    text_encoder_offload: bool = False
+    """With path: keep the text encoders on the CPU between encode tasks and move them to the worker's device only while an encode task computes (cached prompts move nothing): their device memory is free for the transformer the rest of the time."""
     dtype: str = "float32"
     """dtype of the transformer's frozen weights and forward pass (float32, bfloat16, float16); trained tensors, AdamW moments, the SDE step, log-probs and loss stay float32 (docs/algorithm.md)."""
     init_seed: int | None = None
@@ -180,6 +182,10 @@ class ModelConfig:
 
     def validate(self, p: str) -> None:
         _choice(self.dtype, f"{p}.dtype", DTYPES)
+        if self.text_encoder_dtype is not None:
+            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
+        _require(isinstance(self.text_encoder_offload, bool), f"{p}.text_encoder_offload",
+                 "true or false", self.text_encoder_offload)
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
         if self.path is not None:
@@ -194,7 +200,6 @@ class ModelConfig:
             if self.num_frames is not None:
                 _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
-            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
             return  # the folder's own checks: digenrl.resolve.check_world
         _positive_int(self.latent_channels, f"{p}.latent_channels")
         _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
@@ -220,6 +225,11 @@ class ModelConfig:
         if self.init_seed is not None:
             _require(_is_int(self.init_seed) and self.init_seed >= 0, f"{p}.init_seed",
                      "a non-negative integer or null", self.init_seed)
+
+    @property
+    def encoder_dtype(self) -> str:
+        """The text encoders' dtype: ``text_encoder_dtype``, or the model's when unset."""
+        return self.text_encoder_dtype or self.dtype
 
     @property
     def vae_scale_factor(self) -> int:

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from digenrl.analysis import dispatch_overhead, split_advice, store_pools, window_stats
+from digenrl.analysis import (busy_shares, dispatch_overhead, split_advice, store_pools,
+                              window_stats)
 from digenrl.sim.measured import measured_profile
 from digenrl.config import EvalConfig, stored_section
 from digenrl.store import EVAL_GROUP, REWARD_COLUMN, open_run
+from digenrl.vocabulary import COLOCATED, ROLLOUT
 
 __all__ = ["write_report", "summarise"]
 
@@ -74,6 +76,11 @@ def summarise(ds, profile: Path | None = None) -> str:
         lines.append("utilisation: " + ", ".join(f"{p} {u:.2f}" for p, u in ws.utilisation.items())
                      + f"; trainer-assisted generation {ws.tag_s:.1f} GPU-s, "
                        f"rollout-assisted training {ws.rat_s:.1f} GPU-s")
+        for pool in (ROLLOUT, COLOCATED):
+            shares = busy_shares(tasks, pool)
+            if shares:
+                lines.append(f"{pool} pool's GPU-busy time by kind: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in shares.items()))
         advice = split_advice(tasks, pools)
         if advice is not None:
             lines.append(advice.text())

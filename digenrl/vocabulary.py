@@ -9,11 +9,12 @@ and the scheduler both depend on it and not on each other.
 from __future__ import annotations
 
 __all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
-           "INIT", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD", "REDUCE",
+           "INIT", "ENCODE", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD",
+           "REDUCE",
            "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
            "EVAL_REWARD", "GROUP_REWARD",
            "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
-           "BACKGROUND_KINDS", "stage_of"]
+           "BACKGROUND_KINDS", "READS_NO_WEIGHTS", "stage_of"]
 
 # ----------------------------------------------------------------------- pools
 
@@ -31,6 +32,10 @@ ANNOTATION = "digenrl"
 # A task key is a tuple whose first element is its kind.
 
 INIT = "init"                # the trainer state of version 0
+#: A prompt group's conditioning: its prompt (and, for an editing family, its source
+#: image) through the family's encoders, once per worker and prompt (cached); what the
+#: group's chunks' ``noise`` tasks read.
+ENCODE = "encode"
 NOISE = "noise"              # a chunk's starting latents
 DENOISE = "denoise"          # one sampler step of a chunk
 DECODE = "decode"            # a chunk's latents to images, with their log-probs
@@ -59,8 +64,9 @@ EVAL_REWARD = "eval_reward"
 
 #: The pool each kind belongs to in the modes that use pools.
 KIND_POOL = {
-    INIT: TRAINER, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT, REWARD: ROLLOUT,
-    GROUP_REWARD: ROLLOUT, ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER, OPTIMIZE: TRAINER,
+    INIT: TRAINER, ENCODE: ROLLOUT, NOISE: ROLLOUT, DENOISE: ROLLOUT, DECODE: ROLLOUT,
+    REWARD: ROLLOUT, GROUP_REWARD: ROLLOUT, ADVANTAGE: TRAINER, GRAD: TRAINER, REDUCE: TRAINER,
+    OPTIMIZE: TRAINER,
     PUBLISH: TRAINER, TRAINED: TRAINER, STATS: TRAINER, CHECKPOINT: TRAINER, RESTORE: TRAINER,
     EVAL: ROLLOUT, EVAL_REWARD: ROLLOUT,
 }
@@ -68,7 +74,7 @@ KINDS = tuple(KIND_POOL)
 
 #: Kinds that hold a GPU slot (a ``reward``, ``group_reward`` or ``eval_reward`` does too
 #: when its reward needs the GPU).
-GPU_KINDS = frozenset({DENOISE, DECODE, GRAD, OPTIMIZE, EVAL})
+GPU_KINDS = frozenset({ENCODE, DENOISE, DECODE, GRAD, OPTIMIZE, EVAL})
 
 #: Work that runs only in GPU slots nothing else can use: never part of an iteration's
 #: rollout or training, never counted towards its staleness or its barrier.
@@ -81,12 +87,16 @@ ROLLOUT_KINDS = frozenset(k for k, pool in KIND_POOL.items()
 #: state (the others are bookkeeping: versions, statistics, checkpoints).
 TRAINING_KINDS = frozenset({ADVANTAGE, GRAD, REDUCE, OPTIMIZE})
 
-# A chunk's order of work: ``noise``, then its steps in timestep order, then ``decode``
-# and ``reward`` (a ``group_reward`` sits at the place of its group's last chunk, after
-# that chunk's reward). A ``denoise`` or ``grad`` sits at its timestep, every other kind
-# at 0.
+#: Rollout kinds that read no policy version (their ``policy_version`` is the one the
+#: chunks they feed are generated with): no weights move for them.
+READS_NO_WEIGHTS = frozenset({ENCODE})
+
+# A chunk's order of work: its groups' ``encode``, ``noise``, then its steps in timestep
+# order, then ``decode`` and ``reward`` (a ``group_reward`` sits at the place of its
+# group's last chunk, after that chunk's reward). A ``denoise`` or ``grad`` sits at its
+# timestep, every other kind at 0.
 _AFTER_THE_STEPS = 1_000_000
-_STAGE = {NOISE: -1, DECODE: _AFTER_THE_STEPS, REWARD: _AFTER_THE_STEPS + 1,
+_STAGE = {ENCODE: -2, NOISE: -1, DECODE: _AFTER_THE_STEPS, REWARD: _AFTER_THE_STEPS + 1,
           GROUP_REWARD: _AFTER_THE_STEPS + 2}
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pandas as pd
 
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.vocabulary import (COLOCATED, DENOISE, GRAD, PUBLISH, ROLLOUT, ROLLOUT_KINDS,
-                                TRAINER, TRAINING_KINDS)
+from digenrl.vocabulary import (COLOCATED, DENOISE, ENCODE, GRAD, PUBLISH, ROLLOUT,
+                                ROLLOUT_KINDS, TRAINER, TRAINING_KINDS)
 
 
 def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
@@ -39,7 +39,7 @@ def assert_pool_rules(t: pd.DataFrame, options: ScheduleOptions) -> None:
     gpu = t[t.gpu]
     steps = gpu[(gpu.kind == DENOISE) & (gpu.pool == ROLLOUT)]
     steps_out = steps.groupby("iteration").released.max()
-    finishing = gpu[gpu.kind.isin(ROLLOUT_KINDS - {DENOISE})]
+    finishing = gpu[gpu.kind.isin(ROLLOUT_KINDS - {DENOISE, ENCODE})]
     for row in rat.itertuples():
         r = row.released
         busy = gpu[(gpu.worker == row.worker) & (gpu.released < r) & (gpu.finished > r)]

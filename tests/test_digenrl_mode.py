@@ -108,7 +108,8 @@ def test_without_tag_trainers_never_generate(cluster_2x2, tmp_path):
     cfg = pipelined_config(**{"schedule.tag": False, "iterations": 2})
     _, _, t = run(cfg, cluster_2x2, tmp_path / "r.zarr")
     assert_schedule_invariants(t, cfg.schedule.options())
-    assert not t[t.kind.isin({"noise", "denoise", "decode", "reward"})].pool.eq("trainer").any()
+    rollout = {"encode", "noise", "denoise", "decode", "reward"}
+    assert not t[t.kind.isin(rollout)].pool.eq("trainer").any()
 
 
 def test_telemetry_reaches_the_store_and_the_plugin_rpc(cluster_1x1, shared_runs):

@@ -42,7 +42,7 @@ def ode_sample(cfg, prompts):
     decoded uint8 pixels, the float pixels)."""
     ctx = GraphContext.from_config(cfg)
     spec = ctx.rollout
-    start = rollout.noise(spec, 0, tuple(range(len(prompts))), tuple(prompts))
+    start = rollout.encoded_noise(spec, 0, tuple(range(len(prompts))), tuple(prompts))
     weights = train.publish(train.init_state(ctx.train))
     models = resident(cfg.model, spec.model_seed)
     model = models.policy(weights)

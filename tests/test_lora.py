@@ -27,7 +27,7 @@ def context(**train_overrides):
 
 
 def first_step(ctx, weights):
-    lat = rollout.noise(ctx.rollout, 0, IDS, PROMPTS)
+    lat = rollout.encoded_noise(ctx.rollout, 0, IDS, PROMPTS)
     return lat, rollout.denoise(ctx.rollout, weights, PROMPTS, 0, 0, lat)
 
 
@@ -58,7 +58,7 @@ def test_version_0_holds_only_seeded_adapters_that_change_nothing():
     models = resident(ctx.train.model, ctx.train.seed, ctx.train.trainable)
     policy = models.policy(train.publish(train.init_state(ctx.train)))
     base = build_transformer(ctx.train.model, ctx.train.seed)
-    lat = rollout.noise(ctx.rollout, 0, IDS, PROMPTS)
+    lat = rollout.encoded_noise(ctx.rollout, 0, IDS, PROMPTS)
     with torch.no_grad():
         v = predict_velocity(ctx.train.model, policy, lat.x, 0.7, lat.cond)
         v0 = predict_velocity(ctx.train.model, base, lat.x, 0.7, lat.cond)

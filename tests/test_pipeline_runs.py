@@ -1,6 +1,6 @@
 """``digenrl run`` on a tiny saved pipeline of each family, in the digenrl and the
 disaggregated mode: rewards are finite, the first micro-step reproduces the rollout's
-log-probs (ratio_dev), and trainer workers never build text encoders."""
+log-probs (ratio_dev), and only the workers that ran encode tasks build text encoders."""
 
 import numpy as np
 import pytest
@@ -45,6 +45,10 @@ def test_a_run_on_each_family_trains(name, mode, tiny_pipelines, cluster_1x1, tm
     if name in VIDEO:  # videos: the middle frame in samples.image, the whole in .video
         assert s.video.shape[-4:] == (FRAMES, SIZE, SIZE, 3)
         assert np.array_equal(s.image.values, s.video.values[:, :, FRAMES // 2])
-    client = cluster_1x1.client
-    built = list(client.run(_text_encoders_built).values())
-    assert ("rollout", True) in built and ("trainer", True) not in built, built
+    # Text encoders are built where encode tasks ran: rollout workers, and a trainer
+    # only when it was lent to generation (TAG) for one.
+    t = ds["tasks"].to_dataframe()
+    encoded = set(t[t.kind == "encode"].worker)
+    built = cluster_1x1.client.run(_text_encoders_built)
+    assert ("rollout", True) in built.values(), built
+    assert {w for w, (_, has) in built.items() if has} == encoded, (built, encoded)

@@ -53,7 +53,7 @@ def test_a_task_held_by_the_staleness_bound_says_until_when(run, capsys):
     held = tasks[tasks.decisions.str.contains("\theld\tstaleness\t")]
     assert len(held) > 0
     # Rollout work of iteration i past the bound: with stale groups, the chunks' noise.
-    assert set(held.kind) <= {"noise", "denoise", "decode", "reward"}
+    assert set(held.kind) <= {"encode", "noise", "denoise", "decode", "reward"}
     task = held.iloc[0]
     code, out, _ = why(capsys, path, task.key)
     assert code == 0

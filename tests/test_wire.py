@@ -38,7 +38,7 @@ def examples() -> dict[str, object]:
         "rollout": {"chunk_size": 2}}))
     state = train.init_state(ctx.train)
     weights = train.publish(state)
-    latents = rollout.noise(ctx.rollout, 0, IDS, PROMPTS)
+    latents = rollout.encoded_noise(ctx.rollout, 0, IDS, PROMPTS)
     step = rollout.denoise(ctx.rollout, weights, PROMPTS, 0, 0, latents)
     assert latents.cond.negative is not None
     pixels = torch.linspace(-1, 1, 2 * 3 * 8 * 8).reshape(2, 3, 8, 8)

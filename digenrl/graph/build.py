@@ -24,7 +24,7 @@ from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu, split_group_rewards
-from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, EVAL, EVAL_REWARD, GRAD,
+from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, ENCODE, EVAL, EVAL_REWARD, GRAD,
                                 GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD,
                                 STATS, TRAINED)
 
@@ -115,6 +115,7 @@ class GraphContext:
         on_error = self.config.reward.on_error
         return {
             INIT: (train.init_state, (self.train,)),
+            ENCODE: (rollout.encode, (self.rollout,)),
             NOISE: (rollout.noise, (self.rollout,)),
             DENOISE: (rollout.denoise, (self.rollout,)),
             DECODE: (rollout.decode, (self.rollout,)),

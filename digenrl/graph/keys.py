@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
-                                GPU_KINDS, GRAD, GROUP_REWARD, INIT, KIND_POOL, KINDS, NOISE,
-                                OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
+                                EVAL_REWARD, GPU_KINDS, GRAD, GROUP_REWARD, INIT, KIND_POOL,
+                                KINDS, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD, STATS,
+                                TRAINED)
 
-__all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "noise_key", "denoise_key",
-           "decode_key", "reward_key", "group_reward_key", "advantage_key", "grad_key",
-           "reduce_key", "optimize_key", "publish_key", "trained_key", "checkpoint_key",
-           "restore_key", "stats_key", "eval_key", "eval_reward_key"]
+__all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "encode_key", "noise_key",
+           "denoise_key", "decode_key", "reward_key", "group_reward_key", "advantage_key",
+           "grad_key", "reduce_key", "optimize_key", "publish_key", "trained_key",
+           "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key"]
 
 Key = Hashable
 
@@ -31,8 +32,13 @@ def kind_of(key: Key) -> str:
     return key[0]
 
 
+def encode_key(iteration: int, group: int) -> Key:
+    """Prompt group ``group``'s conditioning (its prompt through the text encoders)."""
+    return (ENCODE, iteration, group)
+
+
 def noise_key(iteration: int, chunk: int) -> Key:
-    """A chunk's starting latents (and its prompts' conditioning)."""
+    """A chunk's starting latents (and its samples' conditioning, from its groups')."""
     return (NOISE, iteration, chunk)
 
 

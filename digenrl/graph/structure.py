@@ -1,9 +1,10 @@
 """The shape of an iteration's DAG as plain data (docs/architecture.md, "One iteration").
 
-``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... -> ``decode`` (chunk) -> ``reward``
-(chunk) -> ``advantage`` (group) -> ``grad`` (chunk, micro-step) -> ``reduce`` (a fixed
-tree, each node a chain adding one part at a time) -> ``optimize`` -> ``publish`` (the
-weights of version v+1, which later ``denoise`` and ``grad`` tasks read) and ``stats``.
+``encode`` (prompt group) -> ``noise`` (chunk) -> ``denoise`` (chunk, t) -> ... ->
+``decode`` (chunk) -> ``reward`` (chunk) -> ``advantage`` (group) -> ``grad`` (chunk,
+micro-step) -> ``reduce`` (a fixed tree, each node a chain adding one part at a time) ->
+``optimize`` -> ``publish`` (the weights of version v+1, which later ``denoise`` and
+``grad`` tasks read) and ``stats``.
 With a reward that scores whole prompt groups, a ``group_reward`` (group) task reads the
 decoded images of the group's chunks and its ``advantage`` reads it too.
 A run on Dask checkpoints each version and publishes it from the checkpoint read back
@@ -37,16 +38,17 @@ from typing import Any, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
-                                denoise_key, eval_key, eval_reward_key, grad_key,
+                                denoise_key, encode_key, eval_key, eval_reward_key, grad_key,
                                 group_reward_key, noise_key, optimize_key, publish_key,
                                 reduce_key, restore_key, reward_key, stats_key, task_meta,
                                 trained_key)
 from digenrl.graph.plan import IterationPlan
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
-                                GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD,
-                                STATS, TRAINED)
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
+                                EVAL_REWARD, GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE,
+                                PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
 
-__all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "rollout_nodes",
+__all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "encode_nodes",
+           "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "rollout_version", "reduce_root_key",
            "group_reward_nodes", "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
 
@@ -133,6 +135,10 @@ class GraphLayout:
     #: ``group_reward_gpu``).
     group_rewards: bool = False
     group_reward_gpu: bool = False
+    #: Each prompt group's conditioning is an ``encode`` task the group's chunks'
+    #: ``noise`` tasks read (a run's graph always; a cost profile's only when it gives
+    #: encoding a cost: ``costs.encode_per_group``).
+    encode: bool = True
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -241,12 +247,27 @@ def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
             layout.algorithm.iteration_shape(i))
 
 
-def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """noise -> denoise chain -> decode -> reward, per chunk (and, with group rewards,
-    :func:`group_reward_nodes`). External inputs: the published weights of the versions
-    the chunks read."""
+def encode_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """An ``encode`` task per prompt group: the group's conditioning, annotated with
+    the group's first chunk and the version that chunk is generated with (it reads no
+    weights). No inputs."""
     i = plan.iteration
     out = []
+    for g in range(plan.num_groups):
+        c = plan.chunks_of_group(g)[0]
+        out.append(Node(encode_key(i, g), ENCODE,
+                        task_meta(ENCODE, i, layout.chunk_version(plan, c), chunk=c, group=g,
+                                  samples=plan.samples_per_prompt),
+                        (plan.prompts[g],), []))
+    return out
+
+
+def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """(encode per group ->) noise -> denoise chain -> decode -> reward, per chunk (and,
+    with group rewards, :func:`group_reward_nodes`). External inputs: the published
+    weights of the versions the chunks read."""
+    i = plan.iteration
+    out = encode_nodes(layout, plan) if layout.encode else []
     append = out.append
     alg = layout.algorithm
     steps = range(layout.num_steps)
@@ -256,9 +277,17 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         rv = layout.chunk_version(plan, c)
         ids = plan.sample_ids(c)
         prompts = plan.chunk_prompts(c)
-        common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
+        groups = plan.groups_of_chunk(c)
+        common = dict(chunk=c, group=groups[0], samples=len(ids))
         prev: Key = noise_key(i, c)
-        append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), (i, ids, prompts), []))
+        if layout.encode:
+            # Sample s has the conditioning of its group, the chunk's (s's group - first).
+            encoded = [encode_key(i, g) for g in groups]
+            args = (i, ids, prompts, tuple(plan.group_of(s) - groups[0] for s in ids),
+                    *(Dep(k) for k in encoded))
+        else:
+            encoded, args = [], (i, ids, prompts)
+        append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), args, encoded))
         chain = [prev]
         weights = publish_key(rv)
         # The steps' annotations differ only in their timestep and kind of step.

@@ -13,6 +13,7 @@ loading and caching, guidance, VAE encoding and decoding, latent packing) is in
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Sequence
@@ -24,7 +25,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
-__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PromptEncoderLike", "SourceImage",
+__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PROMPT_CACHE_BYTES", "PromptEncoderLike", "SourceImage",
            "stack_rows", "to_uint8", "JOINT_ATTENTION_TARGETS"]
 
 
@@ -47,6 +48,29 @@ class Conditioning:
     prompts: tuple[str, ...]
     tensors: dict[str, torch.Tensor]
     negative: dict[str, torch.Tensor] | None = None
+    #: The negative has a row per sample (encoded with each sample's source image), not
+    #: one row every sample shares.
+    negative_per_sample: bool = False
+
+    @classmethod
+    def of_groups(cls, groups: Sequence["Conditioning"], picks: Sequence[int]
+                  ) -> "Conditioning":
+        """A chunk's conditioning from its prompt groups' (each of one prompt, as an
+        ``encode`` task makes it): sample ``k`` takes the row of ``groups[picks[k]]``.
+        The rows are stacked as :class:`PromptCache` stacks them (:func:`stack_rows`), so
+        the chunk's tensors are those of encoding its prompts together, row for row."""
+        first = groups[0]
+
+        def gather(part) -> dict[str, torch.Tensor]:
+            return {k: stack_rows([part(groups[j])[k][0] for j in picks])
+                    for k in part(first)}
+
+        negative = None
+        if first.negative is not None:
+            negative = (gather(lambda g: g.negative) if first.negative_per_sample
+                        else first.negative)
+        return cls(tuple(groups[j].prompts[0] for j in picks), gather(lambda g: g.tensors),
+                   negative, first.negative_per_sample)
 
     def _map(self, fn) -> "Conditioning":
         """The same prompts with ``fn`` applied to every tensor."""
@@ -54,7 +78,8 @@ class Conditioning:
             return {k: fn(v) for k, v in tensors.items()}
 
         return Conditioning(self.prompts, each(self.tensors),
-                            None if self.negative is None else each(self.negative))
+                            None if self.negative is None else each(self.negative),
+                            self.negative_per_sample)
 
     def to(self, device) -> "Conditioning":
         return self._map(lambda t: t.to(device))
@@ -70,7 +95,7 @@ class Conditioning:
             return {k: v[index] if v.shape[0] == n else v for k, v in tensors.items()}
 
         return Conditioning(tuple(self.prompts[i] for i in index.tolist()),
-                            pick(self.tensors), pick(self.negative))
+                            pick(self.tensors), pick(self.negative), self.negative_per_sample)
 
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
@@ -125,23 +150,47 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
                         for r in rows])
 
 
+#: The most bytes of encodings a :class:`PromptCache` keeps (per cache, per process):
+#: past it the least recently used are dropped and encoded again when next asked for.
+PROMPT_CACHE_BYTES = 1 << 30
+
+
+def _nbytes(row: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in row.values())
+
+
 class PromptCache:
     """Encodes each key (a prompt; a prompt with its source image; a source image)
-    through ``encode_batch`` once and stacks the cached rows (:func:`stack_rows`)."""
+    through ``encode_batch`` once and stacks the cached rows (:func:`stack_rows`).
 
-    def __init__(self, encode_batch):
+    A least-recently-used cache of at most ``max_bytes`` of rows (one key's rows are
+    kept whatever their size); ``encoded`` counts the keys ``encode_batch`` was asked
+    for, so a key asked for again while cached costs nothing and counts nothing."""
+
+    def __init__(self, encode_batch, max_bytes: int = PROMPT_CACHE_BYTES):
         self._encode_batch = encode_batch
-        self._cache: dict = {}
+        self._cache: OrderedDict = OrderedDict()
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.encoded = 0
 
     def __call__(self, keys: Sequence) -> dict[str, torch.Tensor]:
-        new = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        cache = self._cache
+        new = list(dict.fromkeys(k for k in keys if k not in cache))
         if new:
             with torch.no_grad():
                 rows = self._encode_batch(new)
+            self.encoded += len(new)
             for i, key in enumerate(new):
-                self._cache[key] = {k: v[i].detach().cpu() for k, v in rows.items()}
-        names = self._cache[keys[0]].keys()
-        return {k: stack_rows([self._cache[key][k] for key in keys]) for k in names}
+                cache[key] = row = {k: v[i].detach().cpu() for k, v in rows.items()}
+                self.nbytes += _nbytes(row)
+        found = [cache[key] for key in keys]
+        for key in keys:
+            cache.move_to_end(key)
+        while self.nbytes > self.max_bytes and len(cache) > 1:
+            _, row = cache.popitem(last=False)
+            self.nbytes -= _nbytes(row)
+        return {k: stack_rows([row[k] for row in found]) for k in found[0]}
 
     def __len__(self) -> int:
         return len(self._cache)

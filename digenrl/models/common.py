@@ -52,12 +52,56 @@ class TextEncoders:
     text_sees_image: ClassVar[bool] = False
 
     def __init__(self, family: "ModelFamily", device: torch.device):
-        self.family, self.device = family, device
-        #: ``model.text_encoder_dtype``: the text encoders' weights and forward pass.
-        self.dtype = TORCH_DTYPES[family.cfg.text_encoder_dtype]
-        self.cache = PromptCache(self.encode_batch)
-        self.source_cache = PromptCache(self.encode_sources)
+        self.family = family
+        #: Where the encoders compute; with ``model.text_encoder_offload`` they are kept
+        #: on the CPU (``device``) and moved here only while they encode.
+        self.compute_device = device
+        self.offload = family.cfg.text_encoder_offload
+        self.device = torch.device("cpu") if self.offload else device
+        #: ``model.text_encoder_dtype`` (the model's dtype when unset): the text
+        #: encoders' weights and forward pass.
+        self.dtype = TORCH_DTYPES[family.cfg.encoder_dtype]
+        self.cache = PromptCache(self._on_device(self.encode_batch))
+        self.source_cache = PromptCache(self._on_device(self.encode_sources))
         self._vae = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        """The encoders' modules (the text encoders, the source images' VAE once loaded)."""
+        found: list[torch.nn.Module] = []
+
+        def visit(v) -> None:
+            if isinstance(v, torch.nn.Module):
+                found.append(v)
+            elif isinstance(v, (list, tuple)):
+                for item in v:
+                    visit(item)
+
+        for value in vars(self).values():
+            visit(value)
+        return found
+
+    def move(self, device: torch.device) -> None:
+        """Move every encoder module to ``device``, where the next encodings compute."""
+        for module in self.modules():
+            module.to(device)
+        self.device = device
+
+    def _on_device(self, encode):
+        """``encode``, run on the compute device; with offloading the encoders move there
+        for the call and back to the CPU after it (a cached key moves nothing)."""
+        if not self.offload:
+            return encode
+
+        def run(keys):
+            self.move(self.compute_device)
+            try:
+                return encode(keys)
+            finally:
+                self.move(torch.device("cpu"))
+                if self.compute_device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+        return run
 
     def tokenizer(self, part: str):
         """The folder's tokenizer ``part`` (e.g. ``tokenizer_2``)."""
@@ -125,7 +169,7 @@ class TextEncoders:
             neg_keys = [neg_prompt]
         tensors.update(self.source_cache(sources))
         neg = self.cache(neg_keys) if negative and self.uses_negative else None
-        return Conditioning(tuple(prompts), tensors, neg)
+        return Conditioning(tuple(prompts), tensors, neg, self.text_sees_image)
 
 
 def guided(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:
@@ -238,7 +282,7 @@ def by_source_size(x: torch.Tensor, cond: Conditioning, velocity) -> torch.Tenso
     def cut(part: Conditioning, size: tuple[int, int]) -> Conditioning:
         tensors = dict(part.tensors)
         tensors["source_tokens"] = tensors["source_tokens"][:, : size[0] * size[1]]
-        return Conditioning(part.prompts, tensors, part.negative)
+        return Conditioning(part.prompts, tensors, part.negative, part.negative_per_sample)
 
     if len(sizes) == 1:
         size = next(iter(sizes))

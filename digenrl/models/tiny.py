@@ -18,7 +18,7 @@ import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
 from digenrl.config import SamplerConfig
-from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
+from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily, PromptCache
 from digenrl.models.common import scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
 from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
@@ -69,19 +69,23 @@ class PromptEncoder:
 
 
 class _HashConditioner:
+    """The hash encoder's prompts, each encoded once per process (:class:`PromptCache`,
+    as a family's text encoders)."""
+
     def __init__(self, encoder: PromptEncoder, negative_prompt: str):
         self.encoder, self.negative_prompt = encoder, negative_prompt
+        self.cache = PromptCache(self._encode_batch)
+
+    def _encode_batch(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, pooled = self.encoder.encode(prompts)
+        return {"embeds": embeds, "pooled": pooled}
 
     def encode(self, prompts: Sequence[str], negative: bool, images=None) -> Conditioning:
         if images is not None:
             raise ValueError(f"the built-in model: expected no source images (it is not an "
                              f"editing pipeline), got {len(images)}")
-        embeds, pooled = self.encoder.encode(prompts)
-        neg = None
-        if negative:
-            ue, up = self.encoder.encode([self.negative_prompt])
-            neg = {"embeds": ue, "pooled": up}
-        return Conditioning(tuple(prompts), {"embeds": embeds, "pooled": pooled}, neg)
+        neg = self.cache([self.negative_prompt]) if negative else None
+        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
 
 
 @lru_cache(maxsize=32)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, EVAL_REWARD,
-                                GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE,
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
+                                EVAL_REWARD, GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH,
+                                REDUCE, RESTORE,
                                 REWARD, STATS, TRAINED)
 
 __all__ = ["KIND_COLOURS", "use_kind_colours"]
 
 KIND_COLOURS = {
-    NOISE: "#c7c7c7", DENOISE: "#1f77b4", DECODE: "#17becf", REWARD: "#2ca02c",
-    GROUP_REWARD: "#98df8a",
+    ENCODE: "#dbdb8d", NOISE: "#c7c7c7", DENOISE: "#1f77b4", DECODE: "#17becf",
+    REWARD: "#2ca02c", GROUP_REWARD: "#98df8a",
     ADVANTAGE: "#bcbd22", GRAD: "#d62728", REDUCE: "#ff9896", OPTIMIZE: "#9467bd",
     PUBLISH: "#8c564b", TRAINED: "#c49c94", STATS: "#7f7f7f", INIT: "#e377c2",
     CHECKPOINT: "#393b79", RESTORE: "#637939", EVAL: "#ff7f0e", EVAL_REWARD: "#ffbb78",

@@ -12,8 +12,9 @@ On top of that, before a task starts its worker pays, in seconds not scaled by i
 (network and memory traffic, not compute):
 
 * in the disaggregated modes, on a rollout worker, the first task that reads a policy
-  version waits for its weights (``weight_bytes / bandwidth``): a rollout task, or a
-  ``grad`` micro-step lent to it (rollout-assisted training);
+  version waits for its weights (``weight_bytes / bandwidth``): a rollout task (an
+  ``encode`` reads none), or a ``grad`` micro-step lent to it (rollout-assisted
+  training);
 * in the co-located mode, each switch between rollout and training work costs
   ``colocated.phase_switch``.
 
@@ -31,7 +32,8 @@ from typing import Hashable, Sequence
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.sim.profile import Profile
-from digenrl.vocabulary import GRAD, GROUP_REWARD, REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS
+from digenrl.vocabulary import (GRAD, GROUP_REWARD, READS_NO_WEIGHTS, REDUCE, REWARD,
+                                ROLLOUT_KINDS, TRAINING_KINDS)
 
 __all__ = ["TaskCosts", "Extras", "WorkerHeld", "phase_of", "reduction_root"]
 
@@ -108,8 +110,8 @@ class Extras:
         ``version`` (``rollout_worker``: a worker of the rollout pool; trainers hold
         every version they publish). Updates ``held``."""
         extra = 0.0
-        if (self.weight_sync and rollout_worker and (kind in ROLLOUT_KINDS or kind == GRAD)
-                and version not in held.versions):
+        if (self.weight_sync and rollout_worker and kind not in READS_NO_WEIGHTS
+                and (kind in ROLLOUT_KINDS or kind == GRAD) and version not in held.versions):
             held.versions.add(version)
             held.synced += self.weight_sync
             extra += self.weight_sync

@@ -19,8 +19,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from digenrl.algorithms import DEFAULT_ALGORITHM
-from digenrl.vocabulary import (DECODE, DENOISE, GRAD, GROUP_REWARD, OPTIMIZE, PUBLISH, REWARD,
-                                ROLLOUT, TRAINER)
+from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, PUBLISH,
+                                REWARD, ROLLOUT, TRAINER)
 
 __all__ = ["measured_profile"]
 
@@ -88,6 +88,8 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
             "weight_bytes": mean(nbytes, PUBLISH),
             "grad_bytes": mean(nbytes, GRAD),
             "latent_bytes_per_sample": latent,
+            # (cache hits included: what a group's encoding cost this run on average)
+            "encode_per_group": mean(seconds, ENCODE),
         },
         "network": {"bandwidth": float(attrs["schedule"].get("transfer_bandwidth") or 50e9)},
         "colocated": {"phase_switch": 0.0, "recompute_old_logprob": False},

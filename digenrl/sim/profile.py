@@ -27,7 +27,8 @@ from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from digenrl.analysis import ideal_bound
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.vocabulary import (DECODE, DENOISE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD, ROLLOUT,
+from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD,
+                                ROLLOUT,
                                 TRAINER)
 
 __all__ = ["Profile", "ProfileError", "Slowdown", "load_profile", "list_profiles", "PROFILE_DIR",
@@ -74,6 +75,11 @@ class Costs:
     weight_bytes: float = 0.0          # synchronised to each rollout worker per version
     grad_bytes: float = 0.0            # all-reduced among trainers once per iteration
     latent_bytes_per_sample: float = 0.0
+    #: One prompt group's ``encode`` task: its prompt through the text encoders (a GPU
+    #: slot on a rollout worker). 0, the default: encoding is not modelled and the graph
+    #: has no ``encode`` tasks (a CLIP/T5 encoder's share is small; a language-model
+    #: encoder's is not).
+    encode_per_group: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ class Profile:
                            reward_gpu=gpu, version_lag=max_staleness,
                            stale_groups=stale_groups, algorithm=self.shape(),
                            group_rewards=self.costs.group_reward_per_sample > 0,
-                           group_reward_gpu=gpu)
+                           group_reward_gpu=gpu, encode=self.costs.encode_per_group > 0)
 
     def plans(self, iterations: int) -> list[IterationPlan]:
         prompts = tuple(f"prompt {j}" for j in range(self.prompts_per_iteration))
@@ -238,6 +244,8 @@ class Profile:
             return c.group_reward_per_sample * samples
         if kind == OPTIMIZE:
             return c.optimizer_step
+        if kind == ENCODE:
+            return c.encode_per_group
         return 0.0
 
     def weight_sync_seconds(self) -> float:
@@ -269,6 +277,7 @@ class Profile:
         if self.costs.reward_on == "gpu":
             total += chunks * t(REWARD, self.chunk_size)
             total += self.prompts_per_iteration * t(GROUP_REWARD, self.samples_per_prompt)
+        total += self.prompts_per_iteration * t(ENCODE, self.samples_per_prompt)
         return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:

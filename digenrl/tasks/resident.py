@@ -3,8 +3,8 @@
 A worker keeps the transformer with each recently used version's weights loaded, plus
 the VAE and, on the rollout workers that encode prompts, the text encoders, so tasks
 pass only weight versions, latents, conditioning and gradients. Text encoders are built
-on the first encoding (a ``noise`` task, rollout pool only): trainer workers never load
-them. :class:`ResidentPlugin` is the Dask worker plugin that owns this state; a
+on the first encoding (an ``encode`` task, in the rollout pool; a trainer lent to
+generation may run one too, and an evaluation chunk encodes its held-out prompts). :class:`ResidentPlugin` is the Dask worker plugin that owns this state; a
 task reaches it through :func:`resident`. Outside a worker (unit tests, the client) the
 same state lives in a process-wide table.
 """
@@ -111,10 +111,22 @@ class ResidentModels:
                   if id(t) not in adapters}
         return copy.deepcopy(self._base, memo=shared)
 
-    def conditioning(self, prompts, guidance_scale: float) -> Conditioning:
-        """The prompts' conditioning on the CPU (and the negative prompt's with guidance)."""
+    def conditioning(self, prompts, guidance_scale: float, **extras) -> Conditioning:
+        """The prompts' conditioning on the CPU (and the negative prompt's with guidance);
+        ``extras``: what else the family's encoder reads of them (``images``: an editing
+        family's source images, one per prompt). Each prompt (with its source image) is
+        encoded once per process while the encoder's cache keeps it."""
         with self._lock, model_time():
-            return self.encoder.encode(tuple(prompts), guidance_scale > 1.0)
+            return self.encoder.encode(tuple(prompts), guidance_scale > 1.0, **extras)
+
+    def prompts_encoded(self) -> int:
+        """How many prompts (and negative prompts, and source images) this process's
+        encoder has encoded so far: its cache misses (0 before its first encoding)."""
+        with self._lock:
+            if self._encoder is None:
+                return 0
+            caches = [getattr(self._encoder, name, None) for name in ("cache", "source_cache")]
+            return sum(c.encoded for c in caches if c is not None)
 
     def resident_versions(self) -> list[int]:
         with self._lock:

@@ -1,5 +1,5 @@
-"""Rollout tasks: starting noise and the prompts' conditioning, one denoising step of a
-chunk, decoding.
+"""Rollout tasks: a prompt group's conditioning, a chunk's starting noise, one denoising
+step of a chunk, decoding.
 
 Random draws are per sample: sample ``s`` of iteration ``i`` draws its starting noise
 from ``(seed, "noise", i, s)`` and its step-``t`` SDE noise from ``(seed, "sde", i, s, t)``
@@ -21,14 +21,14 @@ import torch
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.lora import Trainable
-from digenrl.models import decode_latents, latent_shape, predict_velocity
+from digenrl.models import Conditioning, decode_latents, latent_shape, predict_velocity
 from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import euler_step, sde_step
 from digenrl.tasks.slowdown import stretch
 from digenrl.tasks.types import DecodeOut, Latents, PolicyWeights, StepOut
 
-__all__ = ["RolloutSpec", "draw_normal", "noise", "denoise", "decode", "evaluate"]
+__all__ = ["RolloutSpec", "draw_normal", "encode", "noise", "encoded_noise", "denoise", "decode", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -62,19 +62,44 @@ def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
+def encode(spec: RolloutSpec, prompt: str, extras: dict | None = None) -> Conditioning:
+    """A prompt group's conditioning: its prompt through this worker's text encoders
+    (and the negative prompt with guidance), on the CPU. ``extras``: what else the
+    family's encoder reads of the group, each a tuple of one (``images``: an editing
+    family's source image). The encoder's cache keeps each prompt (with its source
+    image) it encoded, so a prompt this worker has seen costs nothing."""
+    return resident(spec.model, spec.model_seed, spec.trainable).conditioning(
+        (prompt,), spec.sampler.guidance_scale, **(extras or {}))
+
+
 def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
-          prompts: tuple[str, ...]) -> Latents:
+          prompts: tuple[str, ...], picks: tuple[int, ...], *groups: Conditioning) -> Latents:
     """x_0 for each sample: pure noise (shared within a group if asked), and the
-    conditioning of each sample's prompt from this worker's text encoders."""
+    conditioning of each sample's prompt: sample ``k`` has the one of ``groups[picks[k]]``
+    (``groups``: the conditioning of each prompt group the chunk's samples belong to, in
+    order, from their ``encode`` tasks)."""
     shape = latent_shape(spec.model)
     rows = []
     for s in sample_ids:
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = GROUP_NOISE_DRAW if spec.same_noise_in_group else NOISE_DRAW
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
-    cond = resident(spec.model, spec.model_seed, spec.trainable).conditioning(prompts,
-                                                              spec.sampler.guidance_scale)
+    assert len(picks) == len(prompts) and all(
+        groups[j].prompts == (p,) for j, p in zip(picks, prompts)), \
+        "a chunk's noise task reads the conditioning of each of its groups, in order"
+    cond = Conditioning.of_groups(groups, picks)
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
+
+
+def encoded_noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
+                  prompts: tuple[str, ...]) -> Latents:
+    """What a chunk's ``encode`` tasks and its ``noise`` task compute, one after the
+    other in this process (each distinct prompt taken as a group): for tools and tests
+    that sample outside a graph."""
+    distinct = list(dict.fromkeys(prompts))
+    groups = [encode(spec, p) for p in distinct]
+    return noise(spec, iteration, sample_ids, prompts,
+                 tuple(distinct.index(p) for p in prompts), *groups)
 
 
 def chunk_conditioning(prompts: tuple[str, ...], data: Latents | StepOut):

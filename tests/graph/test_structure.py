@@ -20,14 +20,31 @@ def test_every_denoise_step_of_every_chunk_is_a_task():
     kinds = Counter(n.key[0] for n in nodes)
     assert kinds["denoise"] == 6 * 4 and kinds["grad"] == 6 * 2
     assert kinds["noise"] == kinds["decode"] == kinds["reward"] == 6
-    assert kinds["advantage"] == 3 and kinds["optimize"] == kinds["publish"] == 1
+    assert kinds["advantage"] == kinds["encode"] == 3
+    assert kinds["optimize"] == kinds["publish"] == 1
     for n in nodes:
         assert n.key[0] == n.meta["kind"] and n.meta["iteration"] == 5
         if n.key[0] in ("denoise", "grad"):
             assert n.meta["timestep"] == n.key[3] and n.meta["chunk"] == n.key[2]
-        assert n.meta["pool"] == ("rollout" if n.key[0] in ("noise", "denoise", "decode", "reward")
-                                  else "trainer")
-        assert n.meta["gpu"] == (n.key[0] in ("denoise", "decode", "grad", "optimize"))
+        rollout = ("encode", "noise", "denoise", "decode", "reward")
+        assert n.meta["pool"] == ("rollout" if n.key[0] in rollout else "trainer")
+        assert n.meta["gpu"] == (n.key[0] in ("encode", "denoise", "decode", "grad", "optimize"))
+
+
+def test_each_group_is_encoded_once_and_its_chunks_read_it():
+    """Groups of 4 samples in chunks of 2 (one group per chunk), then of 3 (a chunk
+    spanning two groups reads both); without ``encode`` a noise task reads nothing."""
+    nodes = {n.key: n for n in iteration_nodes(LAYOUT, plan())}
+    assert nodes[("encode", 5, 1)].args == ("dog",) and nodes[("encode", 5, 1)].deps == []
+    assert nodes[("encode", 5, 1)].meta["chunk"] == 2
+    assert nodes[("noise", 5, 2)].deps == nodes[("noise", 5, 3)].deps == [("encode", 5, 1)]
+    nodes = {n.key: n for n in iteration_nodes(LAYOUT, plan(chunk=3))}
+    assert nodes[("noise", 5, 1)].deps == [("encode", 5, 0), ("encode", 5, 1)]
+    assert nodes[("noise", 5, 1)].args[2:4] == (("cat", "dog", "dog"), (0, 1, 1))
+    bare = GraphLayout(num_steps=4, trained_steps=2, reduce_fanin=3, encode=False)
+    nodes = iteration_nodes(bare, plan())
+    assert not [n for n in nodes if n.key[0] == "encode"]
+    assert all(n.deps == [] for n in nodes if n.key[0] == "noise")
 
 
 def test_chains_and_dependencies():

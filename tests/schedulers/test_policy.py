@@ -13,7 +13,7 @@ from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
 from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, GPU_KINDS, GRAD,
-                                KIND_POOL, KINDS, NOISE, OPTIMIZE, PUBLISH, RESTORE, ROLLOUT,
+                                KIND_POOL, KINDS, NOISE, OPTIMIZE, PUBLISH, RESTORE, REWARD, ROLLOUT,
                                 ROLLOUT_KINDS, TRAINER)
 
 #: The training kinds that hold a GPU slot.
@@ -503,7 +503,7 @@ def test_chains_stay_on_the_worker_that_holds_their_latent():
 def test_slots_limit_gpu_tasks_in_flight_and_cpu_tasks_go_by_locality():
     p = policy_with(opts("digenrl", tag=False), rollout=2)
     p.add_tasks([info(("d", j), DENOISE, chunk=j) for j in range(6)]
-                + [info("n", NOISE, gpu=False)])
+                + [info("n", REWARD, gpu=False)])
     for j in range(6):
         p.task_ready(("d", j))
     p.task_ready("n", {"r1": 5})

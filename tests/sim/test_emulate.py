@@ -1,5 +1,6 @@
 """Emulated GPUs: the real graph, scheduler and plugin on tasks that only wait."""
 
+import ast
 import dataclasses
 
 import pytest
@@ -28,13 +29,25 @@ def test_emulated_workers_declare_their_speed(emulated_2x2):
 
 def test_an_emulated_run_schedules_the_real_graph(emulated_2x2, small_profile, tmp_path):
     opts = ScheduleOptions(mode="digenrl", **MODES["digenrl"])
-    w = EmulatedWorkload(small_profile, opts, 3)
+    # With an encoder's cost: an encode task per prompt group.
+    encoding = dataclasses.replace(small_profile, costs=dataclasses.replace(
+        small_profile.costs, encode_per_group=0.5))
+    w = EmulatedWorkload(encoding, opts, 3)
     Driver(w, str(tmp_path / "e.zarr"), emulated_2x2).run()
     ds = open_run(tmp_path / "e.zarr")
     t = ds["tasks"].to_dataframe()
     assert ds["metrics"].sizes["iteration"] == 3
     # 4 chunks x (noise, 4 denoise, decode, reward, 2 grads) per iteration, and more.
     assert (t.kind == "denoise").sum() == 3 * 4 * 4 and (t.kind == "grad").sum() == 3 * 4 * 2
+    # 2 groups (2 chunks each) per iteration: each encoded in a GPU slot before its
+    # chunks' noise became ready (the scheduler's clock).
+    enc = t[t.kind == "encode"]
+    assert len(enc) == 3 * 2 and enc.gpu.all() and (enc.pool.eq("rollout") | enc.tag).all()
+    noise = t[t.kind == "noise"].set_index("key")
+    for _, e in enc.iterrows():
+        i, g = ast.literal_eval(e.key)[1:]
+        for c in (2 * g, 2 * g + 1):
+            assert noise.loc[str(("noise", i, c)), "ready"] >= e.finished
     assert not t[t.kind.isin(["reduce", "optimize"])].pool.eq("rollout").any()
     # Grads on the rollout pool only as rollout-assisted training (on in mode digenrl).
     on_rollout = t[(t.kind == "grad") & t.pool.eq("rollout")]

@@ -29,7 +29,9 @@ def test_the_report_writes_the_runs_costs_and_the_simulator_runs_them(reference_
         profile.gpu_seconds_per_iteration(), per_iteration)
     assert profile.costs.train_factor > 1   # a micro-step costs more than a step
 
-    # The simulator runs the run's workload in each mode, within the ideal bound.
+    # The simulator runs the run's workload in each mode, within the ideal bound (over
+    # 8 iterations: in a shorter window the iterations' completions bunch, and work done
+    # ahead of the window, such as the next groups' encodings, can lift it above).
     for mode in ("disaggregated", "digenrl"):
-        r = simulate(profile, ScheduleOptions(mode=mode, **MODES[mode]), 4)
+        r = simulate(profile, ScheduleOptions(mode=mode, **MODES[mode]), 8)
         assert 0 < r.ideal_fraction <= 1, (mode, r.ideal_fraction)

@@ -255,3 +255,36 @@ def test_per_worker_speeds_set_the_heterogeneous_ideal_bound(flux):
     assert 0 < hetero.ideal_fraction <= 1.0
     with pytest.raises(ValueError, match=r"speeds: expected names of the profile's workers"):
         simulate(flux, opts("digenrl"), 3, speeds={"rollout-99": 0.5})
+
+
+def test_encode_tasks_hold_a_rollout_slot_before_their_groups_chunks(flux):
+    """A language-model encoder's cost (``encode_per_group``): one encode task per prompt
+    group and iteration, holding a GPU slot on a rollout worker (or a trainer lent to
+    generation), each before its group's noise tasks, counted in the ideal bound; a
+    profile that leaves encoding at 0 has none."""
+    import dataclasses
+
+    from digenrl.graph.plan import IterationPlan
+
+    small = dataclasses.replace(flux, prompts_per_iteration=6)
+    encoding = dataclasses.replace(small, costs=dataclasses.replace(small.costs,
+                                                                    encode_per_group=2.0))
+    r = simulate(encoding, opts("digenrl"), 3)
+    records = r.result.records
+    encodes = [t for t in records if t.kind == "encode"]
+    assert sorted(t.key for t in encodes) == [("encode", i, g) for i in range(3)
+                                              for g in range(6)]
+    assert all(t.gpu for t in encodes)
+    assert all(t.pool == "rollout" or t.tag for t in encodes)
+    speeds = encoding.speeds()
+    for t in encodes:
+        assert t.stop - t.start == pytest.approx(2.0 / speeds[t.worker])
+    noise = {t.key: t for t in records if t.kind == "noise"}
+    plan = IterationPlan.uniform(0, ("p",) * 6, small.samples_per_prompt, small.chunk_size)
+    for t in encodes:
+        for c in plan.chunks_of_group(t.key[2]):
+            assert noise[("noise", t.key[1], c)].start >= t.stop
+    assert encoding.gpu_seconds_per_iteration() == pytest.approx(
+        small.gpu_seconds_per_iteration() + 6 * 2.0)
+    assert not [t for t in simulate(small, opts("digenrl"), 3).result.records
+                if t.kind == "encode"]

@@ -92,7 +92,8 @@ def rows_of(cond: Conditioning, index: Sequence[int]) -> Conditioning:
     """The conditioning of rows ``index`` of ``cond`` (the negative prompt's as it is)."""
     idx = torch.as_tensor(list(index), dtype=torch.long)
     return Conditioning(tuple(cond.prompts[i] for i in index),
-                        {k: v[idx] for k, v in cond.tensors.items()}, cond.negative)
+                        {k: v[idx] for k, v in cond.tensors.items()}, cond.negative,
+                        cond.negative_per_sample)
 
 
 class Policies:

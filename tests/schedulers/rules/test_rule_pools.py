@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from digenrl.schedulers.policy import SchedulingPolicy
 from digenrl.schedulers.policy.rules.pools import pool_problem
-from digenrl.vocabulary import COLOCATED, DENOISE, GRAD, NOISE, ROLLOUT, TRAINER
+from digenrl.vocabulary import COLOCATED, DENOISE, GRAD, NOISE, REWARD, ROLLOUT, TRAINER
 
 from rule_helpers import info, opts, policy_with, said, steps
 
@@ -55,7 +55,7 @@ def test_a_step_goes_where_its_inputs_are():
 
 def test_a_task_without_a_gpu_goes_where_most_of_its_bytes_are_else_in_turn():
     p = policy_with(opts("digenrl"), rollout=2)
-    p.add_tasks([info(("n", j), NOISE, gpu=False) for j in range(3)])
+    p.add_tasks([info(("n", j), REWARD, gpu=False) for j in range(3)])
     p.task_ready(("n", 0), {"r1": 5, "r0": 2})
     p.task_ready(("n", 1), {})
     p.task_ready(("n", 2), {})
@@ -65,6 +65,20 @@ def test_a_task_without_a_gpu_goes_where_most_of_its_bytes_are_else_in_turn():
     assert (by_bytes.verb, by_bytes.rule, by_bytes.worker) == ("placed", "pools", "rollout-1")
     assert by_bytes.reason == "it holds most of the task's input bytes (5 bytes)"
     assert in_turn.reason == "no input on the pool: the next worker in turn"
+
+
+def test_a_chunks_noise_is_dealt_in_turn_wherever_its_conditioning_is():
+    """Its groups' conditioning (its input) moves to it: without rebalancing the chunk
+    stays where its noise is drawn, so each worker gets an equal share of the chunks."""
+    p = policy_with(opts("digenrl"), rollout=2)
+    p.add_tasks([info(("n", j), NOISE, gpu=False) for j in range(3)])
+    for j in range(3):
+        p.task_ready(("n", j), {"r1": 5})
+    assert {d.key: d.worker for d in p.decide()} == {("n", 0): "r0", ("n", 1): "r1",
+                                                     ("n", 2): "r0"}
+    [s] = steps(p, ("n", 1))
+    assert (s.verb, s.rule, s.worker) == ("placed", "pools", "rollout-1")
+    assert s.reason == "a chunk's noise: dealt to the next worker in turn"
 
 
 def test_a_task_of_a_pool_without_workers_waits_and_says_so():

@@ -1,6 +1,6 @@
 """Pools: a task runs only on a worker of its pool.
 
-Rollout tasks (``noise``, ``denoise``, ``decode``, ``reward``, evaluation) run on
+Rollout tasks (``encode``, ``noise``, ``denoise``, ``decode``, ``reward``, evaluation) run on
 ``rollout`` workers and training tasks on ``trainer`` workers; with ``pools`` off every
 GPU worker is one ``colocated`` pool. A worker's pool comes from its own resources
 (``rollout=1`` or ``trainer=1`` beside ``GPU=1``), never from worker order; an untagged
@@ -11,7 +11,7 @@ GPU tasks take a slot: at most ``slots_per_worker`` are released to a worker at 
 (one runs, the others wait on the worker and hide the scheduler round trip). Tasks
 that need no GPU are released at once to the worker of their pool holding most of
 their input bytes (then the least loaded, then by name); without inputs on the pool,
-to the next worker of the pool in turn.
+and a chunk's ``noise`` always, to the next worker of the pool in turn.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Mapping
 from digenrl.schedulers.policy.rules import Rule
 from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import PLACED, WAITS
-from digenrl.vocabulary import COLOCATED, POOLS, ROLLOUT, TRAINER
+from digenrl.vocabulary import COLOCATED, NOISE, POOLS, ROLLOUT, TRAINER
 
 __all__ = ["Pools", "pool_problem"]
 
@@ -52,11 +52,16 @@ class Pools(Rule):
 
     def pick(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes of ``info`` (``loc``: worker -> bytes
-        held); without inputs on the pool, the next worker of the pool in turn."""
+        held); without inputs on the pool, the next worker of the pool in turn. A
+        chunk's ``noise`` is always dealt in turn: it starts the chunk, which without
+        rebalancing stays where it starts, so each worker gets an equal share of the
+        chunks (its input, its groups' conditioning, is small and moves to it)."""
         policy = self.policy
         pool = policy.pool_workers(info.pool)
         if not pool:
             return None
+        if info.kind == NOISE:
+            loc = {}
         # Most bytes first, then the least loaded, then by name.
         best, best_rank = None, None
         workers, pools = self.workers, self.options.pools
@@ -82,6 +87,9 @@ class Pools(Rule):
             held = loc.get(w.address, 0) if w is not None else 0
             if w is None:
                 policy.note(info, WAITS, self.name, None, "no worker serves its pool")
+            elif info.kind == NOISE:
+                policy.note(info, PLACED, self.name, w,
+                            "a chunk's noise: dealt to the next worker in turn")
             elif held > 0:
                 policy.note(info, PLACED, self.name, w,
                             "it holds most of the task's input bytes ({} bytes)", held)
