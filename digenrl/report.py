@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from digenrl.analysis import (busy_shares, dispatch_overhead, split_advice, store_pools,
                               window_stats)
 from digenrl.sim.measured import measured_profile
@@ -46,7 +47,10 @@ def summarise(ds, profile: Path | None = None) -> str:
     m = ds["metrics"]
     n = m.sizes.get("iteration", 0)
     sched = attrs["schedule"]
-    lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, mode "
+    algorithm = attrs.get("algorithm", DEFAULT_ALGORITHM)
+    coupled = algorithm not in ALGORITHMS or ALGORITHMS[algorithm].coupled
+    lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, "
+             f"algorithm {algorithm} ({'coupled' if coupled else 'decoupled'}), mode "
              f"{sched['mode']} (gap={sched['gap']} tsp={sched['tsp']} tag={sched['tag']} "
              f"rat={sched.get('rat', False)} max_staleness={sched['max_staleness']}), {n} complete iterations"]
     pools = store_pools(attrs)
@@ -58,8 +62,12 @@ def summarise(ds, profile: Path | None = None) -> str:
         k = min(5, n)
         lines.append(f"reward: first {k} iterations {np.nanmean(r[:k]):.4f}, last {k} "
                      f"{np.nanmean(r[-k:]):.4f} (change {np.nanmean(r[-k:]) - np.nanmean(r[:k]):+.4f})")
-        lines.append(f"ratio_dev (max |ratio - 1| at the first on-policy micro-step): "
-                     f"{np.nanmax(m.ratio_dev.values):.2e}")
+        if coupled:
+            lines.append(f"ratio_dev (max |ratio - 1| at the first on-policy micro-step): "
+                         f"{np.nanmax(m.ratio_dev.values):.2e}")
+        else:  # no sampling log-probabilities: no trajectory, no policy ratio to check
+            lines.append("trajectories: none kept (a decoupled algorithm trains on each "
+                         "sample's final latent; no per-step log-probabilities)")
     s = ds["samples"]
     if "trained_version" in s:
         st = (s.trained_version - s.behaviour_version).values.ravel()

@@ -247,3 +247,18 @@ def test_check_starts_no_cluster_and_prints_the_resolved_config(small_yaml, tmp_
     (tmp_path / "taken.zarr").mkdir()
     code, _, err = run_check([str(small_yaml), "--out", str(tmp_path / "taken.zarr")])
     assert code == 2 and "out: expected a path that does not exist yet" in err
+
+
+@pytest.mark.parametrize("sets,changed", [
+    (["algorithm.name=diffusion_nft", "algorithm.dynamics=cps"], {"algorithm.dynamics"}),
+    (["algorithm.sde_steps=[0,1,2,3,4,5,6,7,8]"], {"algorithm.sde_steps"}),
+    (["algorithm.name=dpo", "data.samples_per_prompt=1"], {"data.samples_per_prompt"}),
+    (["algorithm.name=awm", "algorithm.guard=true"], {"algorithm.guard"}),
+])
+def test_a_wrong_algorithm_combination_is_refused_in_one_line(small_yaml, sets, changed):
+    """Before any cluster: the scheduler named does not exist, and the refusal comes
+    first, naming the field."""
+    argv = [str(small_yaml), "--scheduler", "tcp://127.0.0.1:1"]
+    for s in sets:
+        argv += ["--set", s]
+    assert_one_line_naming(*run_check(argv), changed)

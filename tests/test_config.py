@@ -49,6 +49,34 @@ def test_derived_totals():
      r"schedule.tag: expected false or null in colocated mode"),
     ({"schedule.max_staleness": -1}, r"schedule.max_staleness: expected an integer from 0 to 8"),
     ({"cluster.scheduler": "nowhere"}, r"cluster.scheduler: expected a scheduler address"),
+    # Combinations an algorithm cannot run (docs/algorithm.md).
+    ({"algorithm.name": "ppo"},
+     r"algorithm.name: expected one of \['awm', 'diffusion_nft', 'dpo', 'flow_grpo'\], got 'ppo'"),
+    ({"algorithm.name": "diffusion_nft", "algorithm.dynamics": "cps"},
+     r"algorithm.dynamics: expected one of \['ode'\] or null with algorithm.name "
+     r"'diffusion_nft' \(it samples with the ODE and needs no log-probabilities\), got 'cps'"),
+    ({"algorithm.dynamics": "ode"},
+     r"algorithm.dynamics: expected one of \['flow', 'dance', 'cps'\] or null with "
+     r"algorithm.name 'flow_grpo'"),
+    ({"algorithm.sde_steps": [0, 1, 7]},
+     r"algorithm.sde_steps: expected steps from 0 to 6 \(sampler.num_steps = 8; .*got \[0, 1, 7\]"),
+    ({"algorithm.sde_steps": [0, 1], "algorithm.num_sde_steps": 3},
+     r"algorithm.num_sde_steps: expected at most the 2 candidate steps of algorithm.sde_steps, got 3"),
+    ({"algorithm.num_sde_steps": 1}, r"algorithm.num_sde_steps: expected null without algorithm.sde_steps"),
+    ({"algorithm.name": "awm", "algorithm.sde_steps": [1]},
+     r"algorithm.sde_steps: expected an empty list with algorithm.name 'awm'"),
+    ({"algorithm.name": "awm", "algorithm.guard": True},
+     r"algorithm.guard: expected false with algorithm.name 'awm'"),
+    ({"algorithm.name": "dpo", "algorithm.kl_space": "latent"},
+     r"algorithm.kl_space: expected velocity or null with algorithm.name 'dpo'"),
+    ({"algorithm.name": "dpo", "data.samples_per_prompt": 1},
+     r"data.samples_per_prompt: expected an integer >= 2, got 1"),
+    ({"algorithm.train_timesteps": 2},
+     r"algorithm.train_timesteps: expected null with algorithm.name 'flow_grpo'"),
+    ({"algorithm.name": "diffusion_nft", "store.save_latents": True},
+     r"store.save_latents: expected false with algorithm.name 'diffusion_nft'"),
+    ({"algorithm.name": "diffusion_nft", "algorithm.ema_max": 1.0},
+     r"algorithm.ema_max: expected .*got 1.0"),
 ])
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError, match=message):
