@@ -568,7 +568,7 @@ def _is_template(text: Any) -> bool:
 
 #: Kinds of reward model: a CLIP preference score, or an aesthetic head on CLIP's image
 #: embedding (digenrl.tasks.reward_models implements each).
-REWARD_MODEL_KINDS = ("clip", "aesthetic")
+REWARD_MODEL_KINDS = ("clip", "aesthetic", "clip_consistency")
 #: The files a transformers model folder keeps its weights in (any one of them).
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -591,10 +591,13 @@ class RewardModelConfig:
     100 x cosine, without CLIPScore's clipping at 0). LAION's aesthetic predictor:
     ``kind: aesthetic``, ``path`` the folder of ``openai/clip-vit-large-patch14``,
     ``head`` the file ``sac+logos+ava1-l14-linearMSE.pth`` of LAION's
-    improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding)."""
+    improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding).
+    Source consistency of an edit: ``kind: clip_consistency``, ``path`` a CLIP model
+    folder (e.g. ``openai/clip-vit-large-patch14``'s); it needs a source image for every
+    sample (an editing run's prompt-file lines)."""
 
     kind: str = "clip"
-    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor)."""
+    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor); clip_consistency: the cosine of CLIP's embeddings of the edited image and its source image (instruction editing: how much of the source an edit keeps)."""
     path: str = ""
     """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker."""
     processor: str | None = None

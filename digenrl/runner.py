@@ -70,10 +70,11 @@ class FlowGRPOWorkload:
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
         d = self.config.data
-        prompts, metadata = self.prompts.draw(d.prompts_per_iteration, self.config.seed,
-                                              iteration)
+        prompts, metadata, inputs = self.prompts.draw(d.prompts_per_iteration,
+                                                      self.config.seed, iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
-                                     chunk_size or self.config.rollout.chunk_size, metadata)
+                                     chunk_size or self.config.rollout.chunk_size, metadata,
+                                     inputs)
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""

@@ -249,7 +249,9 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         prompts = plan.chunk_prompts(c)
         common = dict(chunk=c, group=plan.groups_of_chunk(c)[0], samples=len(ids))
         prev: Key = noise_key(i, c)
-        append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), (i, ids, prompts), []))
+        inputs = plan.chunk_inputs(c)
+        append(Node(prev, NOISE, task_meta(NOISE, i, rv, **common), (i, ids, prompts, inputs),
+                    []))
         chain = [prev]
         weights = publish_key(rv)
         # The steps' annotations differ only in their timestep and kind of step.
@@ -271,7 +273,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                     tuple(Dep(k) for k in chain), chain))
         append(Node(reward_key(i, c), REWARD,
                     task_meta(REWARD, i, rv, gpu=layout.reward_gpu, **common),
-                    (prompts, Dep(decoded), plan.chunk_metadata(c)), [decoded]))
+                    (prompts, Dep(decoded), plan.chunk_metadata(c), inputs), [decoded]))
     return out
 
 
@@ -457,11 +459,12 @@ def eval_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
-               metadata: tuple[str, ...], chunk_size: int) -> list[Node]:
+               metadata: tuple[str, ...], chunk_size: int, inputs: tuple = ()) -> list[Node]:
     """The evaluation of policy ``version`` on the held-out ``prompts``: per chunk an
     ``eval`` task (the whole ODE sampling loop from each prompt's fixed noise, then
     decoding) and an ``eval_reward`` task scoring its images. ``metadata``: each
-    prompt's metadata as JSON text, or () when none has any. External input: the
+    prompt's metadata as JSON text, or () when none has any; ``inputs``: each prompt's
+    source images and negative prompt, or () when none has any. External input: the
     published weights of ``version``. Nothing of an iteration reads them."""
     i = eval_iteration(version)
     weights = publish_key(version)
@@ -471,9 +474,11 @@ def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
         chunk_prompts = tuple(prompts[a:b])
         common = dict(chunk=c, samples=len(ids))
         key = eval_key(version, c)
+        chunk_inputs = tuple(inputs[a:b]) if inputs else ()
         out.append(Node(key, EVAL, task_meta(EVAL, i, version, **common),
-                        (Dep(weights), ids, chunk_prompts)))
+                        (Dep(weights), ids, chunk_prompts, chunk_inputs)))
         out.append(Node(eval_reward_key(version, c), EVAL_REWARD,
                         task_meta(EVAL_REWARD, i, version, gpu=layout.reward_gpu, **common),
-                        (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else ())))
+                        (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else (),
+                         chunk_inputs)))
     return out

@@ -72,6 +72,27 @@ class Conditioning:
         return Conditioning(tuple(self.prompts[i] for i in index.tolist()),
                             pick(self.tensors), pick(self.negative))
 
+    @classmethod
+    def concat(cls, parts: Sequence["Conditioning"]) -> "Conditioning":
+        """The conditioning of the samples of ``parts`` in order (rows of different
+        lengths zero-padded to the longest, as :func:`stack_rows` pads them); their
+        negative encodings: the shared row where every part has the same one, else a row
+        per sample."""
+        def cat(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return {k: _cat_padded([t[k] for t in tensors]) for k in tensors[0]}
+
+        prompts = tuple(p for c in parts for p in c.prompts)
+        negatives = [c.negative for c in parts]
+        if negatives[0] is None:
+            negative = None
+        elif all(len(next(iter(n.values()))) == 1 and all(
+                torch.equal(n[k], negatives[0][k]) for k in n) for n in negatives):
+            negative = negatives[0]
+        else:
+            negative = cat([{k: v.expand(len(c.prompts), *v.shape[1:]) if v.shape[0] == 1
+                             else v for k, v in c.negative.items()} for c in parts])
+        return cls(prompts, cat([c.tensors for c in parts]), negative)
+
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
         return self._map(lambda t: t.to(dtype) if t.is_floating_point() else t)
@@ -123,6 +144,17 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     longest = max(r.shape[0] for r in rows)
     return torch.stack([torch.cat([r, r.new_zeros((longest - r.shape[0],) + r.shape[1:])])
                         for r in rows])
+
+
+def _cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of ``parts`` along the rows; parts whose second axis differs (a
+    chunk's longest prompt, or source image, sets it) padded with zeros to the longest."""
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(list(parts))
+    longest = max(p.shape[1] for p in parts)
+    return torch.cat([torch.cat([p, p.new_zeros((p.shape[0], longest - p.shape[1])
+                                                + tuple(p.shape[2:]))], dim=1)
+                      for p in parts])
 
 
 class PromptCache:
@@ -177,6 +209,12 @@ class ModelFamily:
     #: True when it cannot sample without a source image (Qwen-Image-Edit; FLUX.1
     #: Kontext generates from the prompt alone when it has none).
     needs_images: ClassVar[bool] = False
+    #: How many source images a prompt may carry (its pipeline's ``image`` takes that
+    #: many): 0 for a family that edits none.
+    max_source_images: ClassVar[int] = 0
+    #: True when its guidance is classifier-free guidance against a negative prompt
+    #: (False: a guidance-distilled model, whose guidance is an embedding).
+    uses_negative_prompt: ClassVar[bool] = True
     #: The diffusers classes of the trained transformer and of the VAE.
     transformer_class: ClassVar[type]
     vae_class: ClassVar[type]

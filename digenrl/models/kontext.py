@@ -25,6 +25,7 @@ __all__ = ["FluxKontextFamily"]
 class FluxKontextFamily(FluxFamily):
     pipeline_class = "FluxKontextPipeline"
     takes_images = True
+    max_source_images = 1
 
     @cached_property
     def image_processor(self) -> VaeImageProcessor:

@@ -246,6 +246,7 @@ class QwenImageEditFamily(QwenImageFamily):
     tokenizer_parts = (("tokenizer", False),)
     takes_images = True
     needs_images = True
+    max_source_images = 1
 
     def check_positions(self) -> None:
         """Nothing to check before the source images are known: the edit pipeline does

@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
-from digenrl.models.common import scaled_vae_decode
+from digenrl.models.common import negative_texts, scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
 from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
 
@@ -72,14 +72,16 @@ class _HashConditioner:
     def __init__(self, encoder: PromptEncoder, negative_prompt: str):
         self.encoder, self.negative_prompt = encoder, negative_prompt
 
-    def encode(self, prompts: Sequence[str], negative: bool, images=None) -> Conditioning:
+    def encode(self, prompts: Sequence[str], negative: bool, images=None,
+               negatives: Sequence[str | None] | None = None) -> Conditioning:
         if images is not None:
             raise ValueError(f"the built-in model: expected no source images (it is not an "
                              f"editing pipeline), got {len(images)}")
         embeds, pooled = self.encoder.encode(prompts)
         neg = None
         if negative:
-            ue, up = self.encoder.encode([self.negative_prompt])
+            ue, up = self.encoder.encode(negative_texts(self.negative_prompt, negatives,
+                                                        len(prompts)))
             neg = {"embeds": ue, "pooled": up}
         return Conditioning(tuple(prompts), {"embeds": embeds, "pooled": pooled}, neg)
 

@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 from distributed import get_worker, secede
 
+from digenrl.prompts import read_source
 from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards, rewards_wait
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
@@ -17,19 +18,25 @@ STD_EPS = 1e-4
 
 def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
           prompts: Sequence[str], decoded: DecodeOut,
-          metadata: Sequence[str] = ()) -> RewardOut:
+          metadata: Sequence[str] = (), inputs: Sequence = ()) -> RewardOut:
     """The reward task: the weighted reward of each decoded image of a chunk.
 
     ``rewards`` are :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs: the task
     carries the reward functions themselves. ``metadata`` is each sample's prompt
-    metadata as JSON text (none when empty). When a reward waits for something outside
-    the worker (``device="wait"``: a reward server, a judge), the task first leaves the
-    worker's thread pool, so that its wait holds no thread other tasks need."""
+    metadata as JSON text (none when empty); ``inputs`` each sample's
+    :class:`~digenrl.prompts.PromptInputs` (none when empty), whose source image reaches
+    the rewards that take ``sources`` (read here only when one does). When a reward
+    waits for something outside the worker (``device="wait"``: a reward server, a
+    judge), the task first leaves the worker's thread pool, so that its wait holds no
+    thread other tasks need."""
     if rewards_wait(rewards):
         _leave_thread_pool()
+    sources = None
+    if inputs and any(spec.takes_sources for spec, _ in rewards):
+        sources = [read_source(i.images[0]) if i.images else None for i in inputs]
     total, per, valid, problems = evaluate_rewards(
         decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration,
-        decode_metadata(metadata, len(decoded.images)))
+        decode_metadata(metadata, len(decoded.images)), sources)
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
 

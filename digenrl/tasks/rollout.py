@@ -63,17 +63,19 @@ def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
 
 
 def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
-          prompts: tuple[str, ...]) -> Latents:
+          prompts: tuple[str, ...], inputs: tuple = ()) -> Latents:
     """x_0 for each sample: pure noise (shared within a group if asked), and the
-    conditioning of each sample's prompt from this worker's text encoders."""
+    conditioning of each sample's prompt from this worker's text encoders (with its
+    source image and negative prompt: ``inputs``, one
+    :class:`~digenrl.prompts.PromptInputs` per sample, or () when none has any)."""
     shape = latent_shape(spec.model)
     rows = []
     for s in sample_ids:
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = GROUP_NOISE_DRAW if spec.same_noise_in_group else NOISE_DRAW
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
-    cond = resident(spec.model, spec.model_seed, spec.trainable).conditioning(prompts,
-                                                              spec.sampler.guidance_scale)
+    cond = resident(spec.model, spec.model_seed, spec.trainable).conditioning(
+        prompts, spec.sampler.guidance_scale, inputs)
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
 
 
@@ -149,11 +151,12 @@ def decode(spec: RolloutSpec, *parts: Latents | StepOut) -> DecodeOut:
 
 
 def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, ...],
-             prompts: tuple[str, ...]) -> DecodeOut:
+             prompts: tuple[str, ...], inputs: tuple = ()) -> DecodeOut:
     """An evaluation chunk: held-out prompts ``prompt_ids`` sampled by policy ``weights``
     with the ODE sampler (noise level 0: deterministic), each from its own fixed noise so
     every version is compared on the same starting points, then decoded. ``spec``: the
-    evaluation's sampler (its own step count and guidance) and sigmas."""
+    evaluation's sampler (its own step count and guidance) and sigmas; ``inputs``: as
+    :func:`noise`'s."""
     started = time.perf_counter()
     models = resident(spec.model, spec.model_seed, spec.trainable)
     dev = models.device
@@ -161,7 +164,7 @@ def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, .
     x = torch.stack([draw_normal(shape, spec.seed, EVAL_NOISE_DRAW, j) for j in prompt_ids])
     x = x.to(dev)
     guidance = spec.sampler.guidance_scale
-    cond = models.conditioning(tuple(prompts), guidance).to(dev)
+    cond = models.conditioning(tuple(prompts), guidance, inputs).to(dev)
     with torch.no_grad():
         model = models.policy(weights)
         for sigma, sigma_next in zip(spec.sigmas, spec.sigmas[1:]):
