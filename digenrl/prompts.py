@@ -24,7 +24,7 @@ from digenrl.seeding import PROMPT_ORDER_DRAW, PROMPTS_DRAW, stable_seed
 
 __all__ = ["PROMPT_SETS", "HELD_OUT_SETS", "PROMPT_FILE_SUFFIXES", "HeldOut",
            "has_held_out_prompts", "held_out_prompts", "PromptFile", "PromptSource",
-           "SourceFile", "PromptInputs", "read_source", "load_prompt_file", "prompt_source",
+           "SourceFile", "PromptInputs", "read_source", "source_table", "load_prompt_file", "prompt_source",
            "prompt_pool", "draw_prompts", "epoch_order", "epoch_indices"]
 
 # The animal list DDPO trains its compressibility rewards on (ImageNet animal classes).
@@ -124,7 +124,7 @@ class PromptFile:
 
     def lines_with(self, what) -> list[int]:
         """The 1-based numbers of the lines whose inputs ``what`` (a predicate) holds for."""
-        return [n for n, i in enumerate(self.inputs, 1) if what(i)]
+        return [n + 1 for n in range(len(self)) if what(self.inputs_of(n))]
 
 
 def load_prompt_file(path: str, field: str = "data.prompt_file") -> PromptFile:
@@ -328,6 +328,19 @@ def prompt_source(data: DataConfig) -> PromptSource:
     if data.prompt_file is not None:
         return PromptSource(file=load_prompt_file(data.prompt_file, "data.prompt_file"))
     return PromptSource(pool=prompt_pool(data.prompt_set, data.prompts))
+
+
+def source_table(data: DataConfig, evaluation: bool) -> tuple[SourceFile, ...]:
+    """Each source image the training prompt file (and, with ``evaluation``, the
+    held-out one) names, once, in line order: what a run's store lists, and what the
+    ``source`` column of its samples counts in."""
+    files = [data.prompt_file] + ([data.eval_prompt_file] if evaluation else [])
+    seen: dict[SourceFile, None] = {}
+    for path in files:
+        if path is not None:
+            for inputs in load_prompt_file(path).inputs:
+                seen.update(dict.fromkeys(inputs.images))
+    return tuple(seen)
 
 
 # ----------------------------------------------------------------- held-out prompts

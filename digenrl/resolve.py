@@ -83,8 +83,9 @@ def _check_sample_kind(config: RunConfig) -> None:
 
 def check_prompt_inputs(config: RunConfig) -> None:
     """The source images and negative prompts of the prompt files' lines fit the model:
-    an editing family's prompts all name source images (as many as it takes), another
-    family's name none; a line's negative prompt needs classifier-free guidance (a
+    an editing family's prompts all name source images (as many as it takes; FLUX.1
+    Kontext's may all name none: it then samples from the prompt alone, as its pipeline
+    does without an image), another family's name none; a line's negative prompt needs classifier-free guidance (a
     family that uses a negative prompt, and a guidance scale above 1 where the line is
     sampled)."""
     fam = family(config.model)
@@ -96,7 +97,7 @@ def check_prompt_inputs(config: RunConfig) -> None:
                       config.eval.sampler(config.sampler).guidance_scale))
     for field, path, guidance in files:
         if path is None:
-            if fam.takes_images and field == "data.prompt_file":
+            if fam.needs_images and field == "data.prompt_file":
                 raise ConfigError(f"{field}: expected a .jsonl prompt file whose lines name "
                                   f"source images (\"image\") for {what}, which edits "
                                   f"images, got none (prompts without images)")
@@ -105,11 +106,11 @@ def check_prompt_inputs(config: RunConfig) -> None:
         where = f"{field}: line {{}} of {f.path}: expected"
         if fam.takes_images:
             bare = f.lines_with(lambda i: not i.images)
-            if len(bare) == len(f):
+            if len(bare) == len(f) and fam.needs_images:
                 raise ConfigError(f"{field}: expected lines that name source images "
                                   f"(\"image\") for {what}, which edits images, got "
                                   f"{f.path} without any")
-            if bare:
+            if bare and len(bare) < len(f):
                 raise ConfigError(f"{where.format(bare[0])} a source image (\"image\") "
                                   f"for {what}, which edits images, got none")
         many = f.lines_with(lambda i: len(i.images) > fam.max_source_images)

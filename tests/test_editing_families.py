@@ -3,8 +3,8 @@ pipelines (digenrl/testing/pipelines.py): with the same source image, starting l
 guidance, the version-0 ODE sampler gives the diffusers pipeline's own latents; the
 source image and the text encoders condition the samples; bad images are refused.
 
-A run's prompts do not carry source images yet: these tests give the family its images
-directly (``encode(prompts, negative, images=...)``)."""
+These tests give the family its images directly (``encode(prompts, negative,
+images=...)``); tests/test_editing_runs.py runs with images named by prompt files."""
 
 import numpy as np
 import pytest
@@ -38,9 +38,8 @@ def source(height: int, width: int, seed: int) -> np.ndarray:
 
 
 def edit_config(name, folder, **overrides):
-    """small_config on the folder, with the checks of the folder a run makes that an
-    editing family passes (a run is refused a Qwen-Image-Edit folder: its prompts carry
-    no source images yet)."""
+    """small_config on the folder, with the checks of the folder a run makes (a run of
+    a Qwen-Image-Edit folder also needs prompt lines naming source images)."""
     settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[name].items()}
     cfg = small_config(**{"model.path": str(folder), "sampler.num_steps": STEPS,
                           "sampler.guidance_scale": GUIDANCE[name], **settings, **overrides})
@@ -136,7 +135,7 @@ def test_the_ode_sampler_gives_the_edit_pipelines_latents(name, tiny_pipelines):
 
 def test_kontext_without_a_source_samples_as_its_pipeline_does(tiny_pipelines):
     """No source image: FluxKontextPipeline's ``image=None``, text to image (what a run
-    on a Kontext folder samples until prompts carry source images)."""
+    on a Kontext folder samples when its prompt lines name no source images)."""
     folder = tiny_pipelines["kontext"]
     cfg = edit_config("kontext", folder)
     x0 = starting_noise(cfg, 1)
@@ -211,16 +210,16 @@ def test_gradients_flow_through_a_chunk_of_mixed_source_sizes(tiny_pipelines):
 
 def test_qwen_image_edit_needs_a_source_image(tiny_pipelines):
     """Its pipeline cannot sample without one: the encoder refuses, and so does the
-    check of a run (prompts do not carry source images yet), naming model.path."""
+    check of a run whose prompts name none, naming data.prompt_file."""
     cfg = edit_config("qwenimage_edit", tiny_pipelines["qwenimage_edit"])
     with pytest.raises(ValueError, match=r"^QwenImageEditPipeline: expected a source image "
                                          r"per prompt, got none$"):
         encode(cfg, ("make it red",), None)
-    with pytest.raises(ConfigError, match=r"^model.path: expected a folder of a pipeline "
-                                          r"that samples from the prompt alone \(a run's "
-                                          r"prompts carry no source images yet\), got a "
-                                          r"QwenImageEditPipeline folder \(.*\), which edits "
-                                          r"source images$"):
+    with pytest.raises(ConfigError, match=r"^data.prompt_file: expected a .jsonl prompt "
+                                          r"file whose lines name source images "
+                                          r"\(\"image\"\) for a QwenImageEditPipeline "
+                                          r"folder, which edits images, got none \(prompts "
+                                          r"without images\)$"):
         pipeline_config(tiny_pipelines["qwenimage_edit"], "qwenimage_edit")
 
 
