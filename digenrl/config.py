@@ -144,6 +144,8 @@ class ModelConfig:
     """With a video pipeline: frames per video, 4k + 1; null is the pipeline's default (Wan 81, HunyuanVideo 129). An image model refuses it."""
     negative_prompt: str = ""
     """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3, Wan, Qwen-Image and its edit)."""
+    source_area: int | None = None
+    """With an editing pipeline folder (FLUX.1 Kontext, Qwen-Image-Edit): pixels each source image is resized to before the VAE (and Qwen-Image-Edit's vision-language encoder) sees it, at the image's aspect ratio: width sqrt(area x aspect) and height width / aspect, each rounded to the nearest multiple of the packed latent patch (VAE factor x 2: 16 for both released pipelines; at least one such multiple). Its tokens go through the transformer beside the edit's at every step, so a smaller area is faster (e.g. 512 x 512 = 262144 for 512 x 512 edits). Null is the pipeline's own resizing: Kontext, the preferred Kontext resolution nearest the aspect ratio (about 1 megapixel); Qwen-Image-Edit, about 1024 x 1024 pixels in multiples of 32."""
     max_sequence_length: int | None = None
     """With path: tokens of the T5/UMT5 prompt encoding, or of a language model's after its template (Qwen-Image, HunyuanVideo); null is the pipeline's default (SD3 256, FLUX 512, Wan 512, Qwen-Image 512, HunyuanVideo 256). A longer prompt is refused."""
     text_encoder_dtype: str = "float32"
@@ -181,6 +183,8 @@ class ModelConfig:
         _choice(self.dtype, f"{p}.dtype", DTYPES)
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
+        if self.source_area is not None:  # whether the model edits images: resolve.py
+            _positive_int(self.source_area, f"{p}.source_area")
         if self.path is not None:
             _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                      "a path to a local diffusers pipeline folder", self.path)

@@ -254,8 +254,8 @@ def test_bad_source_images_and_editing_prompts_fail_naming_file_and_line(small_y
                                                                          tiny_pipelines,
                                                                          tmp_path):
     """A missing source image, one that does not decode, image lines for a model that
-    edits none, and a Qwen-Image-Edit folder without image lines: each one line naming
-    the field (and the file and line) from ``digenrl run --check``, before any cluster
+    edits none, a source area for it, and a Qwen-Image-Edit folder without image lines:
+    each one line naming the field (and the file and line) from ``digenrl run --check``, before any cluster
     starts."""
     from conftest import source_picture, write_prompt_lines
 
@@ -277,6 +277,14 @@ def test_bad_source_images_and_editing_prompts_fail_naming_file_and_line(small_y
         code, out, err = run_check([str(small_yaml), "--set", f"data.prompt_file={path}"])
         assert_one_line_naming(code, out, err, {"data.prompt_file"})
         assert re.search("data.prompt_file: " + message + "$", err.strip()), (name, err)
+
+    # A source area for a model that edits no images, and one of no pixels.
+    for area, message in (("4096", r"expected null for the built-in model \(it does not "
+                                   r"edit images\), got 4096"),
+                          ("0", r"expected an integer >= 1, got 0")):
+        code, out, err = run_check([str(small_yaml), "--set", f"model.source_area={area}"])
+        assert_one_line_naming(code, out, err, {"model.source_area"})
+        assert re.search("model.source_area: " + message + "$", err.strip()), (area, err)
 
     # (A pipeline folder's config: the small YAML's tiny-model sizes do not go with it.)
     plain = write_prompt_lines(tmp_path / "plain", [{"prompt": "make it red"}])

@@ -92,13 +92,14 @@ def load_pipeline(name, folder):
     return getattr(diffusers, PIPELINES[name]).from_pretrained(folder, dtype=torch.float32, **kw)
 
 
-def pipeline_latents(name, folder, cfg, prompt, image, x0) -> torch.Tensor:
-    """The pipeline's packed latents for one prompt and source image from ``x0``."""
+def pipeline_latents(name, folder, cfg, prompt, image, x0, **extra) -> torch.Tensor:
+    """The pipeline's packed latents for one prompt and source image from ``x0``
+    (``extra``: more arguments of the pipeline's call)."""
     pipe = load_pipeline(name, folder)
     m = cfg.model
     kw = dict(image=Image.fromarray(image) if image is not None else None, prompt=[prompt],
               height=m.height, width=m.width, latents=pack(x0), num_inference_steps=STEPS,
-              output_type="latent")
+              output_type="latent", **extra)
     if name == "qwenimage_edit":  # true classifier-free guidance
         kw.update(negative_prompt=m.negative_prompt, true_cfg_scale=cfg.sampler.guidance_scale)
     else:  # the image's area is the configured one (not the pipeline's 1024 x 1024)
@@ -131,6 +132,33 @@ def test_the_ode_sampler_gives_the_edit_pipelines_latents(name, tiny_pipelines):
         theirs = pipeline_latents(name, folder, cfg, prompt, image, x0[i:i + 1])
         torch.testing.assert_close(ours[i:i + 1], theirs, rtol=1e-5, atol=1e-5)
     assert ours.abs().max() > 0.1  # something was computed
+
+
+def test_a_source_area_resizes_each_source_to_about_that_many_pixels(tiny_pipelines):
+    """model.source_area: each source resized to about that many pixels at its aspect
+    ratio, each side on the packed latent grid (32 pixels with the tiny pipelines' 16 x
+    VAEs), for both families. Kontext's samples are then its pipeline's given the
+    resized source, which it takes at its own size (``_auto_resize=False``)."""
+    images = [source(48, 64, 0), source(64, 40, 1)]
+    # 64 x 64 pixels: 48 x 64 becomes 64 x 64 (2 x 2 packed tokens), 64 x 40 becomes
+    # 96 x 64 (3 x 2).
+    area = {"model.source_area": 64 * 64}
+    for name in PIPELINES:
+        cfg = edit_config(name, tiny_pipelines[name], **area)
+        cond = encode(cfg, ("make it red", "make it blue"), images)
+        assert cond.tensors["source_grid"].tolist() == [[2, 2], [3, 2]], name
+        assert [len(t) for t in cond.tensors["source_tokens"]] == [6, 6]  # padded to 6
+
+    folder = tiny_pipelines["kontext"]
+    cfg = edit_config("kontext", folder, **area)
+    fam = family(cfg.model)
+    x0 = starting_noise(cfg, 2)
+    ours = pack(ode(cfg, x0, encode(cfg, ("make it red", "make it blue"), images)))
+    for i, (image, (h, w)) in enumerate(zip(images, [(64, 64), (96, 64)])):
+        resized = np.asarray(fam.image_processor.resize(Image.fromarray(image), h, w))
+        theirs = pipeline_latents("kontext", folder, cfg, ("make it red", "make it blue")[i],
+                                  resized, x0[i:i + 1], _auto_resize=False)
+        torch.testing.assert_close(ours[i:i + 1], theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_kontext_without_a_source_samples_as_its_pipeline_does(tiny_pipelines):

@@ -30,10 +30,10 @@ def editing_run(cluster_1x1, tiny_pipelines, tmp_path_factory):
     prompts = write_prompt_lines(folder, [
         {"prompt": p, "image": source_picture(*size, seed)} for p, size, seed in EDITS])
     cfg = pipeline_config(tiny_pipelines["kontext"], "kontext", **{
-        # (Kontext resizes a source to about a megapixel: ~1000 tokens beside the
-        # edit's 16 in every step, hence two steps.)
-        "iterations": 1, "sampler.num_steps": 2, "data.prompt_file": prompts,
-        "reward.components": {"source_closeness": 1.0}})
+        # Sources of about 64 x 64 pixels (not the pipeline's megapixel): 64 x 64 and
+        # 96 x 64, 4 and 6 tokens beside the edit's 16.
+        "model.source_area": 64 * 64, "iterations": 1, "sampler.num_steps": 2,
+        "data.prompt_file": prompts, "reward.components": {"source_closeness": 1.0}})
     out = folder / "run.zarr"
     Runner(cfg, str(out), cluster=cluster_1x1).run()
     return cfg, prompts, out

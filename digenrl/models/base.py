@@ -13,6 +13,7 @@ loading and caching, guidance, VAE encoding and decoding, latent packing) is in
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Sequence
@@ -25,7 +26,7 @@ from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
 __all__ = ["Conditioning", "ModelFamily", "PromptCache", "PromptEncoderLike", "SourceImage",
-           "stack_rows", "to_uint8", "JOINT_ATTENTION_TARGETS"]
+           "area_size", "stack_rows", "to_uint8", "JOINT_ATTENTION_TARGETS"]
 
 
 #: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
@@ -347,6 +348,22 @@ class ModelFamily:
         :class:`~digenrl.models.common.TextEncoders`."""
         raise NotImplementedError
 
+    # --------------------------------------------- source images (editing families)
+
+    def source_size(self, image: SourceImage) -> tuple[int, int]:
+        """(height, width) an editing family resizes a source image to: about
+        ``model.source_area`` pixels at its aspect ratio (:func:`area_size` on
+        :meth:`size_multiple`), or the pipeline's own size (:meth:`pipeline_source_size`)
+        while that is null."""
+        if self.cfg.source_area is None:
+            return self.pipeline_source_size(image)
+        height, width = image.pixels.shape[:2]
+        return area_size(self.cfg.source_area, height, width, self.size_multiple())
+
+    def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
+        """(height, width) the family's pipeline resizes a source image to."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ computation
 
     def predict_velocity(self, transformer: torch.nn.Module, x: torch.Tensor, sigma: float,
@@ -356,6 +373,16 @@ class ModelFamily:
     def decode(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Latents to pixels in [-1, 1] (not yet clamped), channels second."""
         raise NotImplementedError
+
+
+def area_size(area: int, height: int, width: int, multiple: int) -> tuple[int, int]:
+    """(height, width) of about ``area`` pixels at the aspect ratio of ``height`` x
+    ``width``: width sqrt(area x aspect), height width / aspect, each rounded to the
+    nearest multiple of ``multiple`` (at least one), as QwenImageEditPipeline's
+    ``calculate_dimensions`` sizes a source image on multiples of 32."""
+    aspect = width / height
+    w = math.sqrt(area * aspect)
+    return tuple(max(round(side / multiple), 1) * multiple for side in (w / aspect, w))
 
 
 class PromptEncoderLike:
