@@ -145,6 +145,8 @@ class ModelConfig:
     """With a video pipeline: frames per video, 4k + 1; null is the pipeline's default (Wan 81, HunyuanVideo 129). An image model refuses it."""
     negative_prompt: str = ""
     """The prompt classifier-free guidance steers away from (sampler.guidance_scale > 1; SD3, Wan, Qwen-Image and its edit)."""
+    source_area: int | None = None
+    """With an editing pipeline folder (FLUX.1 Kontext, Qwen-Image-Edit): pixels each source image is resized to before the VAE (and Qwen-Image-Edit's vision-language encoder) sees it, at the image's aspect ratio: width sqrt(area x aspect) and height width / aspect, each rounded to the nearest multiple of the packed latent patch (VAE factor x 2: 16 for both released pipelines; at least one such multiple). Its tokens go through the transformer beside the edit's at every step, so a smaller area is faster (e.g. 512 x 512 = 262144 for 512 x 512 edits). Null is the pipeline's own resizing: Kontext, the preferred Kontext resolution nearest the aspect ratio (about 1 megapixel); Qwen-Image-Edit, about 1024 x 1024 pixels in multiples of 32."""
     max_sequence_length: int | None = None
     """With path: tokens of the T5/UMT5 prompt encoding, or of a language model's after its template (Qwen-Image, HunyuanVideo); null is the pipeline's default (SD3 256, FLUX 512, Wan 512, Qwen-Image 512, HunyuanVideo 256). A longer prompt is refused."""
     text_encoder_dtype: str | None = None
@@ -188,6 +190,8 @@ class ModelConfig:
                  "true or false", self.text_encoder_offload)
         _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
+        if self.source_area is not None:  # whether the model edits images: resolve.py
+            _positive_int(self.source_area, f"{p}.source_area")
         if self.path is not None:
             _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                      "a path to a local diffusers pipeline folder", self.path)
@@ -579,7 +583,7 @@ def _is_template(text: Any) -> bool:
 
 #: Kinds of reward model: a CLIP preference score, or an aesthetic head on CLIP's image
 #: embedding (digenrl.tasks.reward_models implements each).
-REWARD_MODEL_KINDS = ("clip", "aesthetic")
+REWARD_MODEL_KINDS = ("clip", "aesthetic", "clip_consistency")
 #: The files a transformers model folder keeps its weights in (any one of them).
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -602,10 +606,13 @@ class RewardModelConfig:
     100 x cosine, without CLIPScore's clipping at 0). LAION's aesthetic predictor:
     ``kind: aesthetic``, ``path`` the folder of ``openai/clip-vit-large-patch14``,
     ``head`` the file ``sac+logos+ava1-l14-linearMSE.pth`` of LAION's
-    improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding)."""
+    improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding).
+    Source consistency of an edit: ``kind: clip_consistency``, ``path`` a CLIP model
+    folder (e.g. ``openai/clip-vit-large-patch14``'s); it needs a source image for every
+    sample (an editing run's prompt-file lines)."""
 
     kind: str = "clip"
-    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor)."""
+    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor); clip_consistency: the cosine of CLIP's embeddings of the edited image and its source image (instruction editing: how much of the source an edit keeps)."""
     path: str = ""
     """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker."""
     processor: str | None = None

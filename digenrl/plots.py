@@ -25,7 +25,7 @@ LENT_HATCHES = {"tag": "//", "rat": "xx"}
 
 __all__ = ["KIND_COLOURS", "timeline_png", "reward_png", "utilisation_png", "staleness_png",
            "eval_png", "eval_grid_png", "captioned_grid", "grid_image", "CAPTION_CHARS",
-           "EVAL_GRID_TITLE"]
+           "EVAL_GRID_TITLE", "beside_sources", "edits_png"]
 
 
 def timeline_png(tasks, path: str | Path, *, title: str = "",
@@ -153,13 +153,54 @@ def _caption(prompt: str, reward: float, valid: bool) -> str:
     return f"{text}\n{reward:.4f}" if valid else f"{text}\n(no reward)"
 
 
-def eval_grid_png(evaluation, version: int, count: int, path: str | Path) -> Path:
+def beside_sources(images: np.ndarray, index: np.ndarray, table: list[dict]) -> np.ndarray:
+    """Edited images ``(n, H, W, 3)`` each with its source image on its left, resized to
+    ``H x W`` (``index``: each one's position in the run's source table of ``path`` and
+    ``sha256``; -1 for none). A source that cannot be read as the run read it -- moved,
+    or changed since -- shows as grey."""
+    from PIL import Image
+
+    from digenrl.prompts import SourceFile, read_source
+
+    n, h, w = images.shape[:3]
+    left = np.full((n, h, w, 3), 128, np.uint8)
+    for k, j in enumerate(np.asarray(index).tolist()):
+        if j < 0:
+            continue
+        try:
+            pixels = read_source(SourceFile(table[j]["path"], table[j]["sha256"]))
+        except (OSError, ValueError):
+            continue
+        left[k] = np.asarray(Image.fromarray(pixels).resize((w, h), Image.BICUBIC))
+    return np.concatenate([left, images], axis=2)
+
+
+def edits_png(samples, table: list[dict], count: int, path: str | Path) -> Path:
+    """The last stored iteration's first ``count`` samples, each beside its source image
+    (left) and captioned with its prompt (truncated) and reward: what an editing run
+    made of its sources."""
+    i = samples.sizes["iteration"] - 1
+    last = samples.isel(iteration=i)
+    pick = np.arange(min(count, last.sizes["sample"]))
+    return _save(captioned_grid(beside_sources(last["image"].values[pick],
+                                               last["source"].values[pick], table),
+                                last["prompt"].values[pick], last[REWARD_COLUMN].values[pick],
+                                last["valid"].values[pick],
+                                f"iteration {i}: source | edit"), path)
+
+
+def eval_grid_png(evaluation, version: int, count: int, path: str | Path,
+                  sources: list[dict] | None = None) -> Path:
     """The first ``count`` held-out prompts' samples of one evaluated ``version``, each
     captioned with its prompt (truncated) and reward; a video's sample is the strip of
-    frames the store keeps."""
+    frames the store keeps; an edit (with the run's source table ``sources``) beside its
+    source image."""
     mine = np.flatnonzero(evaluation["version"].values == version)
     mine = mine[np.argsort(evaluation["prompt_index"].values[mine], kind="stable")][:count]
-    return _save(captioned_grid(evaluation["image"].values[mine],
+    images = evaluation["image"].values[mine]
+    if sources and "source" in evaluation:
+        images = beside_sources(images, evaluation["source"].values[mine], sources)
+    return _save(captioned_grid(images,
                                 evaluation["prompt"].values[mine],
                                 evaluation[REWARD_COLUMN].values[mine],
                                 evaluation["valid"].values[mine],

@@ -24,8 +24,8 @@ from digenrl.seeding import PROMPT_ORDER_DRAW, PROMPTS_DRAW, stable_seed
 
 __all__ = ["PROMPT_SETS", "HELD_OUT_SETS", "PROMPT_FILE_SUFFIXES", "HeldOut",
            "has_held_out_prompts", "held_out_prompts", "PromptFile", "PromptSource",
-           "load_prompt_file", "prompt_source", "prompt_pool", "draw_prompts",
-           "epoch_order", "epoch_indices"]
+           "SourceFile", "PromptInputs", "read_source", "source_table", "load_prompt_file", "prompt_source",
+           "prompt_pool", "draw_prompts", "epoch_order", "epoch_indices"]
 
 # The animal list DDPO trains its compressibility rewards on (ImageNet animal classes).
 _SIMPLE_ANIMALS = (
@@ -70,20 +70,61 @@ def draw_prompts(pool: tuple[str, ...], count: int, seed: int, iteration: int) -
 
 # ------------------------------------------------------------------- prompt files
 
+#: The keys of a ``.jsonl`` line that condition its samples rather than reach the
+#: rewards as metadata: the source image(s) an editing model edits, and the negative
+#: prompt classifier-free guidance steers away from.
+IMAGE_KEY, IMAGES_KEY, NEGATIVE_KEY = "image", "images", "negative_prompt"
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source image of a prompt-file line: its absolute path and the SHA-256 of its
+    bytes when the file was checked (the workers that read it check they read the same)."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """What a prompt-file line gives its samples besides the prompt: its source images
+    (an editing model's) and its own negative prompt (None: ``model.negative_prompt``).
+    Small: it travels with the prompt in the tasks of the line's prompt group."""
+
+    images: tuple[SourceFile, ...] = ()
+    negative: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.images) or self.negative is not None
+
+
+NO_INPUTS = PromptInputs()
+
 
 @dataclass(frozen=True)
 class PromptFile:
-    """The lines of a prompt file: each line's prompt and, for ``.jsonl``, the line's
-    other keys (the metadata rewards receive; empty for ``.txt``)."""
+    """The lines of a prompt file: each line's prompt, its inputs (source images and
+    negative prompt, from ``.jsonl`` lines) and, for ``.jsonl``, the line's other keys
+    (the metadata rewards receive; empty for ``.txt``)."""
 
     path: str
     prompts: tuple[str, ...]
     metadata: tuple[Mapping[str, Any], ...]
     #: The SHA-256 of the file's bytes: a resumed run checks it reads the same lines.
     sha256: str = ""
+    #: Each line's :class:`PromptInputs` (empty when no line has any).
+    inputs: tuple[PromptInputs, ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def inputs_of(self, line: int) -> PromptInputs:
+        """The inputs of line ``line`` (0-based)."""
+        return self.inputs[line] if self.inputs else NO_INPUTS
+
+    def lines_with(self, what) -> list[int]:
+        """The 1-based numbers of the lines whose inputs ``what`` (a predicate) holds for."""
+        return [n + 1 for n in range(len(self)) if what(self.inputs_of(n))]
 
 
 def load_prompt_file(path: str, field: str = "data.prompt_file") -> PromptFile:
@@ -136,6 +177,7 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
     records = _json_lines(lines, bad)
     prompts: list[str] = []
     metadata: list[Mapping[str, Any]] = []
+    inputs: list[PromptInputs] = []
     for n, record in enumerate(records, 1):
         if not isinstance(record, dict):
             raise bad(n, "a JSON object", type(record).__name__)
@@ -144,8 +186,80 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
             raise bad(n, 'a "prompt" key holding a non-empty string',
                       "no \"prompt\" key" if prompt is None else repr(prompt))
         prompts.append(prompt)
+        inputs.append(_line_inputs(record, os.path.dirname(path), lambda e, g, n=n: bad(n, e, g)))
         metadata.append(record or empty)
-    return PromptFile(path, tuple(prompts), tuple(metadata), digest)
+    return PromptFile(path, tuple(prompts), tuple(metadata), digest,
+                      tuple(inputs) if any(inputs) else ())
+
+
+def _line_inputs(record: dict, folder: str, bad) -> PromptInputs:
+    """The line's :class:`PromptInputs`, popped from ``record``: ``"image"`` (a path
+    relative to the prompt file's folder) or ``"images"`` (a list of them), each an
+    existing file PIL decodes; ``"negative_prompt"``, a string."""
+    if IMAGE_KEY in record and IMAGES_KEY in record:
+        raise bad(f'"{IMAGE_KEY}" or "{IMAGES_KEY}"', "both")
+    names: list = []
+    if IMAGE_KEY in record:
+        names = [record.pop(IMAGE_KEY)]
+        if not isinstance(names[0], str) or not names[0]:
+            raise bad(f'"{IMAGE_KEY}" holding a path to an image', repr(names[0]))
+    elif IMAGES_KEY in record:
+        names = record.pop(IMAGES_KEY)
+        if not isinstance(names, list) or not names or not all(
+                isinstance(x, str) and x for x in names):
+            raise bad(f'"{IMAGES_KEY}" holding a non-empty list of paths to images',
+                      repr(names))
+    negative = record.pop(NEGATIVE_KEY, None)
+    if negative is not None and not isinstance(negative, str):
+        raise bad(f'"{NEGATIVE_KEY}" holding a string', repr(negative))
+    images = tuple(_source_file(folder, name, bad) for name in names)
+    return PromptInputs(images, negative)
+
+
+def _source_file(folder: str, name: str, bad) -> SourceFile:
+    """The image ``name`` (relative to ``folder``), read and decoded once to check it."""
+    path = os.path.normpath(os.path.join(folder, os.path.expanduser(name)))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise bad(f"an existing image file at {name!r}", f"{path} ({e.strerror})") from None
+    try:
+        _decode(raw)
+    except Exception as e:  # PIL raises many kinds for a file that is no image
+        from PIL import UnidentifiedImageError
+
+        why = ("not an image format PIL reads" if isinstance(e, UnidentifiedImageError)
+               else f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        raise bad(f"an image PIL decodes at {name!r}", f"{path} ({why})") from None
+    return SourceFile(path, hashlib.sha256(raw).hexdigest())
+
+
+def _decode(raw: bytes) -> np.ndarray:
+    """Image bytes as uint8 RGB pixels ``(height, width, 3)``."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as image:
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def read_source(source: SourceFile) -> np.ndarray:
+    """The pixels of ``source`` (uint8 ``(height, width, 3)``, read-only), read where a
+    task needs them (the prompt file's folder must be readable there, as ``model.path``
+    is); a file that changed since the prompt file was checked is refused."""
+    with open(source.path, "rb") as f:
+        raw = f.read()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != source.sha256:
+        raise ValueError(f"source image {source.path}: expected the file the prompt file "
+                         f"named when the run started (SHA-256 {source.sha256[:12]}...), "
+                         f"got other bytes (SHA-256 {digest[:12]}...)")
+    pixels = _decode(raw)
+    pixels.setflags(write=False)
+    return pixels
 
 
 def _json_lines(lines: list[str], bad) -> list[Any]:
@@ -195,16 +309,18 @@ class PromptSource:
     pool: tuple[str, ...] = ()
     file: PromptFile | None = None
 
-    def draw(self, count: int, seed: int, iteration: int) -> tuple[list[str], list[str]]:
-        """The prompts of iteration ``iteration`` and each one's metadata as JSON text
-        (empty when it has none)."""
+    def draw(self, count: int, seed: int, iteration: int
+             ) -> tuple[list[str], list[str], list[PromptInputs]]:
+        """The prompts of iteration ``iteration``, each one's metadata as JSON text
+        (empty when it has none) and its :class:`PromptInputs`."""
         if self.file is None:
             prompts = draw_prompts(self.pool, count, seed, iteration)
-            return prompts, [""] * len(prompts)
+            return prompts, [""] * len(prompts), [NO_INPUTS] * len(prompts)
         lines = epoch_indices(len(self.file), count, seed, iteration)
         return ([self.file.prompts[j] for j in lines],
                 [json.dumps(self.file.metadata[j]) if self.file.metadata[j] else ""
-                 for j in lines])
+                 for j in lines],
+                [self.file.inputs_of(j) for j in lines])
 
 
 def prompt_source(data: DataConfig) -> PromptSource:
@@ -214,16 +330,30 @@ def prompt_source(data: DataConfig) -> PromptSource:
     return PromptSource(pool=prompt_pool(data.prompt_set, data.prompts))
 
 
+def source_table(data: DataConfig, evaluation: bool) -> tuple[SourceFile, ...]:
+    """Each source image the training prompt file (and, with ``evaluation``, the
+    held-out one) names, once, in line order: what a run's store lists, and what the
+    ``source`` column of its samples counts in."""
+    files = [data.prompt_file] + ([data.eval_prompt_file] if evaluation else [])
+    seen: dict[SourceFile, None] = {}
+    for path in files:
+        if path is not None:
+            for inputs in load_prompt_file(path).inputs:
+                seen.update(dict.fromkeys(inputs.images))
+    return tuple(seen)
+
+
 # ----------------------------------------------------------------- held-out prompts
 
 
 @dataclass(frozen=True)
 class HeldOut:
-    """The held-out prompts of an evaluation and each one's metadata as JSON text
-    (empty when it has none)."""
+    """The held-out prompts of an evaluation, each one's metadata as JSON text (empty
+    when it has none) and its :class:`PromptInputs` (empty when none has any)."""
 
     prompts: tuple[str, ...]
     metadata: tuple[str, ...]
+    inputs: tuple[PromptInputs, ...] = ()
 
 
 def has_held_out_prompts(data: DataConfig) -> bool:
@@ -237,7 +367,8 @@ def held_out_prompts(data: DataConfig) -> HeldOut:
     """The held-out prompts ``data`` configures (see :func:`has_held_out_prompts`)."""
     if data.eval_prompt_file is not None:
         f = load_prompt_file(data.eval_prompt_file, "data.eval_prompt_file")
-        return HeldOut(f.prompts, tuple(json.dumps(m) if m else "" for m in f.metadata))
+        return HeldOut(f.prompts, tuple(json.dumps(m) if m else "" for m in f.metadata),
+                       f.inputs)
     if not has_held_out_prompts(data):
         raise ConfigError("eval.every: expected held-out prompts (data.eval_prompt_file), "
                           "got none")

@@ -6,7 +6,9 @@ trainer generated (TAG) and, cross-hatched, where a rollout worker trained (RAT)
 ``staleness.png`` (how many versions old the trained samples were), ``profile.yaml`` (the
 run's measured cost profile, for ``digenrl simulate``: :mod:`digenrl.sim.measured`), for a run with
 held-out evaluation ``eval.png`` (the evaluation curve) and ``eval-v{N}.png`` per
-evaluated policy version (its first ``eval.grid`` held-out samples, captioned), plus
+evaluated policy version (its first ``eval.grid`` held-out samples, captioned), for an
+instruction-editing run ``edits.png`` (the last iteration's first ``eval.grid`` samples,
+each beside its source image; an edit in ``eval-v{N}.png`` likewise), plus
 ``summary.txt`` -- the summary is also returned for printing. A running store shows its
 complete iterations.
 """
@@ -23,7 +25,7 @@ from digenrl.analysis import (busy_shares, dispatch_overhead, split_advice, stor
                               window_stats)
 from digenrl.sim.measured import measured_profile
 from digenrl.config import EvalConfig, stored_section
-from digenrl.store import EVAL_GROUP, REWARD_COLUMN, open_run
+from digenrl.store import EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE, open_run
 from digenrl.vocabulary import COLOCATED, ROLLOUT
 
 __all__ = ["write_report", "summarise"]
@@ -140,7 +142,14 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
         grid = stored_section(attrs.get("config"), EvalConfig).grid
         for v in np.unique(evaluation["version"].values):
             written.append(plots.eval_grid_png(evaluation, int(v), grid,
-                                               out / f"eval-v{int(v)}.png"))
+                                               out / f"eval-v{int(v)}.png",
+                                               attrs.get(SOURCES_ATTRIBUTE)))
+    samples = ds["samples"]
+    if ("source" in samples and "image" in samples
+            and samples.sizes.get("iteration", 0)):
+        grid = stored_section(attrs.get("config"), EvalConfig).grid
+        written.append(plots.edits_png(samples, attrs[SOURCES_ATTRIBUTE], grid,
+                                       out / "edits.png"))
     profile = None
     if ds["metrics"].sizes.get("iteration", 0) >= 2 and len(tasks):
         profile = out / "profile.yaml"

@@ -29,7 +29,7 @@ from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts
 from digenrl.tasks.rewards import REWARDS
 from digenrl.tracking import check_trackers
 
-__all__ = ["check_world", "check_rewards"]
+__all__ = ["check_world", "check_rewards", "check_prompt_inputs"]
 
 
 def check_world(config: RunConfig) -> None:
@@ -38,11 +38,6 @@ def check_world(config: RunConfig) -> None:
     model, data = config.model, config.data
     if model.path is not None:
         family(model).check_folder()
-        if family(model).needs_images:
-            raise ConfigError(f"model.path: expected a folder of a pipeline that samples "
-                              f"from the prompt alone (a run's prompts carry no source "
-                              f"images yet), got a {family(model).pipeline_class} folder "
-                              f"({model.path!r}), which edits source images")
         family(model).check_size()
     if not data.prompts:
         _choice(data.prompt_set, "data.prompt_set", PROMPT_SETS)
@@ -50,6 +45,7 @@ def check_world(config: RunConfig) -> None:
         path = getattr(data, name)
         if path is not None:
             load_prompt_file(path, f"data.{name}")
+    check_prompt_inputs(config)
     check_rewards(config.reward)
     _check_group_rewards(config)
     check_trackers(config.tracking)
@@ -85,6 +81,63 @@ def _check_sample_kind(config: RunConfig) -> None:
             if spec is not None and spec.scores == "video":
                 raise ConfigError(f"reward.components: expected rewards that score images "
                                   f"for {kind}, got {name!r} (it scores videos)")
+
+
+def check_prompt_inputs(config: RunConfig) -> None:
+    """The source images and negative prompts of the prompt files' lines fit the model:
+    an editing family's prompts all name source images (as many as it takes; FLUX.1
+    Kontext's may all name none: it then samples from the prompt alone, as its pipeline
+    does without an image), another family's name none; a line's negative prompt needs classifier-free guidance (a
+    family that uses a negative prompt, and a guidance scale above 1 where the line is
+    sampled). ``model.source_area`` is set for an editing family alone."""
+    fam = family(config.model)
+    what = f"a {fam.pipeline_class} folder" if fam.pipeline_class else "the built-in model"
+    if config.model.source_area is not None and not fam.takes_images:
+        raise ConfigError(f"model.source_area: expected null for {what} (it does not edit "
+                          f"images), got {config.model.source_area}")
+    d = config.data
+    files = [("data.prompt_file", d.prompt_file, config.sampler.guidance_scale)]
+    if config.eval.on:
+        files.append(("data.eval_prompt_file", d.eval_prompt_file,
+                      config.eval.sampler(config.sampler).guidance_scale))
+    for field, path, guidance in files:
+        if path is None:
+            if fam.needs_images and field == "data.prompt_file":
+                raise ConfigError(f"{field}: expected a .jsonl prompt file whose lines name "
+                                  f"source images (\"image\") for {what}, which edits "
+                                  f"images, got none (prompts without images)")
+            continue
+        f = load_prompt_file(path, field)
+        where = f"{field}: line {{}} of {f.path}: expected"
+        if fam.takes_images:
+            bare = f.lines_with(lambda i: not i.images)
+            if len(bare) == len(f) and fam.needs_images:
+                raise ConfigError(f"{field}: expected lines that name source images "
+                                  f"(\"image\") for {what}, which edits images, got "
+                                  f"{f.path} without any")
+            if bare and len(bare) < len(f):
+                raise ConfigError(f"{where.format(bare[0])} a source image (\"image\") "
+                                  f"for {what}, which edits images, got none")
+        many = f.lines_with(lambda i: len(i.images) > fam.max_source_images)
+        if many:
+            got = len(f.inputs_of(many[0] - 1).images)
+            if fam.max_source_images == 0:
+                raise ConfigError(f"{where.format(many[0])} no source image for {what} (it "
+                                  f"does not edit images), got {got}")
+            raise ConfigError(f"{where.format(many[0])} at most {fam.max_source_images} "
+                              f"source image(s) for {what}, got {got}")
+        negative = f.lines_with(lambda i: i.negative is not None)
+        if negative and not fam.uses_negative_prompt:
+            raise ConfigError(f"{where.format(negative[0])} no \"negative_prompt\" for "
+                              f"{what} (its guidance is an embedding, without a negative "
+                              f"prompt), got "
+                              f"{f.inputs_of(negative[0] - 1).negative!r}")
+        if negative and guidance <= 1.0:
+            scale = "sampler.guidance_scale" if field == "data.prompt_file" else \
+                "eval.guidance_scale"
+            raise ConfigError(f"{where.format(negative[0])} no \"negative_prompt\" while "
+                              f"{scale} is {guidance} (no classifier-free guidance), got "
+                              f"{f.inputs_of(negative[0] - 1).negative!r}")
 
 
 def check_rewards(reward: RewardConfig) -> None:

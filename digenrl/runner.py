@@ -30,9 +30,10 @@ from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
                                 group_reward_key, kind_of, reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
-from digenrl.prompts import load_prompt_file, prompt_source
+from digenrl.prompts import load_prompt_file, prompt_source, source_table
 from digenrl.schedulers.chunking import ChunkingSpec
-from digenrl.store import ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, RunStore, frame_strip
+from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
+                           RunStore, frame_strip)
 from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
@@ -61,6 +62,10 @@ class FlowGRPOWorkload:
         self.iterations = config.iterations
         self.images_per_iteration = config.data.samples_per_iteration
         self.prompts = prompt_source(config.data)
+        #: Each source image the prompt files name, once (in line order, the training
+        #: prompts' first): a sample's ``source`` column is its position here.
+        self.sources = source_table(config.data, config.eval.on)
+        self._source_index = {s: k for k, s in enumerate(self.sources)}
         self.checkpoint_spec: CheckpointSpec | None = None
         r = config.rollout
         self.chunking = (ChunkingSpec(config.data.samples_per_prompt, r.chunk_size,
@@ -71,10 +76,11 @@ class FlowGRPOWorkload:
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
         d = self.config.data
-        prompts, metadata = self.prompts.draw(d.prompts_per_iteration, self.config.seed,
-                                              iteration)
+        prompts, metadata, inputs = self.prompts.draw(d.prompts_per_iteration,
+                                                      self.config.seed, iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
-                                     chunk_size or self.config.rollout.chunk_size, metadata)
+                                     chunk_size or self.config.rollout.chunk_size, metadata,
+                                     inputs)
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""
@@ -94,6 +100,9 @@ class FlowGRPOWorkload:
         attrs = {"config": config_to_dict(self.config), "derived": self.config.derived(),
                  "workload": "flow-grpo", "algorithm": self.config.algorithm.name,
                  "prompt_files": self._prompt_files()}
+        if self.sources:
+            attrs[SOURCES_ATTRIBUTE] = [{"path": s.path, "sha256": s.sha256}
+                                        for s in self.sources]
         if self.tracking_runs:
             attrs[TRACKING_ATTRIBUTE] = self.tracking_runs
         return attrs
@@ -174,6 +183,9 @@ class FlowGRPOWorkload:
         for p in results.problems:
             logger.warning("iteration %d: %s", i, p)
         groups = {"samples": results.samples()}
+        if self.sources:
+            groups["samples"]["source"] = self._sources_of(
+                [plan.inputs[plan.group_of(s)] for s in range(plan.num_samples)])
         if self.layout.algorithm.keeps_trajectory():
             groups["steps"] = results.steps()
         metrics = results.metrics()
@@ -218,7 +230,14 @@ class FlowGRPOWorkload:
         for name, parts in components.items():
             rows[f"reward_{name}"] = np.concatenate(parts).astype(np.float64)
         rows["image"] = np.concatenate(images).astype(np.uint8)
+        if self.sources and held_out.inputs:
+            rows["source"] = self._sources_of([held_out.inputs[j] for j in index])
         return rows
+
+    def _sources_of(self, inputs) -> np.ndarray:
+        """Each sample's source image as its position in :attr:`sources` (-1: none)."""
+        return np.asarray([self._source_index[i.images[0]] if i.images else -1
+                           for i in inputs], np.int32)
 
     def finish(self, client, store: RunStore, final_weights) -> PolicyWeights:
         weights = final_weights.result()

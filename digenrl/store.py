@@ -27,7 +27,8 @@ import xarray as xr
 import zarr
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
-           "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "StoreError",
+           "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "SOURCES_ATTRIBUTE",
+           "StoreError",
            "frame_strip", "STRIP_FRAMES"]
 
 # Names of the store that are also the words of task kinds, named here once.
@@ -37,6 +38,9 @@ EVAL_GROUP = "eval"
 REWARD_COLUMN = "reward"
 #: A sample's advantage (``samples``).
 ADVANTAGE_COLUMN = "advantage"
+#: The run attribute listing the source images of an editing run (each one's path and
+#: SHA-256, once); a sample's or evaluated prompt's ``source`` is its position there.
+SOURCES_ATTRIBUTE = "source_images"
 
 GROUPS = ("samples", "steps", "metrics", "tasks", EVAL_GROUP)
 FORMAT_VERSION = 1

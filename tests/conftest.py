@@ -304,3 +304,36 @@ def pipeline_config(folder, family: str, **overrides):
 
     settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[family].items()}
     return checked_config(**{"model.path": str(folder), **settings, **overrides})
+
+
+def source_picture(height: int, width: int, seed: int):
+    """A smooth random picture, uint8 (height, width, 3): an editing model's source."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (max(height // 8, 1), max(width // 8, 1), 3), dtype=np.uint8)
+    return np.asarray(Image.fromarray(coarse).resize((width, height), Image.BILINEAR))
+
+
+def write_prompt_lines(folder, lines, name: str = "prompts.jsonl") -> str:
+    """A ``.jsonl`` prompt file in ``folder`` holding ``lines`` (dicts); an ``"image"``
+    given as uint8 pixels is saved beside it as a PNG and named by its relative path."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for n, line in enumerate(lines):
+        line = dict(line)
+        if isinstance(line.get("image"), np.ndarray):
+            Image.fromarray(line["image"]).save(folder / f"source-{n}.png")
+            line["image"] = f"source-{n}.png"
+        out.append(json.dumps(line))
+    path = folder / name
+    path.write_text("\n".join(out) + "\n")
+    return str(path)

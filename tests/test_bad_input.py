@@ -17,6 +17,7 @@ import io
 import itertools
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from digenrl.cli import main
-from digenrl.config import RunConfig, _sub_path, config_from_dict, config_to_dict
+from digenrl.config import ConfigError, RunConfig, _sub_path, config_from_dict, config_to_dict
 from digenrl.graph.build import GraphContext
 from digenrl.graph.structure import rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload
 from digenrl.schedulers.policy import TaskInfo, validate_task
 
-from conftest import SMALL, small_config
+from conftest import SMALL, pipeline_config, small_config
 
 #: Every field of the small config, explicit.
 BASE = config_to_dict(small_config())
@@ -262,3 +263,49 @@ def test_a_wrong_algorithm_combination_is_refused_in_one_line(small_yaml, sets, 
     for s in sets:
         argv += ["--set", s]
     assert_one_line_naming(*run_check(argv), changed)
+
+
+def test_bad_source_images_and_editing_prompts_fail_naming_file_and_line(small_yaml,
+                                                                         tiny_pipelines,
+                                                                         tmp_path):
+    """A missing source image, one that does not decode, image lines for a model that
+    edits none, a source area for it, and a Qwen-Image-Edit folder without image lines:
+    each one line naming the field (and the file and line) from ``digenrl run --check``, before any cluster
+    starts."""
+    from conftest import source_picture, write_prompt_lines
+
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    good = {"prompt": "make it red", "image": source_picture(16, 16, 0)}
+    cases = {
+        "missing": ([good, {"prompt": "make it blue", "image": "gone.png"}],
+                    r"line 2 of .*: expected an existing image file at 'gone.png', got "
+                    r".*gone.png \(No such file or directory\)"),
+        "broken": ([{"prompt": "make it blue", "image": "../broken.png"}],
+                   r"line 1 of .*: expected an image PIL decodes at '../broken.png', got "
+                   r".*broken.png \(not an image format PIL reads\)"),
+        "not-editing": ([{"prompt": "a cat"}, good],
+                        r"line 2 of .*: expected no source image for the built-in model "
+                        r"\(it does not edit images\), got 1"),
+    }
+    for name, (lines, message) in cases.items():
+        path = write_prompt_lines(tmp_path / name, lines)
+        code, out, err = run_check([str(small_yaml), "--set", f"data.prompt_file={path}"])
+        assert_one_line_naming(code, out, err, {"data.prompt_file"})
+        assert re.search("data.prompt_file: " + message + "$", err.strip()), (name, err)
+
+    # A source area for a model that edits no images, and one of no pixels.
+    for area, message in (("4096", r"expected null for the built-in model \(it does not "
+                                   r"edit images\), got 4096"),
+                          ("0", r"expected an integer >= 1, got 0")):
+        code, out, err = run_check([str(small_yaml), "--set", f"model.source_area={area}"])
+        assert_one_line_naming(code, out, err, {"model.source_area"})
+        assert re.search("model.source_area: " + message + "$", err.strip()), (area, err)
+
+    # (A pipeline folder's config: the small YAML's tiny-model sizes do not go with it.)
+    plain = write_prompt_lines(tmp_path / "plain", [{"prompt": "make it red"}])
+    with pytest.raises(ConfigError, match=r"^data.prompt_file: expected lines that name "
+                                          r"source images \(\"image\"\) for a "
+                                          r"QwenImageEditPipeline folder, which edits "
+                                          r"images, got .*plain/prompts.jsonl without any$"):
+        pipeline_config(tiny_pipelines["qwenimage_edit"], "qwenimage_edit",
+                        **{"data.prompt_file": plain})

@@ -3,8 +3,8 @@ pipelines (digenrl/testing/pipelines.py): with the same source image, starting l
 guidance, the version-0 ODE sampler gives the diffusers pipeline's own latents; the
 source image and the text encoders condition the samples; bad images are refused.
 
-A run's prompts do not carry source images yet: these tests give the family its images
-directly (``encode(prompts, negative, images=...)``)."""
+These tests give the family its images directly (``encode(prompts, negative,
+images=...)``); tests/test_editing_runs.py runs with images named by prompt files."""
 
 import numpy as np
 import pytest
@@ -38,9 +38,8 @@ def source(height: int, width: int, seed: int) -> np.ndarray:
 
 
 def edit_config(name, folder, **overrides):
-    """small_config on the folder, with the checks of the folder a run makes that an
-    editing family passes (a run is refused a Qwen-Image-Edit folder: its prompts carry
-    no source images yet)."""
+    """small_config on the folder, with the checks of the folder a run makes (a run of
+    a Qwen-Image-Edit folder also needs prompt lines naming source images)."""
     settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[name].items()}
     cfg = small_config(**{"model.path": str(folder), "sampler.num_steps": STEPS,
                           "sampler.guidance_scale": GUIDANCE[name], **settings, **overrides})
@@ -93,13 +92,14 @@ def load_pipeline(name, folder):
     return getattr(diffusers, PIPELINES[name]).from_pretrained(folder, dtype=torch.float32, **kw)
 
 
-def pipeline_latents(name, folder, cfg, prompt, image, x0) -> torch.Tensor:
-    """The pipeline's packed latents for one prompt and source image from ``x0``."""
+def pipeline_latents(name, folder, cfg, prompt, image, x0, **extra) -> torch.Tensor:
+    """The pipeline's packed latents for one prompt and source image from ``x0``
+    (``extra``: more arguments of the pipeline's call)."""
     pipe = load_pipeline(name, folder)
     m = cfg.model
     kw = dict(image=Image.fromarray(image) if image is not None else None, prompt=[prompt],
               height=m.height, width=m.width, latents=pack(x0), num_inference_steps=STEPS,
-              output_type="latent")
+              output_type="latent", **extra)
     if name == "qwenimage_edit":  # true classifier-free guidance
         kw.update(negative_prompt=m.negative_prompt, true_cfg_scale=cfg.sampler.guidance_scale)
     else:  # the image's area is the configured one (not the pipeline's 1024 x 1024)
@@ -134,9 +134,36 @@ def test_the_ode_sampler_gives_the_edit_pipelines_latents(name, tiny_pipelines):
     assert ours.abs().max() > 0.1  # something was computed
 
 
+def test_a_source_area_resizes_each_source_to_about_that_many_pixels(tiny_pipelines):
+    """model.source_area: each source resized to about that many pixels at its aspect
+    ratio, each side on the packed latent grid (32 pixels with the tiny pipelines' 16 x
+    VAEs), for both families. Kontext's samples are then its pipeline's given the
+    resized source, which it takes at its own size (``_auto_resize=False``)."""
+    images = [source(48, 64, 0), source(64, 40, 1)]
+    # 64 x 64 pixels: 48 x 64 becomes 64 x 64 (2 x 2 packed tokens), 64 x 40 becomes
+    # 96 x 64 (3 x 2).
+    area = {"model.source_area": 64 * 64}
+    for name in PIPELINES:
+        cfg = edit_config(name, tiny_pipelines[name], **area)
+        cond = encode(cfg, ("make it red", "make it blue"), images)
+        assert cond.tensors["source_grid"].tolist() == [[2, 2], [3, 2]], name
+        assert [len(t) for t in cond.tensors["source_tokens"]] == [6, 6]  # padded to 6
+
+    folder = tiny_pipelines["kontext"]
+    cfg = edit_config("kontext", folder, **area)
+    fam = family(cfg.model)
+    x0 = starting_noise(cfg, 2)
+    ours = pack(ode(cfg, x0, encode(cfg, ("make it red", "make it blue"), images)))
+    for i, (image, (h, w)) in enumerate(zip(images, [(64, 64), (96, 64)])):
+        resized = np.asarray(fam.image_processor.resize(Image.fromarray(image), h, w))
+        theirs = pipeline_latents("kontext", folder, cfg, ("make it red", "make it blue")[i],
+                                  resized, x0[i:i + 1], _auto_resize=False)
+        torch.testing.assert_close(ours[i:i + 1], theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_kontext_without_a_source_samples_as_its_pipeline_does(tiny_pipelines):
     """No source image: FluxKontextPipeline's ``image=None``, text to image (what a run
-    on a Kontext folder samples until prompts carry source images)."""
+    on a Kontext folder samples when its prompt lines name no source images)."""
     folder = tiny_pipelines["kontext"]
     cfg = edit_config("kontext", folder)
     x0 = starting_noise(cfg, 1)
@@ -211,16 +238,16 @@ def test_gradients_flow_through_a_chunk_of_mixed_source_sizes(tiny_pipelines):
 
 def test_qwen_image_edit_needs_a_source_image(tiny_pipelines):
     """Its pipeline cannot sample without one: the encoder refuses, and so does the
-    check of a run (prompts do not carry source images yet), naming model.path."""
+    check of a run whose prompts name none, naming data.prompt_file."""
     cfg = edit_config("qwenimage_edit", tiny_pipelines["qwenimage_edit"])
     with pytest.raises(ValueError, match=r"^QwenImageEditPipeline: expected a source image "
                                          r"per prompt, got none$"):
         encode(cfg, ("make it red",), None)
-    with pytest.raises(ConfigError, match=r"^model.path: expected a folder of a pipeline "
-                                          r"that samples from the prompt alone \(a run's "
-                                          r"prompts carry no source images yet\), got a "
-                                          r"QwenImageEditPipeline folder \(.*\), which edits "
-                                          r"source images$"):
+    with pytest.raises(ConfigError, match=r"^data.prompt_file: expected a .jsonl prompt "
+                                          r"file whose lines name source images "
+                                          r"\(\"image\"\) for a QwenImageEditPipeline "
+                                          r"folder, which edits images, got none \(prompts "
+                                          r"without images\)$"):
         pipeline_config(tiny_pipelines["qwenimage_edit"], "qwenimage_edit")
 
 

@@ -79,8 +79,8 @@ def test_a_resumed_lora_run_ends_bit_identical(cluster_1x1, shared_runs, tmp_pat
 
 
 #: One LoRA run of a tiny pipeline of each family (bfloat16 for two), shared by the tests
-#: below that train it and export it. (A run on FLUX.1 Kontext samples from the prompt
-#: alone: prompts name no source images yet.)
+#: below that train it and export it. (A run on FLUX.1 Kontext whose prompt lines name no
+#: source images samples from the prompt alone.)
 PIPELINE_RUNS = [("sd3", "float32"), ("flux", "bfloat16"), ("wan", "float32"),
                  ("qwenimage", "float32"), ("hunyuanvideo", "bfloat16"),
                  ("kontext", "float32")]

@@ -38,7 +38,7 @@ def test_txt_and_jsonl_files_load_with_metadata(tmp_path):
     assert jsonl.metadata == ({"tag": "counting", "include": [{"class": "dog", "count": 2}]},
                               {})
     cfg = small_config(**{"data.prompt_file": jsonl.path})
-    prompts, metadata = prompt_source(cfg.data).draw(3, cfg.seed, 0)
+    prompts, metadata, _ = prompt_source(cfg.data).draw(3, cfg.seed, 0)
     assert [json.loads(m) if m else {} for m in metadata] == [
         jsonl.metadata[jsonl.prompts.index(p)] for p in prompts]
 

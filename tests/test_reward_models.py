@@ -93,6 +93,25 @@ def test_the_clip_reward_is_pickscore_of_the_saved_model_loaded_once(clip_folder
     assert (half.fn.loads, spec.fn.loads) == (1, 1)
 
 
+def test_the_consistency_reward_is_the_cosine_of_edit_and_source(clip_folder):
+    """``clip_consistency``: each edit's CLIP image embedding against its source's (an
+    ordinary reward by name, given the sources); an edit equal to its source scores 1;
+    a sample without a source is an error."""
+    config = RewardModelConfig(kind="clip_consistency", path=str(clip_folder), batch_size=2)
+    (spec, _), = resolve_rewards({"keep": 1.0}, models={"keep": config})
+    assert spec.takes_sources and spec.device == "gpu"
+    sources = [IMAGES[(k + 1) % 5] for k in range(5)]
+    sources[0] = IMAGES[0]
+    total, per, valid, problems = evaluate_rewards(IMAGES, PROMPTS, range(5), [(spec, 1.0)],
+                                                   sources=sources)
+    _, image, _ = _direct_embeddings(clip_folder)
+    expected = (image * image[[0, 2, 3, 4, 0]]).sum(-1).numpy()
+    np.testing.assert_allclose(per["keep"], expected, rtol=1e-4, atol=1e-5)
+    assert abs(per["keep"][0] - 1.0) < 1e-5 and (per["keep"][1:] < 0.9999).all()
+    with pytest.raises(Exception, match=r"expected a source image for every sample"):
+        evaluate_rewards(IMAGES, PROMPTS, range(5), [(spec, 1.0)])
+
+
 @pytest.mark.parametrize("suffix", ["pth", "safetensors"])
 def test_the_aesthetic_reward_is_laions_head_on_the_clip_embedding(clip_folder, head_files,
                                                                    suffix):
@@ -158,7 +177,7 @@ def _settings(folder, **kw):
     (lambda f, h: {"dtype": "float8"},
      "reward.models.pick.dtype: expected one of ['bfloat16', 'float16', 'float32'], got 'float8'"),
     (lambda f, h: {"kind": "pickscore"},
-     "reward.models.pick.kind: expected one of ['aesthetic', 'clip'], got 'pickscore'"),
+     "reward.models.pick.kind: expected one of ['aesthetic', 'clip', 'clip_consistency'], got 'pickscore'"),
     (lambda f, h: {"batch_size": 0},
      "reward.models.pick.batch_size: expected an integer >= 1, got 0"),
     (lambda f, h: {"head": str(h["pth"])},

@@ -108,7 +108,8 @@ class GraphContext:
         if self.held_out is None or not self.config.eval.evaluates(version):
             return []
         return eval_nodes(self.layout, version, self.held_out.prompts,
-                          self.held_out.metadata, self.config.rollout.chunk_size)
+                          self.held_out.metadata, self.config.rollout.chunk_size,
+                          self.held_out.inputs)
 
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""

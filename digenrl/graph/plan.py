@@ -13,28 +13,34 @@ class IterationPlan:
     """Samples ``0 .. n-1`` of one iteration, group-major: sample ``s`` belongs to prompt
     group ``s // samples_per_prompt``. ``chunks`` are consecutive ``[start, stop)``
     sample ranges, one per denoise chain. ``metadata`` is each prompt's metadata for the
-    rewards, as JSON text (empty for none), or empty when no prompt has any."""
+    rewards, as JSON text (empty for none), or empty when no prompt has any; ``inputs``
+    each prompt's source images and negative prompt
+    (:class:`~digenrl.prompts.PromptInputs`), or empty when no prompt has any."""
 
     iteration: int
     prompts: tuple[str, ...]
     samples_per_prompt: int
     chunks: tuple[tuple[int, int], ...]
     metadata: tuple[str, ...] = ()
+    inputs: tuple = ()
 
     @classmethod
     def uniform(cls, iteration: int, prompts, samples_per_prompt: int,
-                chunk_size: int, metadata=()) -> "IterationPlan":
+                chunk_size: int, metadata=(), inputs=()) -> "IterationPlan":
         n = len(prompts) * samples_per_prompt
         if n % chunk_size:
             raise ValueError(f"chunk_size: expected a divisor of {n}, got {chunk_size}")
         chunks = tuple((s, s + chunk_size) for s in range(0, n, chunk_size))
         metadata = tuple(metadata) if any(metadata) else ()
-        return cls(iteration, tuple(prompts), samples_per_prompt, chunks, metadata)
+        inputs = tuple(inputs) if any(inputs) else ()
+        return cls(iteration, tuple(prompts), samples_per_prompt, chunks, metadata, inputs)
 
     def __post_init__(self) -> None:
-        if self.metadata and len(self.metadata) != len(self.prompts):
-            raise ValueError(f"metadata: expected one entry per prompt ({len(self.prompts)}),"
-                             f" got {len(self.metadata)}")
+        for name in ("metadata", "inputs"):
+            got = len(getattr(self, name))
+            if got and got != len(self.prompts):
+                raise ValueError(f"{name}: expected one entry per prompt "
+                                 f"({len(self.prompts)}), got {got}")
         covered = [s for a, b in self.chunks for s in range(a, b)]
         if covered != list(range(self.num_samples)):
             raise ValueError(f"chunks: expected consecutive ranges covering 0..{self.num_samples - 1},"
@@ -66,6 +72,14 @@ class IterationPlan:
             return ()
         a, b = self.chunks[chunk]
         return tuple([self.metadata[s // self.samples_per_prompt] for s in range(a, b)])
+
+    def chunk_inputs(self, chunk: int) -> tuple:
+        """Each sample's prompt inputs (source images, negative prompt), or () when no
+        prompt has any."""
+        if not self.inputs:
+            return ()
+        a, b = self.chunks[chunk]
+        return tuple([self.inputs[s // self.samples_per_prompt] for s in range(a, b)])
 
     def group_sample_ids(self, group: int) -> tuple[int, ...]:
         a = group * self.samples_per_prompt

@@ -248,8 +248,9 @@ def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
 
 
 def encode_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
-    """An ``encode`` task per prompt group: the group's conditioning, annotated with
-    the group's first chunk and the version that chunk is generated with (it reads no
+    """An ``encode`` task per prompt group: the group's conditioning (with what else its
+    prompt-file line gives it: a source image, a negative prompt), annotated with the
+    group's first chunk and the version that chunk is generated with (it reads no
     weights). No inputs."""
     i = plan.iteration
     out = []
@@ -258,6 +259,7 @@ def encode_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         out.append(Node(encode_key(i, g), ENCODE,
                         task_meta(ENCODE, i, layout.chunk_version(plan, c), chunk=c, group=g,
                                   samples=plan.samples_per_prompt),
+                        (plan.prompts[g], plan.inputs[g]) if plan.inputs else
                         (plan.prompts[g],), []))
     return out
 
@@ -280,6 +282,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         groups = plan.groups_of_chunk(c)
         common = dict(chunk=c, group=groups[0], samples=len(ids))
         prev: Key = noise_key(i, c)
+        inputs = plan.chunk_inputs(c)
         if layout.encode:
             # Sample s has the conditioning of its group, the chunk's (s's group - first).
             encoded = [encode_key(i, g) for g in groups]
@@ -309,7 +312,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
                     tuple(Dep(k) for k in chain), chain))
         append(Node(reward_key(i, c), REWARD,
                     task_meta(REWARD, i, rv, gpu=layout.reward_gpu, **common),
-                    (prompts, Dep(decoded), plan.chunk_metadata(c)), [decoded]))
+                    (prompts, Dep(decoded), plan.chunk_metadata(c), inputs), [decoded]))
     if layout.group_rewards:
         out += group_reward_nodes(layout, plan)
     return out
@@ -327,11 +330,12 @@ def group_reward_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         last = chunks[-1]
         ids = plan.group_sample_ids(g)
         metadata = plan.metadata[g] if plan.metadata else ""
+        inputs = plan.inputs[g] if plan.inputs else None
         out.append(Node(group_reward_key(i, g), GROUP_REWARD,
                         task_meta(GROUP_REWARD, i, layout.chunk_version(plan, last),
                                   gpu=layout.group_reward_gpu, chunk=last, group=g,
                                   samples=len(ids)),
-                        (ids, plan.prompts[g], metadata,
+                        (ids, plan.prompts[g], metadata, inputs,
                          *(Dep(k) for c in chunks for k in (decode_key(i, c),
                                                               reward_key(i, c))))))
     return out
@@ -524,11 +528,12 @@ def eval_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
 
 
 def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
-               metadata: tuple[str, ...], chunk_size: int) -> list[Node]:
+               metadata: tuple[str, ...], chunk_size: int, inputs: tuple = ()) -> list[Node]:
     """The evaluation of policy ``version`` on the held-out ``prompts``: per chunk an
     ``eval`` task (the whole ODE sampling loop from each prompt's fixed noise, then
     decoding) and an ``eval_reward`` task scoring its images. ``metadata``: each
-    prompt's metadata as JSON text, or () when none has any. External input: the
+    prompt's metadata as JSON text, or () when none has any; ``inputs``: each prompt's
+    source images and negative prompt, or () when none has any. External input: the
     published weights of ``version``. Nothing of an iteration reads them."""
     i = eval_iteration(version)
     weights = publish_key(version)
@@ -538,9 +543,11 @@ def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
         chunk_prompts = tuple(prompts[a:b])
         common = dict(chunk=c, samples=len(ids))
         key = eval_key(version, c)
+        chunk_inputs = tuple(inputs[a:b]) if inputs else ()
         out.append(Node(key, EVAL, task_meta(EVAL, i, version, **common),
-                        (Dep(weights), ids, chunk_prompts)))
+                        (Dep(weights), ids, chunk_prompts, chunk_inputs)))
         out.append(Node(eval_reward_key(version, c), EVAL_REWARD,
                         task_meta(EVAL_REWARD, i, version, gpu=layout.reward_gpu, **common),
-                        (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else ())))
+                        (chunk_prompts, Dep(key), tuple(metadata[a:b]) if metadata else (),
+                         chunk_inputs)))
     return out

@@ -13,6 +13,7 @@ loading and caching, guidance, VAE encoding and decoding, latent packing) is in
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from digenrl.config import ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
-__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PROMPT_CACHE_BYTES", "PromptEncoderLike", "SourceImage",
-           "stack_rows", "to_uint8", "JOINT_ATTENTION_TARGETS"]
+__all__ = ["Conditioning", "ModelFamily", "PromptCache", "PROMPT_CACHE_BYTES",
+           "PromptEncoderLike", "SourceImage", "area_size", "stack_rows", "to_uint8",
+           "JOINT_ATTENTION_TARGETS"]
 
 
 #: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
@@ -58,19 +60,21 @@ class Conditioning:
         """A chunk's conditioning from its prompt groups' (each of one prompt, as an
         ``encode`` task makes it): sample ``k`` takes the row of ``groups[picks[k]]``.
         The rows are stacked as :class:`PromptCache` stacks them (:func:`stack_rows`), so
-        the chunk's tensors are those of encoding its prompts together, row for row."""
+        the chunk's tensors are those of encoding its prompts together, row for row. The
+        negative is the groups' one row where they share it, else a row per sample."""
         first = groups[0]
 
         def gather(part) -> dict[str, torch.Tensor]:
             return {k: stack_rows([part(groups[j])[k][0] for j in picks])
                     for k in part(first)}
 
-        negative = None
+        negative, per_sample = None, False
         if first.negative is not None:
-            negative = (gather(lambda g: g.negative) if first.negative_per_sample
-                        else first.negative)
+            per_sample = any(g.negative_per_sample or not _same(g.negative, first.negative)
+                             for g in groups)
+            negative = gather(lambda g: g.negative) if per_sample else first.negative
         return cls(tuple(groups[j].prompts[0] for j in picks), gather(lambda g: g.tensors),
-                   negative, first.negative_per_sample)
+                   negative, per_sample)
 
     def _map(self, fn) -> "Conditioning":
         """The same prompts with ``fn`` applied to every tensor."""
@@ -88,14 +92,36 @@ class Conditioning:
         """The conditioning of the samples ``index`` selects (a negative of one row per
         sample too; one of a single row is shared)."""
         n = len(self.prompts)
+        tensors = {k: v[index] if v.shape[0] == n else v for k, v in self.tensors.items()}
+        negative = self.negative
+        if negative is not None and self.negative_per_sample:
+            negative = {k: v[index] for k, v in negative.items()}
+        return Conditioning(tuple(self.prompts[i] for i in index.tolist()), tensors,
+                            negative, self.negative_per_sample)
 
-        def pick(tensors: dict[str, torch.Tensor] | None):
-            if tensors is None:
-                return None
-            return {k: v[index] if v.shape[0] == n else v for k, v in tensors.items()}
+    @classmethod
+    def concat(cls, parts: Sequence["Conditioning"]) -> "Conditioning":
+        """The conditioning of the samples of ``parts`` in order (rows of different
+        lengths zero-padded to the longest, as :func:`stack_rows` pads them); their
+        negative encodings: the shared row where every part has the same one, else a row
+        per sample."""
+        def cat(tensors: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+            return {k: _cat_padded([t[k] for t in tensors]) for k in tensors[0]}
 
-        return Conditioning(tuple(self.prompts[i] for i in index.tolist()),
-                            pick(self.tensors), pick(self.negative), self.negative_per_sample)
+        prompts = tuple(p for c in parts for p in c.prompts)
+        first = parts[0].negative
+        negative, per_sample = None, False
+        if first is not None:
+            per_sample = any(c.negative_per_sample or not _same(c.negative, first)
+                             for c in parts)
+            negative = (cat([c.negative_rows() for c in parts]) if per_sample else first)
+        return cls(prompts, cat([c.tensors for c in parts]), negative, per_sample)
+
+    def negative_rows(self) -> dict[str, torch.Tensor]:
+        """The negative encoding with a row per sample (a shared row repeated)."""
+        n = len(self.prompts)
+        return {k: v if self.negative_per_sample else v.expand(n, *v.shape[1:])
+                for k, v in self.negative.items()}
 
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
@@ -155,8 +181,25 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 PROMPT_CACHE_BYTES = 1 << 30
 
 
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two encodings are the same tensors."""
+    return a.keys() == b.keys() and all(
+        a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
 def _nbytes(row: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in row.values())
+
+
+def _cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` of ``parts`` along the rows; parts whose second axis differs (a
+    chunk's longest prompt, or source image, sets it) padded with zeros to the longest."""
+    if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+        return torch.cat(list(parts))
+    longest = max(p.shape[1] for p in parts)
+    return torch.cat([torch.cat([p, p.new_zeros((p.shape[0], longest - p.shape[1])
+                                                + tuple(p.shape[2:]))], dim=1)
+                      for p in parts])
 
 
 class PromptCache:
@@ -226,6 +269,12 @@ class ModelFamily:
     #: True when it cannot sample without a source image (Qwen-Image-Edit; FLUX.1
     #: Kontext generates from the prompt alone when it has none).
     needs_images: ClassVar[bool] = False
+    #: How many source images a prompt may carry (its pipeline's ``image`` takes that
+    #: many): 0 for a family that edits none.
+    max_source_images: ClassVar[int] = 0
+    #: True when its guidance is classifier-free guidance against a negative prompt
+    #: (False: a guidance-distilled model, whose guidance is an embedding).
+    uses_negative_prompt: ClassVar[bool] = True
     #: The diffusers classes of the trained transformer and of the VAE.
     transformer_class: ClassVar[type]
     vae_class: ClassVar[type]
@@ -358,6 +407,22 @@ class ModelFamily:
         :class:`~digenrl.models.common.TextEncoders`."""
         raise NotImplementedError
 
+    # --------------------------------------------- source images (editing families)
+
+    def source_size(self, image: SourceImage) -> tuple[int, int]:
+        """(height, width) an editing family resizes a source image to: about
+        ``model.source_area`` pixels at its aspect ratio (:func:`area_size` on
+        :meth:`size_multiple`), or the pipeline's own size (:meth:`pipeline_source_size`)
+        while that is null."""
+        if self.cfg.source_area is None:
+            return self.pipeline_source_size(image)
+        height, width = image.pixels.shape[:2]
+        return area_size(self.cfg.source_area, height, width, self.size_multiple())
+
+    def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
+        """(height, width) the family's pipeline resizes a source image to."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ computation
 
     def predict_velocity(self, transformer: torch.nn.Module, x: torch.Tensor, sigma: float,
@@ -367,6 +432,16 @@ class ModelFamily:
     def decode(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
         """Latents to pixels in [-1, 1] (not yet clamped), channels second."""
         raise NotImplementedError
+
+
+def area_size(area: int, height: int, width: int, multiple: int) -> tuple[int, int]:
+    """(height, width) of about ``area`` pixels at the aspect ratio of ``height`` x
+    ``width``: width sqrt(area x aspect), height width / aspect, each rounded to the
+    nearest multiple of ``multiple`` (at least one), as QwenImageEditPipeline's
+    ``calculate_dimensions`` sizes a source image on multiples of 32."""
+    aspect = width / height
+    w = math.sqrt(area * aspect)
+    return tuple(max(round(side / multiple), 1) * multiple for side in (w / aspect, w))
 
 
 class PromptEncoderLike:

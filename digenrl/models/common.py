@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from digenrl.models.base import ModelFamily
 
-__all__ = ["TextEncoders", "guided", "timesteps", "vae_block_factor", "scaled_vae_decode",
+__all__ = ["TextEncoders", "negative_texts", "guided", "timesteps", "vae_block_factor", "scaled_vae_decode",
            "scaled_vae_encode", "normalized_vae_decode", "normalized_vae_encode", "pack",
            "unpack", "packed_sigmas", "by_source_size"]
 
@@ -35,8 +35,8 @@ class TextEncoders:
     A subclass loads its parts in ``__init__`` (after this one's) with :meth:`tokenizer`
     and :meth:`text_encoder`, and implements :meth:`encode_batch`. :meth:`encode` encodes
     each prompt once (:class:`~digenrl.models.base.PromptCache`) and adds the negative
-    prompt's encoding when asked, unless the family uses none (``uses_negative = False``:
-    a guidance-distilled model).
+    prompts' encoding when asked, unless the family uses none (its
+    ``uses_negative_prompt`` False: a guidance-distilled model).
 
     An editing family's encoder (its family :attr:`~digenrl.models.base.ModelFamily.takes_images`)
     also implements :meth:`encode_sources`, which turns source images into the tensors
@@ -46,8 +46,6 @@ class TextEncoders:
     per sample.
     """
 
-    #: Whether the family's guidance needs the negative prompt's encoding.
-    uses_negative: ClassVar[bool] = True
     #: Whether the text encoder reads each prompt together with its source image.
     text_sees_image: ClassVar[bool] = False
 
@@ -141,19 +139,23 @@ class TextEncoders:
         return {"source_tokens": tokens, "source_grid": torch.stack(grids)}
 
     def encode(self, prompts: Sequence[str], negative: bool,
-               images: Sequence | None = None) -> Conditioning:
-        """The conditioning of ``prompts`` (``negative``: with the negative prompt's),
+               images: Sequence | None = None,
+               negatives: Sequence[str | None] | None = None) -> Conditioning:
+        """The conditioning of ``prompts`` (``negative``: with the negative prompts'),
         each with its source image for an editing family (``images``: one uint8
         ``(height, width, 3)`` array or :class:`~digenrl.models.base.SourceImage` per
-        prompt)."""
-        neg_prompt = self.family.cfg.negative_prompt
+        prompt). ``negatives``: each prompt's own negative prompt (None where it has
+        none: ``model.negative_prompt``); the negative encoding is one row when every
+        prompt's is the same text, else one row per prompt."""
+        texts = negative_texts(self.family.cfg.negative_prompt, negatives, len(prompts))
+        with_negative = negative and self.family.uses_negative_prompt
         if images is None:
             if self.family.needs_images:
                 raise ValueError(f"{self.family.pipeline_class}: expected a source image "
                                  f"per prompt, got none")
             tensors = self.cache(list(prompts))
-            neg = self.cache([neg_prompt]) if negative and self.uses_negative else None
-            return Conditioning(tuple(prompts), tensors, neg)
+            neg = self.cache(texts) if with_negative else None
+            return Conditioning(tuple(prompts), tensors, neg, len(texts) > 1)
         if not self.family.takes_images:
             raise ValueError(f"{self.family.pipeline_class}: expected no source images (it "
                              f"is not an editing pipeline), got {len(images)}")
@@ -163,13 +165,25 @@ class TextEncoders:
         sources = [i if isinstance(i, SourceImage) else SourceImage.of(i) for i in images]
         if self.text_sees_image:
             tensors = self.cache(list(zip(prompts, sources)))
-            neg_keys = [(neg_prompt, s) for s in sources]
+            neg_keys = list(zip(texts * len(sources) if len(texts) == 1 else texts, sources))
         else:
             tensors = self.cache(list(prompts))
-            neg_keys = [neg_prompt]
+            neg_keys = texts
         tensors.update(self.source_cache(sources))
-        neg = self.cache(neg_keys) if negative and self.uses_negative else None
-        return Conditioning(tuple(prompts), tensors, neg, self.text_sees_image)
+        neg = self.cache(neg_keys) if with_negative else None
+        return Conditioning(tuple(prompts), tensors, neg, len(neg_keys) > 1)
+
+
+def negative_texts(default: str, negatives: Sequence[str | None] | None, n: int) -> list[str]:
+    """The negative prompt of each of ``n`` prompts (``default`` where ``negatives`` has
+    None, or is None), as one text when they are all the same: a chunk whose prompts
+    carry no negative prompt of their own is encoded as it always was."""
+    if negatives is None:
+        return [default]
+    if len(negatives) != n:
+        raise ValueError(f"negatives: expected one per prompt ({n}), got {len(negatives)}")
+    texts = [default if x is None else x for x in negatives]
+    return texts[:1] if len(set(texts)) == 1 else texts
 
 
 def guided(v_uncond: torch.Tensor, v_cond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -56,8 +56,6 @@ def flux_velocity(transformer, x: torch.Tensor, timestep: float, cond: Condition
 
 
 class _FluxEncoder(TextEncoders):
-    uses_negative = False  # FLUX is guidance-distilled: no negative prompt.
-
     def __init__(self, family: "FluxFamily", device):
         super().__init__(family, device)
         self.clip_tokenizer = self.tokenizer("tokenizer")
@@ -79,6 +77,8 @@ class _FluxEncoder(TextEncoders):
 
 class FluxFamily(ModelFamily):
     pipeline_class = "FluxPipeline"
+    # FLUX is guidance-distilled: the guidance embedding, no negative prompt.
+    uses_negative_prompt = False
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder", "tokenizer_2",
              "text_encoder_2")
     default_max_sequence_length = 512

@@ -30,8 +30,6 @@ HIDDEN_LAYERS_SKIPPED = 2
 
 
 class _HunyuanEncoder(TextEncoders):
-    uses_negative = False  # guidance-distilled: the guidance embedding, no negative prompt
-
     def __init__(self, family: "HunyuanVideoFamily", device):
         super().__init__(family, device)
         self.llama_tokenizer = self.tokenizer("tokenizer")
@@ -59,6 +57,8 @@ class _HunyuanEncoder(TextEncoders):
 
 class HunyuanVideoFamily(ModelFamily):
     pipeline_class = "HunyuanVideoPipeline"
+    # Guidance-distilled: the guidance embedding, no negative prompt.
+    uses_negative_prompt = False
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder", "tokenizer_2",
              "text_encoder_2")
     video = True

@@ -1,6 +1,6 @@
 """FLUX.1 Kontext (``FluxKontextPipeline``): instruction editing on FLUX.1. The source
-image is resized to the Kontext resolution nearest its aspect ratio (about 1 megapixel),
-encoded by the VAE (the latent distribution's mode, scaled and shifted) and packed 2 x 2;
+image is resized to the Kontext resolution nearest its aspect ratio (about 1 megapixel;
+or to about ``model.source_area`` pixels at its aspect ratio), encoded by the VAE (the latent distribution's mode, scaled and shifted) and packed 2 x 2;
 its tokens are appended after the image's, with position ids whose first axis is 1, and
 the transformer's output for them is dropped. The prompts are encoded as FLUX.1 encodes
 them (CLIP-L pooled, T5), without the image; guidance is the guidance embedding.
@@ -25,6 +25,7 @@ __all__ = ["FluxKontextFamily"]
 class FluxKontextFamily(FluxFamily):
     pipeline_class = "FluxKontextPipeline"
     takes_images = True
+    max_source_images = 1
 
     @cached_property
     def image_processor(self) -> VaeImageProcessor:
@@ -32,7 +33,7 @@ class FluxKontextFamily(FluxFamily):
         latent patch, PIL's Lanczos, pixels to [-1, 1])."""
         return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
 
-    def source_size(self, image: SourceImage) -> tuple[int, int]:
+    def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
         """(height, width) the pipeline resizes a source image to: the Kontext
         resolution nearest its aspect ratio, on the packed latent grid."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import \

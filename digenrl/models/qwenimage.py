@@ -11,8 +11,8 @@ chunk's are zero-padded to the longest with a mask, as the pipeline pads a batch
 
 Qwen-Image-Edit encodes the prompt together with its source image (the processor's
 vision tokens in the template), and the negative prompt with it too, once per sample;
-the source image is resized to about 1 megapixel at its aspect ratio, encoded by the
-VAE (the latent distribution's mode, normalised by the VAE's per-channel mean and std)
+the source image is resized to about 1 megapixel (or ``model.source_area`` pixels) at
+its aspect ratio, encoded by the VAE (the latent distribution's mode, normalised by the VAE's per-channel mean and std)
 and packed; its tokens follow the image's in the transformer, at their own rotary
 positions (a second frame of ``img_shapes``), and its output for them is dropped.
 
@@ -246,6 +246,7 @@ class QwenImageEditFamily(QwenImageFamily):
     tokenizer_parts = (("tokenizer", False),)
     takes_images = True
     needs_images = True
+    max_source_images = 1
 
     def check_positions(self) -> None:
         """Nothing to check before the source images are known: the edit pipeline does
@@ -256,7 +257,7 @@ class QwenImageEditFamily(QwenImageFamily):
         """The pipeline's own image processor (PIL's Lanczos, pixels to [-1, 1])."""
         return VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
 
-    def source_size(self, image: SourceImage) -> tuple[int, int]:
+    def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
         """(height, width) the pipeline resizes a source image to: about
         :data:`SOURCE_AREA` pixels at its aspect ratio, in multiples of 32."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions

@@ -19,7 +19,7 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily, PromptCache
-from digenrl.models.common import scaled_vae_decode
+from digenrl.models.common import negative_texts, scaled_vae_decode
 from digenrl.models.sd3 import sd3_velocity
 from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
 
@@ -80,12 +80,14 @@ class _HashConditioner:
         embeds, pooled = self.encoder.encode(prompts)
         return {"embeds": embeds, "pooled": pooled}
 
-    def encode(self, prompts: Sequence[str], negative: bool, images=None) -> Conditioning:
+    def encode(self, prompts: Sequence[str], negative: bool, images=None,
+               negatives: Sequence[str | None] | None = None) -> Conditioning:
         if images is not None:
             raise ValueError(f"the built-in model: expected no source images (it is not an "
                              f"editing pipeline), got {len(images)}")
-        neg = self.cache([self.negative_prompt]) if negative else None
-        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg)
+        texts = negative_texts(self.negative_prompt, negatives, len(prompts))
+        neg = self.cache(texts) if negative else None
+        return Conditioning(tuple(prompts), self.cache(list(prompts)), neg, len(texts) > 1)
 
 
 @lru_cache(maxsize=32)

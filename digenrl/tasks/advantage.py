@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 from distributed import get_worker, secede
 
+from digenrl.prompts import PromptInputs, read_source
 from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards, rewards_wait
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
 
@@ -17,30 +18,44 @@ STD_EPS = 1e-4
 
 def score(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
           prompts: Sequence[str], decoded: DecodeOut,
-          metadata: Sequence[str] = ()) -> RewardOut:
+          metadata: Sequence[str] = (), inputs: Sequence = ()) -> RewardOut:
     """The reward task: the weighted reward of each decoded image of a chunk.
 
     ``rewards`` are :func:`~digenrl.tasks.reward_sources.resolve_rewards` pairs: the task
     carries the reward functions themselves. ``metadata`` is each sample's prompt
-    metadata as JSON text (none when empty). When a reward waits for something outside
-    the worker (``device="wait"``: a reward server, a judge), the task first leaves the
-    worker's thread pool, so that its wait holds no thread other tasks need."""
+    metadata as JSON text (none when empty); ``inputs`` each sample's
+    :class:`~digenrl.prompts.PromptInputs` (none when empty), whose source image reaches
+    the rewards that take ``sources`` (read here only when one does). When a reward
+    waits for something outside the worker (``device="wait"``: a reward server, a
+    judge), the task first leaves the worker's thread pool, so that its wait holds no
+    thread other tasks need."""
     if rewards_wait(rewards):
         _leave_thread_pool()
     total, per, valid, problems = evaluate_rewards(
         decoded.images, prompts, decoded.sample_ids, rewards, on_error, iteration,
-        decode_metadata(metadata, len(decoded.images)))
+        decode_metadata(metadata, len(decoded.images)), _sources(rewards, inputs))
     return RewardOut(sample_ids=decoded.sample_ids, rewards=total, components=per,
                      valid=valid, problems=problems)
 
 
+def _sources(rewards: Sequence[tuple[RewardSpec, float]], inputs: Sequence
+             ) -> list | None:
+    """Each sample's source image (None where it has none), read here only when some
+    reward takes ``sources``; None when none does or no sample has inputs."""
+    if not inputs or not any(spec.takes_sources for spec, _ in rewards):
+        return None
+    return [read_source(i.images[0]) if i.images else None for i in inputs]
+
+
 def score_group(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iteration: int,
                 sample_ids: tuple[int, ...], prompt: str, metadata: str,
-                *chunks: DecodeOut | RewardOut) -> RewardOut:
+                inputs: PromptInputs | None, *chunks: DecodeOut | RewardOut) -> RewardOut:
     """The group reward task: the weighted group rewards of one prompt group's samples
     ``sample_ids``, scored together. ``chunks`` are the decode and reward outputs of the
     chunks holding them, in pairs (a chunk may hold other groups' samples too);
-    ``metadata`` is the prompt's metadata as JSON text (empty for none). A sample the
+    ``metadata`` is the prompt's metadata as JSON text (empty for none); ``inputs`` what
+    else its prompt-file line gives it (its source image reaches the rewards that take
+    ``sources``), or None. A sample the
     chunk's rewards left invalid (``reward.on_error: drop``) is left out: the group is
     scored without it, and it stays invalid."""
     if rewards_wait(rewards):
@@ -57,7 +72,8 @@ def score_group(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iter
         k = len(kept)
         got, got_per, got_valid, problems = evaluate_rewards(
             images, [prompt] * k, kept, rewards, on_error, iteration,
-            decode_metadata([metadata] * k if metadata else (), k))
+            decode_metadata([metadata] * k if metadata else (), k),
+            _sources(rewards, [inputs] * k if inputs else ()))
         at = [sample_ids.index(s) for s in kept]
         total[at], valid[at] = got, got_valid
         for name, values in got_per.items():

@@ -24,6 +24,7 @@ from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_pa
 from digenrl.metering import model_time
 from digenrl.models import Conditioning, build_vae, family
 from digenrl.process import freeze_collector, tune_malloc
+from digenrl.prompts import read_source
 from digenrl.tasks.types import PolicyWeights
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME"]
@@ -111,13 +112,22 @@ class ResidentModels:
                   if id(t) not in adapters}
         return copy.deepcopy(self._base, memo=shared)
 
-    def conditioning(self, prompts, guidance_scale: float, **extras) -> Conditioning:
-        """The prompts' conditioning on the CPU (and the negative prompt's with guidance);
-        ``extras``: what else the family's encoder reads of them (``images``: an editing
-        family's source images, one per prompt). Each prompt (with its source image) is
-        encoded once per process while the encoder's cache keeps it."""
+    def conditioning(self, prompts, guidance_scale: float, inputs=()) -> Conditioning:
+        """The prompts' conditioning on the CPU (and the negative prompts' with guidance).
+        ``inputs``: each prompt's :class:`~digenrl.prompts.PromptInputs` (its source
+        image, read here, and its own negative prompt), or () when none has any. Each
+        prompt (with its source image) is encoded once per process while the encoder's
+        cache keeps it."""
+        images = negatives = None
+        if inputs:
+            negatives = [i.negative for i in inputs]
+            if any(i.images for i in inputs):
+                images = [read_source(i.images[0]) for i in inputs]
         with self._lock, model_time():
-            return self.encoder.encode(tuple(prompts), guidance_scale > 1.0, **extras)
+            if negatives is None:  # (as the encoders were always called)
+                return self.encoder.encode(tuple(prompts), guidance_scale > 1.0)
+            return self.encoder.encode(tuple(prompts), guidance_scale > 1.0, images=images,
+                                       negatives=negatives)
 
     def prompts_encoded(self) -> int:
         """How many prompts (and negative prompts, and source images) this process's

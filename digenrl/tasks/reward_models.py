@@ -22,6 +22,10 @@ Kinds (``kind``):
   LAION's improved aesthetic predictor (``Linear-Dropout-Linear-Dropout-Linear-Dropout-
   Linear-Linear``, state-dict keys ``layers.0.weight`` ... ``layers.7.bias``). The head
   computes in float32 whatever the CLIP model's dtype.
+* ``clip_consistency``: ``cos(image embedding, source image embedding)`` of a
+  transformers ``CLIPModel``: how much of its source image an instruction edit keeps
+  (the reward receives each sample's source image: ``sources``). A sample without a
+  source image is an error naming the reward.
 
 Every forward pass runs under ``torch.no_grad`` and holds exactly ``batch_size`` rows:
 the images are scored in slices of at most ``batch_size``, and a slice of fewer is padded
@@ -53,7 +57,7 @@ from digenrl.models.parts import TORCH_DTYPES
 from digenrl.tasks.resident import compute_device
 from digenrl.tasks.rewards import RewardSpec
 
-__all__ = ["ModelReward", "model_reward", "resident_reward_model", "reward_model_loads",
+__all__ = ["ModelReward", "ModelSourceReward", "ClipConsistency", "model_reward", "resident_reward_model", "reward_model_loads",
            "ClipPreference", "AestheticPredictor", "AestheticHead", "load_head",
            "HEAD_LAYERS", "EVENT_TOPIC", "log_load_event"]
 
@@ -168,7 +172,31 @@ class AestheticPredictor(_Clip):
         return scores.cpu().numpy().astype(np.float64)
 
 
-_KINDS = {"clip": ClipPreference, "aesthetic": AestheticPredictor}
+class ClipConsistency(_Clip):
+    """``cos(image, source image)`` per edited image, of CLIP's normalised image
+    embeddings (each in passes of ``batch_size`` rows, as every kind's)."""
+
+    def score(self, images: np.ndarray, prompts: Sequence[str],
+              sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
+        sources = list(sources) or [None] * len(images)
+        missing = [i for i, x in enumerate(sources) if x is None]
+        if missing:
+            raise ValueError(f"expected a source image for every sample (a prompt-file "
+                             f"line's \"image\"), got none for the batch's samples at "
+                             f"{missing[:8]}")
+        size = self.config.batch_size
+        parts = []
+        with self._lock, torch.no_grad():
+            for a in range(0, len(images), size):
+                batch = images[a:a + size]
+                cosine = (self.image_embeddings(batch)
+                          * self.image_embeddings(sources[a:a + size])).sum(-1)
+                parts.append(cosine.float().cpu().numpy().astype(np.float64)[:len(batch)])
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+
+_KINDS = {"clip": ClipPreference, "aesthetic": AestheticPredictor,
+          "clip_consistency": ClipConsistency}
 assert set(_KINDS) == set(REWARD_MODEL_KINDS), "every configurable kind is implemented"
 
 
@@ -302,6 +330,15 @@ class ModelReward:
         return reward_model_loads(self.config)
 
 
+@dataclass(frozen=True)
+class ModelSourceReward(ModelReward):
+    """The function of a model reward that compares each sample with its source image."""
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str],
+                 sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
+        return resident_reward_model(self.config).score(images, prompts, sources)
+
+
 def model_reward(name: str, config: RewardModelConfig) -> RewardSpec:
     """The spec of the model reward ``name`` (a ``gpu`` reward). Checks now, before any
     work starts, what the config's validation could not without torch: an aesthetic
@@ -320,5 +357,10 @@ def model_reward(name: str, config: RewardModelConfig) -> RewardSpec:
                               f"projection_dim of the CLIP model at reward.models.{name}.path),"
                               f" got one taking {width}")
     what = {"clip": "logit_scale x cosine of CLIP image and prompt embeddings",
-            "aesthetic": "an aesthetic head on the CLIP image embedding"}[config.kind]
+            "aesthetic": "an aesthetic head on the CLIP image embedding",
+            "clip_consistency": "cosine of the CLIP embeddings of the edit and its source "
+                                "image"}[config.kind]
+    if config.kind == "clip_consistency":
+        return RewardSpec(name, ModelSourceReward(name, config), "gpu",
+                          f"{what} ({config.path})", takes_sources=True)
     return RewardSpec(name, ModelReward(name, config), "gpu", f"{what} ({config.path})")

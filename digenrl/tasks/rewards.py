@@ -3,7 +3,10 @@
 A reward maps a batch of images (uint8, ``(n, height, width, 3)``) and their prompts to
 one float per image: ``fn(images, prompts)``. A function with a third parameter named
 ``metadata`` also receives each sample's prompt metadata (a dict per sample: the other
-keys of its line of a ``.jsonl`` prompt file, empty otherwise). The built-in ones need no
+keys of its line of a ``.jsonl`` prompt file, empty otherwise), and one with a parameter
+named ``sources`` (by keyword) each sample's source image: the uint8 ``(height, width,
+3)`` image its prompt-file line names for an editing model to edit (the first, where a
+line names several), or None for a sample without one. The built-in ones need no
 model weights. A reward's ``device`` says what its task needs on the worker that runs it:
 ``"cpu"`` (the default) a thread of the worker's, ``"gpu"`` a GPU slot (it runs a torch
 module), and ``"wait"`` neither: it waits for something outside the worker (a reward
@@ -67,45 +70,54 @@ class RewardSpec:
     takes_metadata: bool = False
     #: ``fn`` scores a whole prompt group at once (:meth:`score_group`).
     group: bool = False
+    #: ``fn`` takes ``sources`` (each sample's source image, or None) by keyword.
+    takes_sources: bool = False
 
-    def _score(self, samples: np.ndarray, prompts: list, metadata: list):
-        if self.takes_metadata:
-            return self.fn(samples, prompts, metadata)
-        return self.fn(samples, prompts)
+    def _score(self, samples: np.ndarray, prompts: list, metadata: list, sources: list):
+        args = (samples, prompts, metadata) if self.takes_metadata else (samples, prompts)
+        if self.takes_sources:
+            return self.fn(*args, sources=sources)
+        return self.fn(*args)
 
     def __call__(self, samples: np.ndarray, prompts: Sequence[str],
-                 metadata: Sequence[dict] = ()) -> np.ndarray:
+                 metadata: Sequence[dict] = (),
+                 sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
         """The reward of each sample: images, or videos (``samples.ndim == 5``)."""
         prompts = list(prompts)
         metadata = list(metadata) or [{} for _ in prompts]
+        sources = list(sources) or [None for _ in prompts]
         video = samples.ndim == 5
         if self.scores == "video":
             if not video:
                 raise RewardError(f"reward {self.name!r} scores videos, got images "
                                   f"of shape {samples.shape}")
-            return self._score(samples, prompts, metadata)
+            return self._score(samples, prompts, metadata, sources)
         if not video:
-            return self._score(samples, prompts, metadata)
+            return self._score(samples, prompts, metadata, sources)
         n, f = samples.shape[:2]
         if self.on_video != "mean":
             frame = {"first": 0, "middle": f // 2, "last": f - 1}[self.on_video]
-            return self._score(np.ascontiguousarray(samples[:, frame]), prompts, metadata)
+            return self._score(np.ascontiguousarray(samples[:, frame]), prompts, metadata,
+                               sources)
         frames = samples.reshape((n * f,) + samples.shape[2:])
         values = np.asarray(self._score(frames, [p for p in prompts for _ in range(f)],
-                                        [m for m in metadata for _ in range(f)]),
+                                        [m for m in metadata for _ in range(f)],
+                                        [x for x in sources for _ in range(f)]),
                             dtype=np.float64)
         if values.shape != (n * f,):
             return values  # the caller reports the wrong shape
         return values.reshape(n, f).mean(axis=1)
 
     def score_group(self, samples: np.ndarray, prompts: Sequence[str],
-                    metadata: Sequence[dict] = ()) -> np.ndarray:
+                    metadata: Sequence[dict] = (),
+                    sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
         """The reward of each sample of one prompt group, scored together (a reward
         declared with ``group=True``)."""
         if not self.group:
             raise RewardError(f"reward {self.name!r} scores each sample alone, not a group")
         prompts = list(prompts)
-        return self._score(samples, prompts, list(metadata) or [{} for _ in prompts])
+        return self._score(samples, prompts, list(metadata) or [{} for _ in prompts],
+                           list(sources) or [None for _ in prompts])
 
 
 REWARDS: dict[str, RewardSpec] = {}
@@ -133,16 +145,17 @@ def register_reward(name: str, *, device: str = "cpu", description: str = "",
             raise ValueError(f"reward {name!r} is already registered; "
                              f"registered rewards: {sorted(REWARDS)}")
         REWARDS[name] = RewardSpec(name, fn, device, description or (fn.__doc__ or "").strip(),
-                                   scores, on_video, takes_metadata=_takes_metadata(fn),
-                                   group=group)
+                                   scores, on_video, takes_metadata=_takes(fn, "metadata"),
+                                   takes_sources=_takes(fn, "sources"), group=group)
         return fn
 
     return wrap
 
 
-def _takes_metadata(fn: RewardFn) -> bool:
+def _takes(fn: RewardFn, parameter: str) -> bool:
+    """Whether ``fn`` has a parameter named ``parameter``."""
     try:
-        return "metadata" in inspect.signature(fn).parameters
+        return parameter in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a readable signature
         return False
 
@@ -213,14 +226,15 @@ def evaluate_rewards(
     on_error: str = "raise",
     iteration: int | None = None,
     metadata: Sequence[Mapping[str, Any]] | None = None,
+    sources: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray, list[str]]:
     """The weighted sum of ``components`` for each image.
 
     ``components`` maps registered reward names to weights, or is the ``(spec,
     weight)`` pairs of :func:`~digenrl.tasks.reward_sources.resolve_rewards` (a group
     reward among them scores ``images`` as one prompt group).
-    ``metadata`` (one dict per image, none by default) reaches the rewards that take
-    it. Returns ``(total,
+    ``metadata`` (one dict per image, none by default) and ``sources`` (each image's
+    source image, or None; none by default) reach the rewards that take them. Returns ``(total,
     per_component, valid, problems)``. A reward that raises, returns a wrong shape, or
     returns NaN/inf for some samples is a :class:`RewardError` naming the reward and
     those samples (and ``iteration`` when given) when ``on_error == "raise"``; with
@@ -241,7 +255,7 @@ def evaluate_rewards(
         name = spec.name
         try:
             call = spec.score_group if spec.group else spec
-            values = call(images, list(prompts), metadata)
+            values = call(images, list(prompts), metadata, sources or ())
             arr = np.asarray(values, dtype=np.float64)
         except Exception as e:  # a user reward may raise anything
             msg = (f"reward {name!r} raised {type(e).__name__}: {e} "
@@ -340,8 +354,9 @@ class _Ranked:
     def __init__(self, base: RewardSpec, method: str, temperature: float):
         self.base, self.method, self.temperature = base, method, temperature
 
-    def __call__(self, samples: np.ndarray, prompts: list, metadata: list) -> np.ndarray:
-        scores = np.asarray(self.base(samples, prompts, metadata), dtype=np.float64)
+    def __call__(self, samples: np.ndarray, prompts: list, metadata: list,
+                 sources: list = ()) -> np.ndarray:
+        scores = np.asarray(self.base(samples, prompts, metadata, sources), dtype=np.float64)
         if scores.shape != (len(samples),):
             return scores  # evaluate_rewards reports the wrong shape
         if self.method == "rank":
@@ -363,4 +378,5 @@ def ranked_reward(name: str, base: RewardSpec, method: str = "rank",
             else f"mean preference probability (temperature {temperature})")
     return RewardSpec(name, _Ranked(base, method, temperature), base.device,
                       f"the within-group {what} of {base.name!r}", scores=base.scores,
-                      on_video=base.on_video, takes_metadata=True, group=True)
+                      on_video=base.on_video, takes_metadata=True,
+                      takes_sources=base.takes_sources, group=True)

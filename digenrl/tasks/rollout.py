@@ -22,6 +22,7 @@ from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.lora import Trainable
 from digenrl.models import Conditioning, decode_latents, latent_shape, predict_velocity
+from digenrl.prompts import PromptInputs
 from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import euler_step, sde_step
@@ -62,14 +63,15 @@ def draw_normal(shape: tuple[int, ...], *parts) -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
-def encode(spec: RolloutSpec, prompt: str, extras: dict | None = None) -> Conditioning:
+def encode(spec: RolloutSpec, prompt: str, inputs: PromptInputs | None = None
+           ) -> Conditioning:
     """A prompt group's conditioning: its prompt through this worker's text encoders
-    (and the negative prompt with guidance), on the CPU. ``extras``: what else the
-    family's encoder reads of the group, each a tuple of one (``images``: an editing
-    family's source image). The encoder's cache keeps each prompt (with its source
-    image) it encoded, so a prompt this worker has seen costs nothing."""
+    (and its negative prompt with guidance), on the CPU. ``inputs``: what else its
+    prompt-file line gives the group (an editing family's source image, its own negative
+    prompt), or None. The encoder's cache keeps each prompt (with its source image) it
+    encoded, so a prompt this worker has seen costs nothing."""
     return resident(spec.model, spec.model_seed, spec.trainable).conditioning(
-        (prompt,), spec.sampler.guidance_scale, **(extras or {}))
+        (prompt,), spec.sampler.guidance_scale, (inputs,) if inputs else ())
 
 
 def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
@@ -84,9 +86,6 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = GROUP_NOISE_DRAW if spec.same_noise_in_group else NOISE_DRAW
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
-    assert len(picks) == len(prompts) and all(
-        groups[j].prompts == (p,) for j, p in zip(picks, prompts)), \
-        "a chunk's noise task reads the conditioning of each of its groups, in order"
     cond = Conditioning.of_groups(groups, picks)
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
 
@@ -174,11 +173,12 @@ def decode(spec: RolloutSpec, *parts: Latents | StepOut) -> DecodeOut:
 
 
 def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, ...],
-             prompts: tuple[str, ...]) -> DecodeOut:
+             prompts: tuple[str, ...], inputs: tuple = ()) -> DecodeOut:
     """An evaluation chunk: held-out prompts ``prompt_ids`` sampled by policy ``weights``
     with the ODE sampler (noise level 0: deterministic), each from its own fixed noise so
     every version is compared on the same starting points, then decoded. ``spec``: the
-    evaluation's sampler (its own step count and guidance) and sigmas."""
+    evaluation's sampler (its own step count and guidance) and sigmas; ``inputs``: as
+    :func:`noise`'s."""
     started = time.perf_counter()
     models = resident(spec.model, spec.model_seed, spec.trainable)
     dev = models.device
@@ -186,7 +186,7 @@ def evaluate(spec: RolloutSpec, weights: PolicyWeights, prompt_ids: tuple[int, .
     x = torch.stack([draw_normal(shape, spec.seed, EVAL_NOISE_DRAW, j) for j in prompt_ids])
     x = x.to(dev)
     guidance = spec.sampler.guidance_scale
-    cond = models.conditioning(tuple(prompts), guidance).to(dev)
+    cond = models.conditioning(tuple(prompts), guidance, inputs).to(dev)
     with torch.no_grad():
         model = models.policy(weights)
         for sigma, sigma_next in zip(spec.sigmas, spec.sigmas[1:]):

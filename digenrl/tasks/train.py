@@ -219,9 +219,7 @@ class _Batch:
         assert all(c is not None for c in conds) and \
             tuple(p for c in conds for p in c.prompts) == tuple(prompts), \
             "a chunk's conditioning must come from its noise task, for its prompts"
-        cond = Conditioning(tuple(prompts), {k: torch.cat([c.tensors[k] for c in conds])
-                                             for k in conds[0].tensors}, conds[0].negative,
-                            conds[0].negative_per_sample)
+        cond = Conditioning.concat(conds)
         adv, valid = _chunk_advantages(ids, parts)
         x0 = torch.cat([f.latent for f in finals]).to(dev)
         return cls(ids, x0, cond.to(dev), adv.to(dev), valid.to(dev), parts)

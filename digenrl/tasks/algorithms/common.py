@@ -89,11 +89,9 @@ def noised(x0: torch.Tensor, draws: Draws) -> torch.Tensor:
 
 
 def rows_of(cond: Conditioning, index: Sequence[int]) -> Conditioning:
-    """The conditioning of rows ``index`` of ``cond`` (the negative prompt's as it is)."""
-    idx = torch.as_tensor(list(index), dtype=torch.long)
-    return Conditioning(tuple(cond.prompts[i] for i in index),
-                        {k: v[idx] for k, v in cond.tensors.items()}, cond.negative,
-                        cond.negative_per_sample)
+    """The conditioning of rows ``index`` of ``cond`` (a shared negative row as it is,
+    per-sample negative rows picked too)."""
+    return cond.rows(torch.as_tensor(list(index), dtype=torch.long))
 
 
 class Policies:
