@@ -95,7 +95,7 @@ def test_the_group_task_scores_each_group_whole_across_chunks():
     for g in range(plan.num_groups):
         parts = [x for c in plan.chunks_of_group(g) for x in (decoded[c], scored[c])]
         ids = plan.group_sample_ids(g)
-        out = score_group(grouped, "raise", 0, ids, plan.prompts[g], "", *parts)
+        out = score_group(grouped, "raise", 0, ids, plan.prompts[g], "", None, *parts)
         expected = _rank_by_hand(list(jpeg[list(ids)]))
         assert out.sample_ids == ids and out.valid.all()
         assert np.array_equal(out.components["jpeg_rank"], expected)
@@ -107,7 +107,7 @@ def test_a_sample_its_chunk_dropped_is_left_out_of_the_group():
     scored = RewardOut((0, 1, 2), np.array([1.0, np.nan, 2.0]), {},
                        np.array([True, False, True]))
     rewards = resolve_rewards({"r": 1.0}, group={"r": GroupRewardConfig(of="brightness")})
-    out = score_group(rewards, "drop", 0, (0, 1, 2), "p", "", decoded, scored)
+    out = score_group(rewards, "drop", 0, (0, 1, 2), "p", "", None, decoded, scored)
     assert out.valid.tolist() == [True, False, True]
     bright = get_reward("brightness")(decoded.images[[0, 2]], ["p", "p"])
     assert np.array_equal(out.rewards[[0, 2]], _rank_by_hand(list(bright)))
