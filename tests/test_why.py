@@ -59,16 +59,22 @@ def test_a_task_held_by_the_staleness_bound_says_until_when(run, capsys):
     assert code == 0
     k = 1   # mode digenrl's bound
     needed = task.iteration - k
-    [held_line] = [line for line in out.splitlines() if "held: staleness -- " in line]
+    held_lines = [line for line in out.splitlines() if "held: staleness -- " in line]
+    assert len(held_lines) == 1, out
+    held_line = held_lines[0]
     published = int(held_line.rsplit("(published: ", 1)[1].rstrip(")"))
     assert held_line.endswith(f"held: staleness -- iteration {task.iteration} waits for "
                               f"version {needed} (published: {published})")
     assert published < needed
     assert f"eligible: staleness -- version {needed} published" in out
     held_at, eligible_at = (out.index("held: staleness"), out.index("eligible: staleness"))
-    assert held_at < eligible_at < out.index(f"placed on {task.worker_name}: pools -- ")
+    # Then given to a worker: released to it when it frees a slot, or placed on it.
+    given = [out.index(line) for line in out.splitlines()
+             if f"released to {task.worker_name}: pools -- " in line
+             or f"placed on {task.worker_name}: pools -- " in line]
+    assert held_at < eligible_at < max(given), out
     # The store's times agree: it became eligible after it was ready.
-    assert task.eligible > task.ready
+    assert task.eligible > task.ready, out
 
 
 def test_an_unknown_key_is_one_line_naming_the_nearest_keys(run, capsys):
