@@ -73,6 +73,9 @@ SMALL = {
     "rollout": {"chunk_size": 2},
     "train": {"learning_rate": 1e-3},
     "cluster": {"dashboard_address": None},
+    # Commits a second apart (10 s by default): a short run stopped part-way has
+    # committed what it completed a second before, not ten.
+    "store": {"commit_interval": 1.0},
 }
 
 
