@@ -64,7 +64,7 @@ BATCH = 4
 LEARNING_RATE = 1.5e-3
 #: T5 tokens of a prompt's encoding (flow_grpo's SD3 script always uses 128).
 MAX_SEQUENCE_LENGTH = 128
-#: The commit the figures in docs/performance.md were measured at.
+#: The flow_grpo commit this benchmark runs (the figures in docs/performance.md are of it).
 FLOW_GRPO_COMMIT = "ac4c86e"
 #: What flow_grpo's training script imports (besides itself).
 PEER_IMPORTS = ("torch", "diffusers", "transformers", "accelerate", "absl", "ml_collections",
