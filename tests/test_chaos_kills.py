@@ -3,7 +3,7 @@
 On a real 1+1 local cluster (every worker under a nanny, which starts a new process
 when its worker dies), a seeded random choice of the rollout or the trainer worker is
 killed in the middle of a task each time the run has completed a few more tasks since
-the last kill's replacement joined, all through a 20-iteration run in mode ``digenrl``.
+the last kill's replacement joined, all through a 14-iteration run in mode ``digenrl``.
 The run must complete, and every stored array -- samples, rewards, log-probs, metrics,
 the checkpoints it keeps and its final weights -- equal the undisturbed run's, bit for
 bit.
@@ -29,13 +29,13 @@ from conftest import assert_same_results, small_config
 from invariants import assert_schedule_invariants
 from test_worker_loss import _all_processing, _in_background, _processing
 
-ITERATIONS = 20
+ITERATIONS = 14
 #: The small config made smaller still (one prompt of two samples, two sampler steps):
-#: twenty iterations take seconds, and kills fall in every kind of task.
+#: fourteen iterations take seconds, and kills fall in every kind of task.
 CHAOS = {"data.prompts_per_iteration": 1, "sampler.num_steps": 2}
 SEED = 7
 #: Tasks the run completes between a replacement joining and the next kill.
-EVERY = 30
+EVERY = 20
 #: Kills the run must survive (both pools among them).
 MIN_KILLS = 5
 
