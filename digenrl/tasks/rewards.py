@@ -312,22 +312,30 @@ def split_group_rewards(rewards: Sequence[tuple[RewardSpec, float]]
             tuple(p for p in rewards if p[0].group))
 
 
+def _among_finite(scores: np.ndarray, of_several) -> np.ndarray:
+    """``of_several`` of a group's finite scores (two or more), NaN for the others; a
+    lone finite score gets 0.5."""
+    s = np.asarray(scores, dtype=np.float64)
+    out = np.full(s.shape, np.nan)
+    ok = np.isfinite(s)
+    if ok.sum() == 1:
+        out[ok] = 0.5
+    elif ok.sum() > 1:
+        out[ok] = of_several(s[ok])
+    return out
+
+
 def group_rank(scores: np.ndarray) -> np.ndarray:
     """Each score's rank within ``scores`` scaled to [0, 1] (0 the lowest, 1 the
     highest; ties share their mean rank): the fraction of the others it beats, a tie
     counting half. NaN scores get NaN and are left out of the others' ranks; a lone
     finite score gets 0.5."""
-    s = np.asarray(scores, dtype=np.float64)
-    out = np.full(s.shape, np.nan)
-    ok = np.isfinite(s)
-    v = s[ok]
-    if len(v) == 1:
-        out[ok] = 0.5
-    elif len(v) > 1:
+    def rank(v: np.ndarray) -> np.ndarray:
         below = (v[None, :] < v[:, None]).sum(axis=1)
         ties = (v[None, :] == v[:, None]).sum(axis=1) - 1
-        out[ok] = (below + 0.5 * ties) / (len(v) - 1)
-    return out
+        return (below + 0.5 * ties) / (len(v) - 1)
+
+    return _among_finite(scores, rank)
 
 
 def group_win_rate(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
@@ -335,17 +343,12 @@ def group_win_rate(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     under the Bradley-Terry model on the score, ``sigmoid((s_i - s_j) / temperature)``
     (PickScore's preference between two images is this on its logit-scaled scores, at
     temperature 1). NaN scores as in :func:`group_rank`."""
-    s = np.asarray(scores, dtype=np.float64)
-    out = np.full(s.shape, np.nan)
-    ok = np.isfinite(s)
-    v = s[ok]
-    if len(v) == 1:
-        out[ok] = 0.5
-    elif len(v) > 1:
+    def win_rate(v: np.ndarray) -> np.ndarray:
         d = (v[:, None] - v[None, :]) / temperature
         p = 0.5 * (1.0 + np.tanh(0.5 * d))   # sigmoid, without overflow
-        out[ok] = (p.sum(axis=1) - 0.5) / (len(v) - 1)   # less the diagonal's 0.5
-    return out
+        return (p.sum(axis=1) - 0.5) / (len(v) - 1)   # less the diagonal's 0.5
+
+    return _among_finite(scores, win_rate)
 
 
 class _Ranked:
