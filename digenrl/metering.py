@@ -33,11 +33,13 @@ def process_cpu() -> tuple[str, int, float]:
     return socket.gethostname(), os.getpid(), t.user + t.system
 
 
-def _model_seconds(dask_scheduler) -> float:
-    """On the scheduler: the ``model`` seconds of every task its workers have run."""
-    return sum(v for k, v in dask_scheduler.cumulative_worker_metrics.items()
-               if isinstance(k, tuple) and len(k) == 4 and k[0] == "execute"
-               and k[2] == "model" and k[3] == "seconds")
+def _scheduler_reading(dask_scheduler) -> tuple[tuple[str, int, float], float]:
+    """On the scheduler: its process's CPU (:func:`process_cpu`) and the ``model``
+    seconds of every task its workers have run."""
+    model = sum(v for k, v in dask_scheduler.cumulative_worker_metrics.items()
+                if isinstance(k, tuple) and len(k) == 4 and k[0] == "execute"
+                and k[2] == "model" and k[3] == "seconds")
+    return process_cpu(), model
 
 
 class CpuMeter:
@@ -56,20 +58,16 @@ class CpuMeter:
         self._model = 0.0
         self.read()
 
-    def _processes(self) -> set[tuple[str, int, float]]:
-        client = self.client
-        found = {process_cpu(), client.run_on_scheduler(process_cpu)}
-        found.update(client.run(process_cpu, on_error="ignore").values())
-        found.update(v for v in client.run(process_cpu, nanny=True,
-                                           on_error="ignore").values()
-                     if isinstance(v, tuple))
-        return {v for v in found if isinstance(v, tuple)}
-
     def read(self) -> tuple[float, float]:
         """``(cpu_seconds, model_seconds)`` since the previous reading."""
-        now = {(host, pid): s for host, pid, s in self._processes()}
+        client = self.client
+        scheduler, model = client.run_on_scheduler(_scheduler_reading)
+        found = [process_cpu(), scheduler]
+        found += client.run(process_cpu, on_error="ignore").values()
+        found += client.run(process_cpu, nanny=True, on_error="ignore").values()
+        # (With the scheduler in this process, its reading and this one name one pid.)
+        now = {(host, pid): s for host, pid, s in (v for v in found if isinstance(v, tuple))}
         cpu = sum(s - self._seen.get(p, 0.0) for p, s in now.items())
-        model = self.client.run_on_scheduler(_model_seconds)
         spent = model - self._model
         self._seen, self._model = now, model
         return cpu, spent
