@@ -35,7 +35,10 @@ def _checkpoint_group(path: str, mode: str = "r"):
 
 def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, np.ndarray]],
                      step: int) -> None:
-    """Write (or replace) version ``version``'s state; ``complete`` is set last.
+    """Write version ``version``'s state; ``complete`` is set last. A complete
+    checkpoint of the version is kept as it is: a version's state is the same bits
+    however often it is computed (a worker lost, a run resumed), and a restore task may
+    be reading it. An incomplete one (its writer died) is replaced.
 
     Every part must hold the same tensor names and shapes, all of one dtype."""
     part_names = list(parts)
@@ -61,6 +64,8 @@ def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, 
     grp = _checkpoint_group(str(path), "r+")
     name = f"v{version}"
     if name in grp:
+        if grp[name].attrs.get("complete"):
+            return
         del grp[name]
     z = grp.create_array(name, shape=flat.shape, dtype=flat.dtype, compressors=None,
                          chunks=(1, max(1, min(total, _CHECKPOINT_CHUNK))))

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import xarray as xr
+import zarr
 
 from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
                                  write_checkpoint)
@@ -112,6 +113,15 @@ def test_checkpoints_round_trip_bit_for_bit_and_drop(store_path):
         for n, a in parts[p].items():
             assert back[p][n].shape == a.shape and back[p][n].tobytes() == a.tobytes()
     assert complete_checkpoints(store_path) == [0, 1, 2]
+    # A complete checkpoint stays as written (a restore may be reading it); one whose
+    # writer died before marking it complete is replaced.
+    other = {p: {n: a + 1 for n, a in arrays.items()} for p, arrays in parts.items()}
+    write_checkpoint(store_path, 2, other, step=5)
+    assert read_checkpoint(store_path, 2)[1] == 2
+    zarr.open_group(str(store_path), mode="r+", use_consolidated=False)["checkpoints"]["v1"].attrs["complete"] = False
+    write_checkpoint(store_path, 1, other, step=5)
+    back, step = read_checkpoint(store_path, 1)
+    assert step == 5 and back["params"]["a.bias"].tobytes() == other["params"]["a.bias"].tobytes()
     drop_checkpoints(store_path, lambda v: v < 2)
     assert complete_checkpoints(store_path) == [2]
     with pytest.raises(StoreError, match="policy version 1"):
