@@ -24,7 +24,7 @@ import torch
 
 from digenrl.config import ConfigError, ModelConfig, TrainConfig
 from digenrl.models import build_transformer, family
-from digenrl.models.parts import TORCH_DTYPES
+from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.seeding import INIT_DRAW, stable_seed
 
 __all__ = ["Trainable", "trainable_spec", "build_policy", "trainable_parameters",
@@ -68,11 +68,12 @@ def lora_config(spec: Trainable):
 def build_policy(model: ModelConfig, spec: Trainable, seed: int) -> torch.nn.Module:
     """The transformer in float32 with version 0's trainable weights: the model's own,
     or with zero-effect LoRA adapters (``A`` drawn from the model seed) added."""
-    module = build_transformer(model, seed)
-    if spec.lora:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(stable_seed(seed, INIT_DRAW, "lora"))
-            module.add_adapter(lora_config(spec))  # freezes everything but the adapters
+    with BUILDING:
+        module = build_transformer(model, seed)
+        if spec.lora:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(stable_seed(seed, INIT_DRAW, "lora"))
+                module.add_adapter(lora_config(spec))  # freezes everything but the adapters
     if spec.gradient_checkpointing:
         module.enable_gradient_checkpointing()
     return module
@@ -123,7 +124,7 @@ def _matches(target: str, names) -> list[str]:
 def _module_names(model: ModelConfig) -> dict[str, type]:
     """Every module of the transformer by name, built without weights."""
     fam = family(model)
-    with torch.device("meta"):
+    with BUILDING, torch.device("meta"):
         module = fam.transformer_class.from_config(fam.transformer_config())
     return {n: type(m) for n, m in module.named_modules()}
 

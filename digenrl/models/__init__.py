@@ -15,7 +15,7 @@ import torch
 from digenrl.config import ModelConfig, SamplerConfig
 from digenrl.metering import model_time
 from digenrl.models.base import Conditioning, ModelFamily, to_uint8
-from digenrl.models.parts import TORCH_DTYPES
+from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.models.registry import FAMILIES, family
 from digenrl.models.tiny import PromptEncoder
 
@@ -35,11 +35,13 @@ def transformer_config(cfg: ModelConfig) -> dict:
 
 def build_transformer(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     """The trainable velocity model, float32, with the initial (version 0) weights."""
-    return family(cfg).build_transformer(seed)
+    with BUILDING:
+        return family(cfg).build_transformer(seed)
 
 
 def build_vae(cfg: ModelConfig, seed: int) -> torch.nn.Module:
-    return family(cfg).build_vae(seed)
+    with BUILDING:
+        return family(cfg).build_vae(seed)
 
 
 def latent_shape(cfg: ModelConfig) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from digenrl.models.base import Conditioning, PromptCache, SourceImage
-from digenrl.models.parts import TORCH_DTYPES, load_part, tokenizer_of
+from digenrl.models.parts import BUILDING, TORCH_DTYPES, load_part, tokenizer_of
 
 if TYPE_CHECKING:
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -121,7 +121,8 @@ class TextEncoders:
         """The folder's VAE, for an editing family's source images (loaded on the first;
         the rollout worker's decoding VAE is another copy)."""
         if self._vae is None:
-            self._vae = self.family.build_vae(0).to(self.device)
+            with BUILDING:
+                self._vae = self.family.build_vae(0).to(self.device)
         return self._vae
 
     def encode_sources(self, images: list[SourceImage]) -> dict[str, torch.Tensor]:

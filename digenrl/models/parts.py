@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,10 +16,21 @@ import torch
 from digenrl.config import ConfigError
 
 __all__ = ["part_class", "load_part", "TORCH_DTYPES", "check_tokens", "load_tokenizer",
-           "tokenizer_of", "read_json"]
+           "tokenizer_of", "read_json", "BUILDING"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                 "float16": torch.float16}
+
+
+#: Held while a process builds or loads a model. Building is not thread-safe: while one
+#: thread is in a ``from_pretrained``, diffusers (through accelerate's
+#: ``init_empty_weights``) and transformers patch ``torch.nn`` for the whole process to
+#: build on the meta device and skip the initialisers, so a module another thread builds
+#: meanwhile gets meta tensors ("Cannot copy out of meta tensor") or uninitialised
+#: weights. A worker runs a GPU task and another task at once (a trainer's first
+#: optimizer-state build beside an encode task it was lent, a reward model beside the
+#: VAE), so every build of a model, an adapter or a reward model takes this lock.
+BUILDING = threading.RLock()
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -32,7 +44,8 @@ def part_class(folder: Path, part: str):
 
 def load_part(folder: Path, part: str, **kwargs):
     """``part`` of the pipeline folder, e.g. ``text_encoder_2`` or ``tokenizer``."""
-    return part_class(folder, part).from_pretrained(folder / part, **kwargs)
+    with BUILDING:
+        return part_class(folder, part).from_pretrained(folder / part, **kwargs)
 
 
 #: The classes transformers 5 builds a SentencePiece-style (Metaspace) tokenizer with,

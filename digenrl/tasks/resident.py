@@ -23,6 +23,7 @@ from digenrl.config import ModelConfig
 from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
 from digenrl.metering import model_time
 from digenrl.models import Conditioning, build_vae, family
+from digenrl.models.parts import BUILDING
 from digenrl.process import freeze_collector, tune_malloc
 from digenrl.prompts import read_source
 from digenrl.tasks.types import PolicyWeights
@@ -74,7 +75,8 @@ class ResidentModels:
         an embedding cache per prompt), built on first use."""
         with self._lock:
             if self._encoder is None:
-                self._encoder = family(self.cfg).build_encoder(self.device)
+                with BUILDING:
+                    self._encoder = family(self.cfg).build_encoder(self.device)
             return self._encoder
 
     @property

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from digenrl.config import REWARD_MODEL_KINDS, ConfigError, RewardModelConfig
-from digenrl.models.parts import TORCH_DTYPES
+from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.tasks.resident import compute_device
 from digenrl.tasks.rewards import RewardSpec
 
@@ -262,7 +262,8 @@ def resident_reward_model(config: RewardModelConfig) -> _Clip:
         model = _LOADED.get(config)
         if model is None:
             device = compute_device()
-            model = _KINDS[config.kind](config, device)
+            with BUILDING:
+                model = _KINDS[config.kind](config, device)
             _LOADED[config] = model
             _LOADS[config] += 1
             _announce(config, device)
