@@ -239,7 +239,12 @@ def run_flow_grpo(flow_grpo: Path, python: str, processes: int, folder: Path,
 def run_digenrl(mode: str, folder: Path, data: Path, out: Path, iterations: int,
                 reward_delay: float) -> list[float]:
     """digenrl in ``mode`` on its default local cluster (one rollout and one trainer
-    worker process); returns when each optimizer step ended."""
+    worker process); returns when each optimizer step ended. Without a reward delay (a
+    setting of this process's environment) the config it ran is written beside its store
+    as ``MODE.yaml``, which ``workflows/overhead.py`` takes to show where the run's CPU
+    goes."""
+    import yaml
+
     from digenrl.config import config_from_dict
     from digenrl.runner import Runner
     from digenrl.store import open_run
@@ -251,13 +256,13 @@ def run_digenrl(mode: str, folder: Path, data: Path, out: Path, iterations: int,
 
         os.environ["PEER_REWARD_DELAY"] = str(reward_delay)  # (the workers inherit it)
         reward = peer_rewards.NAME
-    config = config_from_dict({
+    settings = {
         "seed": 0, "iterations": iterations,
-        "model": {"path": str(folder), "height": RESOLUTION, "width": RESOLUTION,
+        "model": {"path": str(folder.resolve()), "height": RESOLUTION, "width": RESOLUTION,
                   "max_sequence_length": MAX_SEQUENCE_LENGTH},
         "sampler": {"num_steps": NUM_STEPS, "noise_level": NOISE_LEVEL, "guidance_scale": 1.0,
                     "timestep_fraction": TRAINED_STEPS / NUM_STEPS},
-        "data": {"prompt_file": str(data / "train.txt"),
+        "data": {"prompt_file": str((data / "train.txt").resolve()),
                  "prompts_per_iteration": PROMPTS_PER_ITERATION,
                  "samples_per_prompt": SAMPLES_PER_PROMPT},
         "rollout": {"chunk_size": BATCH},
@@ -265,8 +270,11 @@ def run_digenrl(mode: str, folder: Path, data: Path, out: Path, iterations: int,
         "train": {"learning_rate": LEARNING_RATE},
         "schedule": {"mode": mode},
         "cluster": {"rollout_workers": 1, "trainer_workers": 1, "dashboard_address": None},
-    })
+    }
+    config = config_from_dict(settings)
     store = out / f"{mode}.zarr"
+    if reward_delay == 0:
+        (out / f"{mode}.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     Runner(config, str(store), overwrite=True).run()
     tasks = open_run(store)["tasks"].to_dataframe()
     return sorted(tasks[tasks.kind == OPTIMIZE].stop.astype(float).tolist())
