@@ -1,12 +1,13 @@
 """Models built in two threads of one process at once, as a worker's GPU task and the task
 beside it may build them (a trainer's policy beside an encode task it was lent, a reward
-model beside the VAE): each comes out as it does alone."""
+model beside the VAE): each comes out as it does alone. (A LoRA run's workers each build
+the frozen base weights; a base built differently on one worker changes its results.)"""
 
 import threading
 
 import torch
 
-from digenrl.models import build_transformer
+from digenrl.models import build_transformer, build_vae
 from digenrl.models.parts import load_part
 
 from conftest import pipeline_config, small_config
@@ -25,13 +26,14 @@ def test_models_built_while_another_thread_loads_one_are_those_built_alone(tiny_
     folder_model = pipeline_config(folder, "sd3").model  # diffusers' from_pretrained
     tiny = small_config().model  # the tiny model: built by its constructor, seeded
     encoder_alone = load_part(folder, "text_encoder")  # transformers' from_pretrained
-    tiny_alone = build_transformer(tiny, 0)
-    loaded, errors = [], []
+    tiny_alone, vae_alone = build_transformer(tiny, 0), build_vae(tiny, 0)
+    loaded, vaes, errors = [], [], []
 
-    def load_transformers():
+    def load_transformers():  # and the tiny model's VAE, seeded like its transformer
         try:
-            for _ in range(2 * ROUNDS):
+            for _ in range(ROUNDS):
                 loaded.append(build_transformer(folder_model, 0))
+                vaes.append(build_vae(tiny, 0))
         except Exception as e:  # reported below
             errors.append(e)
 
@@ -45,6 +47,6 @@ def test_models_built_while_another_thread_loads_one_are_those_built_alone(tiny_
     assert not errors, errors
     assert loaded and not any(p.is_meta for m in loaded for p in m.parameters())
     for built, alone in [*((e, encoder_alone) for e in encoders),
-                         *((t, tiny_alone) for t in tinies)]:
+                         *((t, tiny_alone) for t in tinies), *((v, vae_alone) for v in vaes)]:
         differ = same(built, alone)
         assert not differ, differ[:5]
