@@ -19,3 +19,12 @@ def test_without_a_checkout_the_peer_benchmark_skips_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("peer_flow_grpo: skipped: "), proc.stdout
     assert "ac4c86e" in lines[0] and "Traceback" not in proc.stderr
     assert not out.exists()  # nothing was run or written
+
+
+def test_bad_rounds_are_refused_naming_the_flag(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "workflows" / "peer_flow_grpo.py"), "--out",
+         str(tmp_path / "peer"), "--rounds", "0"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --rounds: expected an integer >= 1, got 0"), proc.stderr

@@ -12,7 +12,10 @@ and 205 text tokens), with the same workload on both sides: 4 prompts x 4 images
 iteration, 8 SDE steps at noise level 0.7, the first 4 trained, one AdamW step per
 iteration, full weights in float32, the JPEG-compressibility reward. It prints
 images per second over the steady state (the end of iteration 1's optimizer step to the
-end of the last one's) and each system's ratio to flow_grpo's two-process loop.
+end of the last one's) and each system's ratio to the first variant (flow_grpo's
+two-process loop by default). The systems run one after another on the same cores, so a
+neighbour's load during one of them moves its figure: ``--rounds N`` runs the variants in
+turn N times and prints the medians, each ratio taken within its round.
 
 Nothing of flow_grpo is vendored. Get it and the environment it runs in (its own
 requirements pin old versions; these are the ones it runs with here, on CPUs)::
@@ -295,16 +298,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds each reward call waits before it scores (both sides)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"of {', '.join([*PEER_VARIANTS, *DIGENRL_VARIANTS])}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times each variant runs, the variants in turn in each round; the "
+                        "table gives each system's median images/s and its median ratio "
+                        "to the first system within a round")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
                         datefmt="%H:%M:%S")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(PEER_VARIANTS) - set(DIGENRL_VARIANTS))
-    if unknown or args.iterations < 3 or args.reward_delay < 0:
+    if unknown or args.iterations < 3 or args.reward_delay < 0 or args.rounds < 1:
         p.error(f"--variants: unknown {unknown}" if unknown else
                 f"--iterations: expected an integer >= 3, got {args.iterations}"
                 if args.iterations < 3 else
-                f"--reward-delay: expected seconds >= 0, got {args.reward_delay}")
+                f"--rounds: expected an integer >= 1, got {args.rounds}" if args.rounds < 1
+                else f"--reward-delay: expected seconds >= 0, got {args.reward_delay}")
     peer = [v for v in variants if v in PEER_VARIANTS]
     if peer:
         why = check_peer(args.flow_grpo, args.peer_python)
@@ -319,28 +327,36 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
         save_sd3_default_compute(folder)
     data = write_prompts(out / "prompts")
-    rates: dict[str, float] = {}
-    for name in variants:
-        logger.info("running %s", name)
-        if name in PEER_VARIANTS:
-            times = run_flow_grpo(args.flow_grpo.resolve(), args.peer_python,
-                                  PEER_VARIANTS[name], folder.resolve(), data.resolve(),
-                                  (out / name).resolve(), args.iterations, args.reward_delay)
-        else:
-            times = run_digenrl(name, folder, data, out, args.iterations, args.reward_delay)
-        rates[name] = steady_images_per_s(times, args.iterations)
-        logger.info("%s: %.3f images/s", name, rates[name])
-    base = rates.get("flow_grpo-x2", rates[variants[0]])
+    rounds: list[dict[str, float]] = []  # each round's images/s by system
+    for r in range(args.rounds):
+        rates: dict[str, float] = {}
+        for name in variants:
+            logger.info("round %d: running %s", r + 1, name)
+            if name in PEER_VARIANTS:
+                times = run_flow_grpo(args.flow_grpo.resolve(), args.peer_python,
+                                      PEER_VARIANTS[name], folder.resolve(), data.resolve(),
+                                      (out / name).resolve(), args.iterations,
+                                      args.reward_delay)
+            else:
+                times = run_digenrl(name, folder, data, out, args.iterations,
+                                    args.reward_delay)
+            rates[name] = steady_images_per_s(times, args.iterations)
+            logger.info("%s: %.3f images/s", name, rates[name])
+        rounds.append(rates)
     with open(out / "peer.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "images_per_s", "ratio"])
-        for name, rate in rates.items():
-            w.writerow([name, rate, rate / base])
+        w.writerow(["round", "system", "images_per_s", "ratio"])
+        for r, rates in enumerate(rounds):
+            for name, rate in rates.items():
+                w.writerow([r + 1, name, rate, rate / rates[variants[0]]])
     print(f"{'system':<16}{'images/s':>10}{'ratio':>8}   (reward delay {args.reward_delay} s,"
-          f" {args.iterations} iterations, steady state from iteration 2)")
-    for name, rate in rates.items():
-        print(f"{name:<16}{rate:>10.3f}{rate / base:>8.2f}")
-    return 0 if all(np.isfinite(list(rates.values()))) else 1
+          f" {args.iterations} iterations, steady state from iteration 2"
+          + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else "") + ")")
+    for name in variants:
+        rate = float(np.median([rates[name] for rates in rounds]))
+        ratio = float(np.median([rates[name] / rates[variants[0]] for rates in rounds]))
+        print(f"{name:<16}{rate:>10.3f}{ratio:>8.2f}")
+    return 0 if all(np.isfinite(list(rates.values())) for rates in rounds) else 1
 
 
 if __name__ == "__main__":
