@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = float(np.median([rates[name] for rates in rounds]))
         ratio = float(np.median([rates[name] / rates[variants[0]] for rates in rounds]))
         print(f"{name:<16}{rate:>10.3f}{ratio:>8.2f}")
-    return 0 if all(np.isfinite(list(rates.values())) for rates in rounds) else 1
+    return 0 if all(np.isfinite(list(rates.values())).all() for rates in rounds) else 1
 
 
 if __name__ == "__main__":
