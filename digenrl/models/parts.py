@@ -26,10 +26,11 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 #: thread is in a ``from_pretrained``, diffusers (through accelerate's
 #: ``init_empty_weights``) and transformers patch ``torch.nn`` for the whole process to
 #: build on the meta device and skip the initialisers, so a module another thread builds
-#: meanwhile gets meta tensors ("Cannot copy out of meta tensor") or uninitialised
-#: weights. A worker runs a GPU task and another task at once (a trainer's first
-#: optimizer-state build beside an encode task it was lent, a reward model beside the
-#: VAE), so every build of a model, an adapter or a reward model takes this lock.
+#: meanwhile gets meta tensors ("Cannot copy out of meta tensor") or other weights; and
+#: the tiny model draws its weights from torch's global generator after seeding it. A
+#: worker runs a GPU task and another task at once (a trainer building its policy beside
+#: a decode it was lent, a reward model loading beside the VAE), so every build of a
+#: model, an adapter or a reward model takes this lock.
 BUILDING = threading.RLock()
 
 
