@@ -70,8 +70,7 @@ class Conditioning:
 
         negative, per_sample = None, False
         if first.negative is not None:
-            per_sample = any(g.negative_per_sample or not _same(g.negative, first.negative)
-                             for g in groups)
+            per_sample = not _one_negative(groups)
             negative = gather(lambda g: g.negative) if per_sample else first.negative
         return cls(tuple(groups[j].prompts[0] for j in picks), gather(lambda g: g.tensors),
                    negative, per_sample)
@@ -112,8 +111,7 @@ class Conditioning:
         first = parts[0].negative
         negative, per_sample = None, False
         if first is not None:
-            per_sample = any(c.negative_per_sample or not _same(c.negative, first)
-                             for c in parts)
+            per_sample = not _one_negative(parts)
             negative = (cat([c.negative_rows() for c in parts]) if per_sample else first)
         return cls(prompts, cat([c.tensors for c in parts]), negative, per_sample)
 
@@ -179,6 +177,13 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 #: The most bytes of encodings a :class:`PromptCache` keeps (per cache, per process):
 #: past it the least recently used are dropped and encoded again when next asked for.
 PROMPT_CACHE_BYTES = 1 << 30
+
+
+def _one_negative(parts: Sequence[Conditioning]) -> bool:
+    """Whether ``parts`` (each with a negative encoding) share one negative row: none has
+    a row per sample and all are the same tensors."""
+    first = parts[0].negative
+    return not any(c.negative_per_sample or not _same(c.negative, first) for c in parts)
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -420,8 +425,10 @@ class ModelFamily:
         return area_size(self.cfg.source_area, height, width, self.size_multiple())
 
     def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
-        """(height, width) the family's pipeline resizes a source image to."""
-        raise NotImplementedError
+        """(height, width) the family's pipeline resizes a source image to. Each editing
+        family (:attr:`takes_images`) defines it; no other family is asked."""
+        raise NotImplementedError(f"{self.pipeline_class or 'the built-in model'}: "
+                                  f"resizes no source images (it does not edit images)")
 
     # ------------------------------------------------------------------ computation
 
@@ -448,8 +455,11 @@ class PromptEncoderLike:
     """The interface :meth:`ModelFamily.build_encoder` returns (documentation only).
 
     ``images``: one source image per prompt (uint8 ``(height, width, 3)`` arrays, or
-    :class:`SourceImage`), for an instruction-editing family; None for the others."""
+    :class:`SourceImage`), for an instruction-editing family; None for the others.
+    ``negatives``: each prompt's own negative prompt (None where it has none: the
+    model's), or None when no prompt has one."""
 
-    def encode(self, prompts: Sequence[str], negative: bool,
-               images: Sequence | None = None) -> Conditioning:  # pragma: no cover
+    def encode(self, prompts: Sequence[str], negative: bool, images: Sequence | None = None,
+               negatives: Sequence[str | None] | None = None
+               ) -> Conditioning:  # pragma: no cover
         raise NotImplementedError

@@ -126,8 +126,6 @@ class ResidentModels:
             if any(i.images for i in inputs):
                 images = [read_source(i.images[0]) for i in inputs]
         with self._lock, model_time():
-            if negatives is None:  # (as the encoders were always called)
-                return self.encoder.encode(tuple(prompts), guidance_scale > 1.0)
             return self.encoder.encode(tuple(prompts), guidance_scale > 1.0, images=images,
                                        negatives=negatives)
 
