@@ -105,18 +105,24 @@ class _Clip:
         """Rows that fill a slice of ``n`` samples up to ``batch_size``."""
         return self.config.batch_size - n
 
-    def score(self, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    def score(self, images: np.ndarray, prompts: Sequence[str],
+              sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
         """One float64 score per image: slices of at most ``batch_size``, each scored in
-        a forward pass padded to ``batch_size`` rows (the padding's scores dropped)."""
+        a forward pass padded to ``batch_size`` rows (the padding's scores dropped).
+        ``sources``: each image's source image (None where it has none), for the kinds
+        that compare with it."""
         size = self.config.batch_size
+        sources = list(sources) or [None] * len(images)
         parts = []
         with self._lock:
             for a in range(0, len(images), size):
                 batch = images[a:a + size]
-                parts.append(self._score_batch(batch, list(prompts[a:a + size]))[:len(batch)])
+                parts.append(self._score_batch(batch, list(prompts[a:a + size]),
+                                               sources[a:a + size])[:len(batch)])
         return np.concatenate(parts) if parts else np.zeros(0)
 
-    def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def _score_batch(self, images: np.ndarray, prompts: list[str],
+                     sources: list[np.ndarray | None]) -> np.ndarray:
         """``batch_size`` float64 scores: those of ``images`` (at most ``batch_size``),
         then the padding's. What each kind (a subclass) computes."""
         raise NotImplementedError(f"{type(self).__name__} scores no batch: a reward-model "
@@ -148,7 +154,8 @@ class ClipPreference(_Clip):
         return embeds / embeds.norm(dim=-1, keepdim=True)
 
     @torch.no_grad()
-    def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def _score_batch(self, images: np.ndarray, prompts: list[str],
+                     sources: list[np.ndarray | None]) -> np.ndarray:
         cosine = (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(-1)
         scores = self.model.logit_scale.exp() * cosine
         return scores.float().cpu().numpy().astype(np.float64)
@@ -167,7 +174,8 @@ class AestheticPredictor(_Clip):
         self.head = head.to(device).eval().requires_grad_(False)
 
     @torch.no_grad()
-    def _score_batch(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def _score_batch(self, images: np.ndarray, prompts: list[str],
+                     sources: list[np.ndarray | None]) -> np.ndarray:
         scores = self.head(self.image_embeddings(images).float()).squeeze(-1)
         return scores.cpu().numpy().astype(np.float64)
 
@@ -184,15 +192,12 @@ class ClipConsistency(_Clip):
             raise ValueError(f"expected a source image for every sample (a prompt-file "
                              f"line's \"image\"), got none for the batch's samples at "
                              f"{missing[:8]}")
-        size = self.config.batch_size
-        parts = []
-        with self._lock, torch.no_grad():
-            for a in range(0, len(images), size):
-                batch = images[a:a + size]
-                cosine = (self.image_embeddings(batch)
-                          * self.image_embeddings(sources[a:a + size])).sum(-1)
-                parts.append(cosine.float().cpu().numpy().astype(np.float64)[:len(batch)])
-        return np.concatenate(parts) if parts else np.zeros(0)
+        return super().score(images, prompts, sources)
+
+    def _score_batch(self, images: np.ndarray, prompts: list[str],
+                     sources: list[np.ndarray | None]) -> np.ndarray:
+        cosine = (self.image_embeddings(images) * self.image_embeddings(sources)).sum(-1)
+        return cosine.float().cpu().numpy().astype(np.float64)
 
 
 _KINDS = {"clip": ClipPreference, "aesthetic": AestheticPredictor,
