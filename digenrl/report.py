@@ -137,9 +137,9 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
     if "trained_version" in ds["samples"] and ds["samples"].sizes.get("iteration", 0):
         written.append(plots.staleness_png(ds["samples"], out / "staleness.png"))
     evaluation = ds[EVAL_GROUP]
+    grid = stored_section(attrs.get("config"), EvalConfig).grid  # samples per grid
     if evaluation.sizes.get("entry", 0):
         written.append(plots.eval_png(evaluation, ds["metrics"], out / "eval.png"))
-        grid = stored_section(attrs.get("config"), EvalConfig).grid
         for v in np.unique(evaluation["version"].values):
             written.append(plots.eval_grid_png(evaluation, int(v), grid,
                                                out / f"eval-v{int(v)}.png",
@@ -147,7 +147,6 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
     samples = ds["samples"]
     if ("source" in samples and "image" in samples
             and samples.sizes.get("iteration", 0)):
-        grid = stored_section(attrs.get("config"), EvalConfig).grid
         written.append(plots.edits_png(samples, attrs[SOURCES_ATTRIBUTE], grid,
                                        out / "edits.png"))
     profile = None
