@@ -86,6 +86,9 @@ def noise(spec: RolloutSpec, iteration: int, sample_ids: tuple[int, ...],
         ident = s // spec.samples_per_prompt if spec.same_noise_in_group else s
         what = GROUP_NOISE_DRAW if spec.same_noise_in_group else NOISE_DRAW
         rows.append(draw_normal(shape, spec.seed, what, iteration, ident))
+    assert len(picks) == len(prompts) and all(
+        groups[j].prompts == (p,) for j, p in zip(picks, prompts)), \
+        "a chunk's noise task reads the conditioning of each of its groups, in order"
     cond = Conditioning.of_groups(groups, picks)
     return Latents(sample_ids=tuple(sample_ids), x=torch.stack(rows), cond=cond)
 
