@@ -24,8 +24,8 @@ from digenrl.seeding import PROMPT_ORDER_DRAW, PROMPTS_DRAW, stable_seed
 
 __all__ = ["PROMPT_SETS", "HELD_OUT_SETS", "PROMPT_FILE_SUFFIXES", "HeldOut",
            "has_held_out_prompts", "held_out_prompts", "PromptFile", "PromptSource",
-           "SourceFile", "PromptInputs", "read_source", "source_table", "load_prompt_file", "prompt_source",
-           "prompt_pool", "draw_prompts", "epoch_order", "epoch_indices"]
+           "SourceFile", "PromptInputs", "read_source", "source_table", "load_prompt_file",
+           "prompt_source", "prompt_pool", "draw_prompts", "epoch_order", "epoch_indices"]
 
 # The animal list DDPO trains its compressibility rewards on (ImageNet animal classes).
 _SIMPLE_ANIMALS = (

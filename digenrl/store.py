@@ -28,8 +28,7 @@ import zarr
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "SOURCES_ATTRIBUTE",
-           "StoreError",
-           "frame_strip", "STRIP_FRAMES"]
+           "StoreError", "frame_strip", "STRIP_FRAMES"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.

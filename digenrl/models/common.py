@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
     from digenrl.models.base import ModelFamily
 
-__all__ = ["TextEncoders", "negative_texts", "guided", "timesteps", "vae_block_factor", "scaled_vae_decode",
-           "scaled_vae_encode", "normalized_vae_decode", "normalized_vae_encode", "pack",
+__all__ = ["TextEncoders", "negative_texts", "guided", "timesteps", "vae_block_factor",
+           "scaled_vae_decode", "scaled_vae_encode", "normalized_vae_decode", "normalized_vae_encode", "pack",
            "unpack", "packed_sigmas", "by_source_size"]
 
 

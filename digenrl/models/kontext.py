@@ -1,6 +1,7 @@
 """FLUX.1 Kontext (``FluxKontextPipeline``): instruction editing on FLUX.1. The source
 image is resized to the Kontext resolution nearest its aspect ratio (about 1 megapixel;
-or to about ``model.source_area`` pixels at its aspect ratio), encoded by the VAE (the latent distribution's mode, scaled and shifted) and packed 2 x 2;
+or to about ``model.source_area`` pixels at its aspect ratio), encoded by the VAE (the
+latent distribution's mode, scaled and shifted) and packed 2 x 2;
 its tokens are appended after the image's, with position ids whose first axis is 1, and
 the transformer's output for them is dropped. The prompts are encoded as FLUX.1 encodes
 them (CLIP-L pooled, T5), without the image; guidance is the guidance embedding.

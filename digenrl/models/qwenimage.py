@@ -12,8 +12,8 @@ chunk's are zero-padded to the longest with a mask, as the pipeline pads a batch
 Qwen-Image-Edit encodes the prompt together with its source image (the processor's
 vision tokens in the template), and the negative prompt with it too, once per sample;
 the source image is resized to about 1 megapixel (or ``model.source_area`` pixels) at
-its aspect ratio, encoded by the VAE (the latent distribution's mode, normalised by the VAE's per-channel mean and std)
-and packed; its tokens follow the image's in the transformer, at their own rotary
+its aspect ratio, encoded by the VAE (the latent distribution's mode, normalised by the
+VAE's per-channel mean and std) and packed; its tokens follow the image's in the transformer, at their own rotary
 positions (a second frame of ``img_shapes``), and its output for them is dropped.
 
 The sampler holds latents unpacked, ``(channels, height, width)``; the VAE decodes them

@@ -57,7 +57,8 @@ from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.tasks.resident import compute_device
 from digenrl.tasks.rewards import RewardSpec
 
-__all__ = ["ModelReward", "ModelSourceReward", "ClipConsistency", "model_reward", "resident_reward_model", "reward_model_loads",
+__all__ = ["ModelReward", "ModelSourceReward", "ClipConsistency", "model_reward",
+           "resident_reward_model", "reward_model_loads",
            "ClipPreference", "AestheticPredictor", "AestheticHead", "load_head",
            "HEAD_LAYERS", "EVENT_TOPIC", "log_load_event"]
 
