@@ -88,8 +88,9 @@ def check_prompt_inputs(config: RunConfig) -> None:
     an editing family's prompts all name source images (as many as it takes; FLUX.1
     Kontext's may all name none: it then samples from the prompt alone, as its pipeline
     does without an image), another family's name none; a line's negative prompt needs
-    classifier-free guidance (a family that uses a negative prompt, and a guidance scale above 1 where the line is
-    sampled). ``model.source_area`` is set for an editing family alone."""
+    classifier-free guidance (a family that uses a negative prompt, and a guidance scale
+    above 1 where the line is sampled). ``model.source_area`` is set for an editing
+    family alone."""
     fam = family(config.model)
     what = f"a {fam.pipeline_class} folder" if fam.pipeline_class else "the built-in model"
     if config.model.source_area is not None and not fam.takes_images:
