@@ -11,6 +11,11 @@ A trainer task writes it (:mod:`digenrl.tasks.checkpoint`); a ``restore`` task r
 back, which the version is published from and the next optimizer step starts from (a
 resumed run's too). The driver drops versions no pipeline stage can read or recompute any
 more (:meth:`digenrl.graph.structure.GraphLayout.retains`).
+
+``weights/params``, the run's final trainable weights, has the same layout with one part
+(``params``); the ``weights`` group's ``policy_version`` attribute, set last, says which
+version they are. (Stores written before this layout kept one array per tensor in the
+``weights`` group; :func:`read_weights` reads those too.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import zarr
 
 from digenrl.store import StoreError
 
-__all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_checkpoints"]
+__all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_checkpoints",
+           "write_weights", "read_weights"]
 
 _CHECKPOINT_CHUNK = 1 << 24
 
@@ -33,13 +39,8 @@ def _checkpoint_group(path: str, mode: str = "r"):
     return root.require_group("checkpoints") if mode != "r" else root["checkpoints"]
 
 
-def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, np.ndarray]],
-                     step: int) -> None:
-    """Write version ``version``'s state; ``complete`` is set last. A complete
-    checkpoint of the version is kept as it is: a version's state is the same bits
-    however often it is computed (a worker lost, a run resumed), and a restore task may
-    be reading it. An incomplete one (its writer died) is replaced.
-
+def _flatten(parts: dict[str, dict[str, np.ndarray]]) -> tuple[np.ndarray, dict]:
+    """``parts`` as one (part, element) array and the attributes that give its layout.
     Every part must hold the same tensor names and shapes, all of one dtype."""
     part_names = list(parts)
     if not part_names:
@@ -61,27 +62,21 @@ def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, 
             a = np.asarray(parts[part][n]).reshape(-1)
             flat[row, offset:offset + a.size] = a
             offset += a.size
-    grp = _checkpoint_group(str(path), "r+")
-    name = f"v{version}"
-    if name in grp:
-        if grp[name].attrs.get("complete"):
-            return
-        del grp[name]
+    return flat, {"parts": part_names, "names": names, "shapes": [list(s) for s in shapes]}
+
+
+def _write_flat(grp: zarr.Group, name: str, flat: np.ndarray, attrs: dict) -> zarr.Array:
+    """``flat`` as the new array ``grp/name``, uncompressed, with ``attrs``."""
     z = grp.create_array(name, shape=flat.shape, dtype=flat.dtype, compressors=None,
-                         chunks=(1, max(1, min(total, _CHECKPOINT_CHUNK))))
+                         chunks=(1, max(1, min(flat.shape[1], _CHECKPOINT_CHUNK))),
+                         overwrite=True)
     z[...] = flat
-    z.attrs.update({"parts": part_names, "names": names, "shapes": [list(s) for s in shapes],
-                    "version": int(version), "step": int(step)})
-    z.attrs["complete"] = True
+    z.attrs.update(attrs)
+    return z
 
 
-def read_checkpoint(path: str | Path, version: int) -> tuple[dict[str, dict[str, np.ndarray]], int]:
-    grp = _checkpoint_group(str(path))
-    name = f"v{version}"
-    if name not in grp or not grp[name].attrs.get("complete"):
-        raise StoreError(f"checkpoint: expected a complete checkpoint of policy version "
-                         f"{version} in {str(path)!r}, found {complete_checkpoints(path)}")
-    z = grp[name]
+def _unflatten(z: zarr.Array) -> dict[str, dict[str, np.ndarray]]:
+    """The parts :func:`_flatten` made the array ``z`` of."""
     flat = z[...]
     attrs = z.attrs
     parts = {}
@@ -92,7 +87,62 @@ def read_checkpoint(path: str | Path, version: int) -> tuple[dict[str, dict[str,
             arrays[n] = flat[row, offset:offset + size].reshape(shape)
             offset += size
         parts[part] = arrays
-    return parts, int(attrs["step"])
+    return parts
+
+
+def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, np.ndarray]],
+                     step: int) -> None:
+    """Write version ``version``'s state; ``complete`` is set last. A complete
+    checkpoint of the version is kept as it is: a version's state is the same bits
+    however often it is computed (a worker lost, a run resumed), and a restore task may
+    be reading it. An incomplete one (its writer died) is replaced.
+
+    Every part must hold the same tensor names and shapes, all of one dtype."""
+    flat, layout = _flatten(parts)
+    grp = _checkpoint_group(str(path), "r+")
+    name = f"v{version}"
+    if name in grp and grp[name].attrs.get("complete"):
+        return
+    z = _write_flat(grp, name, flat, {**layout, "version": int(version), "step": int(step)})
+    z.attrs["complete"] = True
+
+
+def read_checkpoint(path: str | Path, version: int) -> tuple[dict[str, dict[str, np.ndarray]], int]:
+    grp = _checkpoint_group(str(path))
+    name = f"v{version}"
+    if name not in grp or not grp[name].attrs.get("complete"):
+        raise StoreError(f"checkpoint: expected a complete checkpoint of policy version "
+                         f"{version} in {str(path)!r}, found {complete_checkpoints(path)}")
+    return _unflatten(grp[name]), int(grp[name].attrs["step"])
+
+
+def write_weights(root: zarr.Group, version: int, tensors: dict[str, np.ndarray]) -> None:
+    """Store ``tensors`` as the run's final weights, policy version ``version``,
+    replacing any the store holds (a resumed run that extends a finished one, or
+    finishes one that stopped while writing them); ``policy_version`` is set last. The
+    caller commits the store."""
+    grp = root.require_group("weights")
+    grp.attrs.pop("policy_version", None)
+    for name in list(grp.array_keys()):  # weights of an earlier run in either layout
+        if name != "params":
+            del grp[name]
+    flat, layout = _flatten({"params": tensors})
+    _write_flat(grp, "params", flat, layout)
+    grp.attrs["policy_version"] = int(version)
+
+
+def read_weights(path: str | Path) -> tuple[int | None, dict[str, np.ndarray]]:
+    """The run's final weights and their policy version; (None, {}) when the run has
+    not stored them (it has not finished)."""
+    root = zarr.open_group(str(path), mode="r", use_consolidated=False)
+    if "weights" not in root or root["weights"].attrs.get("policy_version") is None:
+        return None, {}
+    grp = root["weights"]
+    version = int(grp.attrs["policy_version"])
+    z = grp.get("params")
+    if isinstance(z, zarr.Array) and "names" in z.attrs:
+        return version, _unflatten(z)["params"]
+    return version, {name: arr[...] for name, arr in grp.arrays()}  # one array per tensor
 
 
 def complete_checkpoints(path: str | Path) -> list[int]:

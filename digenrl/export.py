@@ -22,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
 
 from digenrl.config import RunConfig, config_from_dict
 from digenrl.lora import build_policy, trainable_spec
 from digenrl.models import family, model_seed
-from digenrl.checkpoints import complete_checkpoints, read_checkpoint
+from digenrl.checkpoints import complete_checkpoints, read_checkpoint, read_weights
 from digenrl.store import StoreError, read_attrs
 
 __all__ = ["Exported", "export", "stored_versions", "LORA_WEIGHTS"]
@@ -45,18 +44,9 @@ class Exported:
     path: Path  # the file (LoRA) or folder (full) written
 
 
-def _final(store: str) -> tuple[int | None, zarr.Group | None]:
-    root = zarr.open_group(store, mode="r", use_consolidated=False)
-    if "weights" not in root:
-        return None, None
-    grp = root["weights"]
-    version = grp.attrs.get("policy_version")
-    return (int(version), grp) if version is not None else (None, None)
-
-
 def stored_versions(store: str) -> list[int]:
     """The policy versions whose trainable weights ``store`` holds."""
-    final, _ = _final(store)
+    final, _ = read_weights(store)
     return sorted(set(complete_checkpoints(store)) | ({final} if final is not None else set()))
 
 
@@ -80,10 +70,8 @@ def version_weights(store: str, version: int | None) -> tuple[int, dict[str, tor
     if version not in versions:
         raise StoreError(f"--version: expected one of the versions {store!r} holds "
                          f"{versions}, got {version}")
-    final, grp = _final(store)
-    if version == final:
-        arrays = {name: arr[...] for name, arr in grp.arrays()}
-    else:
+    final, arrays = read_weights(store)
+    if version != final:
         arrays = read_checkpoint(store, version)[0]["params"]
     return version, {n: torch.from_numpy(np.array(a)) for n, a in arrays.items()}
 

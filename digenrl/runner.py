@@ -35,6 +35,7 @@ from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, frame_strip)
 from digenrl.tasks.advantage import scored_samples
+from digenrl.checkpoints import write_weights
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
@@ -241,13 +242,8 @@ class FlowGRPOWorkload:
 
     def finish(self, client, store: RunStore, final_weights) -> PolicyWeights:
         weights = final_weights.result()
-        grp = store.root.require_group("weights")
-        for name, t in weights.tensors.items():
-            arr = t.detach().cpu().numpy()
-            # overwrite: a resumed run that extends a finished one, or finishes one that
-            # stopped while writing these, replaces them
-            grp.create_array(name, shape=arr.shape, dtype=arr.dtype, overwrite=True)[...] = arr
-        grp.attrs["policy_version"] = weights.version
+        write_weights(store.root, weights.version,
+                      {n: t.detach().cpu().numpy() for n, t in weights.tensors.items()})
         store.commit()
         return weights
 

@@ -206,24 +206,29 @@ class RunStore:
         if block.ndim != ndim_expected:
             raise StoreError(f"{group}.{name}: expected {ndim_expected} dimensions "
                              f"{dims + extra}, got shape {block.shape}")
+        lead = block.shape[0]
         arr = self._array(group, name)
         if arr is None:
             chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in block.shape[1:])
             # A column new to this version, appended to an older run's store (or an
             # evaluation's column first written after some were stored): its earlier
-            # rows hold the fill value (NaN), so every column keeps one length.
+            # rows hold the fill value (NaN), so every column keeps one length. Made at
+            # its new length at once (one metadata write, not two); overwrite: nothing
+            # uncommitted is kept (RunStore.open cut it), so no check that it is new.
             arr = self.root[group].create_array(
-                name, shape=(rows,) + block.shape[1:], chunks=chunks, dtype=dtype,
-                dimension_names=dims + extra, fill_value=_fill_value(block))
+                name, shape=(rows + lead,) + block.shape[1:], chunks=chunks, dtype=dtype,
+                dimension_names=dims + extra, fill_value=_fill_value(block), overwrite=True)
             self._arrays[group, name] = arr
-        if arr.shape[1:] != block.shape[1:]:
-            raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
-                             f"got {block.shape[1:]}")
-        n, lead = arr.shape[0], block.shape[0]
-        if lead == 0:
-            return
-        arr.resize((n + lead,) + arr.shape[1:])
-        arr[n:n + lead] = block
+            n = rows
+        else:
+            if arr.shape[1:] != block.shape[1:]:
+                raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
+                                 f"got {block.shape[1:]}")
+            n = arr.shape[0]
+            if lead:
+                arr.resize((n + lead,) + arr.shape[1:])
+        if lead:
+            arr[n:n + lead] = block
 
     def append_iteration(self, groups: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         """Write one iteration's rows of every group, then commit them atomically."""

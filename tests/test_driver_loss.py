@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-import zarr
 
-from digenrl.checkpoints import complete_checkpoints
+from digenrl.checkpoints import complete_checkpoints, read_weights
 from digenrl.cli import main
 from digenrl.runner import Runner
 from digenrl.store import StoreError, committed_iterations, open_run, read_attrs
@@ -36,8 +35,7 @@ BIN = Path(sys.executable).parent
 
 
 def stored_weights(path) -> dict[str, np.ndarray]:
-    grp = zarr.open_group(str(path), mode="r")["weights"]
-    return {name: arr[...] for name, arr in grp.arrays()}
+    return read_weights(path)[1]
 
 
 def group_processes(pgid: int) -> list[int]:

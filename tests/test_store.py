@@ -1,12 +1,14 @@
 """The store: layout, appends, and what a reader sees when a writer stops midway."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import xarray as xr
 import zarr
 
 from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
-                                 write_checkpoint)
+                                 read_weights, write_checkpoint, write_weights)
 from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
 from digenrl.store import GROUPS, RunStore, StoreError, open_run
 
@@ -131,6 +133,34 @@ def test_checkpoints_round_trip_bit_for_bit_and_drop(store_path):
         write_checkpoint(store_path, 3, bad, step=3)
     # The run's groups still read back after checkpoints came and went.
     assert set(open_run(store_path)) == set(GROUPS)
+
+
+def test_final_weights_round_trip_are_replaced_whole_and_read_in_the_old_layout(store_path):
+    store = RunStore.create(store_path, {})
+    assert read_weights(store_path) == (None, {})  # a run that has not finished
+    rng = np.random.default_rng(1)
+    tensors = {"b.weight": rng.standard_normal((4, 2)).astype(np.float32),
+               "b.bias": rng.standard_normal(2).astype(np.float32)}
+    write_weights(store.root, 3, tensors)
+    store.commit()
+    version, back = read_weights(store_path)
+    assert version == 3 and list(back) == list(tensors)
+    assert all(back[n].shape == a.shape and back[n].tobytes() == a.tobytes()
+               for n, a in tensors.items())
+    # One array, however many tensors: the store's commit stays cheap.
+    assert list(zarr.open_group(str(store_path), mode="r")["weights"].array_keys()) == ["params"]
+    # A resumed run's final weights replace the earlier ones, tensors and version.
+    write_weights(store.root, 5, {"c": np.ones(3, np.float32)})
+    assert read_weights(store_path)[0] == 5 and list(read_weights(store_path)[1]) == ["c"]
+    # A store written with one array per tensor reads back as it was written.
+    old = Path(store_path).with_name("old.zarr")
+    grp = RunStore.create(old, {}).root.require_group("weights")
+    for n, a in tensors.items():
+        grp.create_array(n, shape=a.shape, dtype=a.dtype)[...] = a
+    grp.attrs["policy_version"] = 2
+    version, back = read_weights(old)
+    assert version == 2 and {n: a.tobytes() for n, a in back.items()} == {
+        n: a.tobytes() for n, a in tensors.items()}
 
 
 def test_a_writer_stopped_in_its_first_append_leaves_nothing_behind(store_path):
