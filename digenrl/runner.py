@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from digenrl.checkpoints import write_weights
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
                             config_to_dict)
@@ -35,7 +36,6 @@ from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, frame_strip)
 from digenrl.tasks.advantage import scored_samples
-from digenrl.checkpoints import write_weights
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
