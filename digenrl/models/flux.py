@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 import torch
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
@@ -82,8 +83,8 @@ class FluxFamily(ModelFamily):
              "text_encoder_2")
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", False), ("tokenizer_2", True))
-    transformer_class_name = "FluxTransformer2DModel"
-    vae_class_name = "AutoencoderKL"
+    transformer_class = FluxTransformer2DModel
+    vae_class = AutoencoderKL
     lora_targets = JOINT_ATTENTION_TARGETS
     #: FluxPipeline's default_sample_size: 128 latent pixels.
     default_sample_size = 128

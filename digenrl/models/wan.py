@@ -10,6 +10,7 @@ import html
 import re
 
 import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
 from digenrl.config import ConfigError
 from digenrl.models.base import ModelFamily
@@ -54,8 +55,8 @@ class WanFamily(ModelFamily):
     pipeline_class = "WanPipeline"
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     video = True
-    transformer_class_name = "WanTransformer3DModel"
-    vae_class_name = "AutoencoderKLWan"
+    transformer_class = WanTransformer3DModel
+    vae_class = AutoencoderKLWan
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", True),)
     #: WanPipeline's defaults.
