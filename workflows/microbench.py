@@ -5,7 +5,6 @@
     python workflows/microbench.py eventloop  # the simulator's CPU per task vs a bare event loop
     python workflows/microbench.py transfer   # a version's weights, trainer to rollout worker
     python workflows/microbench.py collector  # a full garbage-collector pass, before and after the freeze
-    python workflows/microbench.py idle       # an idle local cluster's CPU, by event-loop tick interval
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -24,11 +23,7 @@ alternating, and prints the worker's own record of each fetch (Dask's
 ``transfer_incoming_log``) in milliseconds. ``collector`` times full passes of Python's
 cyclic garbage collector in a fresh process that has imported what a worker imports
 (torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
-after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
-rollout and two trainer workers a run starts, lets it settle, and prints the CPU all its
-processes (the driver's, with the scheduler and the nannies, and the workers') use per
-second while no run uses it, with the event loops' tick (:data:`digenrl.cluster.DASK_CONFIG`)
-as configured and at 0.1 s, each in a fresh process, alternating.
+after :func:`digenrl.process.freeze_collector`.
 """
 
 from __future__ import annotations
@@ -319,62 +314,10 @@ def eventloop(gpus: int, iterations: int) -> None:
     print(f"ratio {sim / bare:.2f}")
 
 
-def _idle_cores(tick: str, seconds: float) -> float:
-    """Cores the local 2+2 cluster uses while idle, with the tick interval ``tick``
-    (empty: as configured), in this process."""
-    import psutil
-
-    from digenrl import cluster
-    from digenrl.config import ClusterConfig
-
-    if tick:
-        cluster.DASK_CONFIG["distributed.admin.tick.interval"] = tick
-    handle = cluster.start_cluster(ClusterConfig(rollout_workers=2, trainer_workers=2,
-                                                 dashboard_address=None))
-
-    def cpu() -> float:
-        me = psutil.Process()
-        total = 0.0
-        for p in [me, *me.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
-
-    try:
-        time.sleep(5)  # the workers' start-up settles
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(seconds)
-        return (cpu() - c0) / (time.monotonic() - t0)
-    finally:
-        handle.close()
-
-
-def idle(rounds: int, seconds: float = 20.0) -> None:
-    from digenrl.cluster import DASK_CONFIG
-
-    ticks = {f"as configured ({DASK_CONFIG['distributed.admin.tick.interval']})": "",
-             "0.1 s": "100ms"}
-    cores: dict[str, list[float]] = {name: [] for name in ticks}
-    for _ in range(rounds):
-        for name, tick in ticks.items():
-            out = subprocess.run([sys.executable, __file__, "_idle", tick, str(seconds)],
-                                 capture_output=True, text=True, check=True).stdout
-            cores[name].append(float(out.split()[-1]))
-    for name, c in cores.items():
-        print(f"idle 2+2 local cluster, tick {name}: {statistics.median(c):.4f} cores "
-              f"(median of {rounds}; {', '.join(f'{x:.4f}' for x in c)})")
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
-        print(_idle_cores(sys.argv[2], float(sys.argv[3])))
-        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer",
-                                         "collector", "idle"])
+                                         "collector"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -388,8 +331,6 @@ def main() -> None:
         transfer(args.rounds)
     elif args.what == "collector":
         collector(args.rounds)
-    elif args.what == "idle":
-        idle(args.rounds)
     else:
         malloc()
 
