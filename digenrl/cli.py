@@ -365,16 +365,20 @@ def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
 def _lost_scheduler(e: BaseException, address: str | None = None) -> bool:
     """Whether ``e`` (or an exception it was raised from) says the Dask scheduler went
     away: the connection closed under a request, the client cancelled the run's futures
-    because it lost the scheduler, or a new connection to the scheduler at ``address``
-    (when the run was given one) timed out."""
-    from distributed.client import FutureCancelledError
+    because it lost the scheduler (one future's result asked for, or several waited
+    for), or a new connection to the scheduler at ``address`` (when the run was given
+    one) timed out."""
+    from distributed.client import FutureCancelledError, FuturesCancelledError
     from distributed.comm.core import CommClosedError
 
+    lost = "scheduler-connection-lost"
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, CommClosedError) or (
-                isinstance(e, FutureCancelledError) and e.reason == "scheduler-connection-lost"):
+        if (isinstance(e, CommClosedError)
+                or (isinstance(e, FutureCancelledError) and e.reason == lost)
+                or (isinstance(e, FuturesCancelledError)
+                    and any(g.reason == lost for g in e.error_groups))):
             return True
         if (address and isinstance(e, OSError)
                 and str(e).startswith("Timed out trying to connect to ")

@@ -70,3 +70,20 @@ def test_a_timed_out_connection_to_the_runs_scheduler_is_a_lost_scheduler():
     # Another address (a reward server, a worker), or no scheduler given: not the loss.
     assert not _lost_scheduler(timed_out, "tcp://127.0.0.1:9999")
     assert not _lost_scheduler(timed_out)
+
+
+def test_futures_cancelled_together_for_the_lost_scheduler_are_a_lost_scheduler():
+    """``distributed.wait`` on futures the client cancelled when it lost its scheduler
+    raises one error for all of them (as the driver meets it when only a checkpoint is
+    left to wait for); another reason for cancelling is not the loss."""
+    from distributed.client import (CancelledFuturesGroup, FutureCancelledError,
+                                    FuturesCancelledError)
+
+    from digenrl.cli import _lost_scheduler
+
+    def cancelled(reason):
+        errors = [FutureCancelledError(("checkpoint", 4), reason, "Client lost the connection")]
+        return FuturesCancelledError([CancelledFuturesGroup(errors, reason)])
+
+    assert _lost_scheduler(cancelled("scheduler-connection-lost"))
+    assert not _lost_scheduler(cancelled("unknown"))

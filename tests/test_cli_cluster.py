@@ -152,7 +152,8 @@ def test_a_killed_scheduler_stops_the_run_and_a_new_one_resumes_it(
     done = assert_complete(open_run(out))
     assert 1 <= done == committed(out)
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"digenrl run: error: lost the Dask scheduler at {cli_cluster.address} ")
+    assert last.startswith(
+        f"digenrl run: error: lost the Dask scheduler at {cli_cluster.address} "), err
     assert last.endswith(f"; {out} holds {done} complete iteration{'s' if done != 1 else ''}; "
                          f"start a scheduler and continue with: digenrl run --resume {out} "
                          "--scheduler NEW_ADDRESS"), err
