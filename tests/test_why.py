@@ -68,10 +68,12 @@ def test_a_task_held_by_the_staleness_bound_says_until_when(run, capsys):
     assert published < needed
     assert f"eligible: staleness -- version {needed} published" in out
     held_at, eligible_at = (out.index("held: staleness"), out.index("eligible: staleness"))
-    # Then given to a worker: released to it when it frees a slot, or placed on it.
+    # Then given to the worker that ran it, by whichever rule: released to it when it
+    # frees a slot (a trainer's when idle trainers lend a hand), placed on it, or stolen
+    # by it from a worker that fell behind.
     given = [out.index(line) for line in out.splitlines()
-             if f"released to {task.worker_name}: pools -- " in line
-             or f"placed on {task.worker_name}: pools -- " in line]
+             if any(f"{verb} {task.worker_name}: " in line
+                    for verb in ("released to", "placed on", "stolen by"))]
     assert held_at < eligible_at < max(given), out
     # The store's times agree: it became eligible after it was ready.
     assert task.eligible > task.ready, out
