@@ -42,23 +42,29 @@ logger = logging.getLogger(__name__)
 #: dashboard's Profile page stays empty. The event loops' own housekeeping runs less
 #: often than Dask's defaults: each nanny and worker reads its process's memory every
 #: second (not 0.1 s), every server its system counters every 2 s (not 0.5 s) and the
-#: loop's latency every 0.1 s (not 0.02 s). Each is a few CPU-milliseconds a second per
-#: process that a step's compute pays for on a host with few cores
+#: loop's latency every second (not 0.02 s; Dask still warns of a loop blocked longer
+#: than ``tick.limit``, 3 s). Each is a few CPU-milliseconds a second per process that a
+#: step's compute pays for on a host with few cores; an idle local cluster of 2+2
+#: workers uses about half the CPU with a 1 s tick that it does with a 0.1 s one
 #: (docs/performance.md, "Where the CPU goes").
 DASK_CONFIG = {"distributed.scheduler.no-workers-timeout": None,
                "distributed.deploy.lost-worker-timeout": "1000 days",
                "distributed.worker.profile.enabled": False,
                "distributed.worker.memory.monitor-interval": "1s",
                "distributed.admin.system-monitor.interval": "2s",
-               "distributed.admin.tick.interval": "100ms"}
+               "distributed.admin.tick.interval": "1s"}
 
 #: What every worker process of a cluster started here imports before its first task: the
 #: libraries and task modules a model's tasks need (about 10 CPU-seconds of imports per
 #: process). They are imported once, by a server process that each worker process is
 #: then forked from (Python's ``forkserver``), instead of by every worker process itself
 #: (Dask's default, ``spawn``); a worker that dies is back in about a second. Nothing
-#: runs in that server but the imports: no thread pool, no CUDA context.
+#: runs in that server but the imports: no thread pool, no CUDA context. Among them
+#: diffusers' transformer and autoencoder classes and peft, which a worker imports when
+#: it first builds a model (the task modules do not import them: the driver and the
+#: scheduler never need them), about 2 CPU-seconds more per worker process.
 WORKER_PRELOAD = ("distributed", "torch", "diffusers", "transformers",
+                  "diffusers.models.transformers", "diffusers.models.autoencoders", "peft",
                   "digenrl.tasks.rollout", "digenrl.tasks.train")
 
 

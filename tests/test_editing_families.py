@@ -15,7 +15,7 @@ from digenrl.config import ConfigError
 from digenrl.models import family, flow_sigmas
 from digenrl.models.base import Conditioning, SourceImage
 from digenrl.models.common import pack
-from digenrl.models.qwenimage import ImageTextProcessor
+from digenrl.models.qwen_processor import ImageTextProcessor
 from digenrl.tasks import train
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import draw_normal

@@ -188,3 +188,28 @@ print(json.dumps(sorted(m for m in sys.modules
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout))
     assert loaded == {"digenrl", "digenrl.config"} | CONFIG_LEAVES, loaded
+
+
+def test_the_driver_imports_no_model_package():
+    """What the driver of a run imports, and asks of the default model's family (its
+    latent shape and sigma schedule, as the graph is built), imports none of diffusers'
+    model packages, peft or transformers' Qwen2-VL processor: those load only where a
+    model is built (a worker), seconds of CPU a driver and a scheduler do without."""
+    import json
+    import subprocess
+    import sys
+
+    probe = """
+import json, sys
+import digenrl.cli, digenrl.runner
+from digenrl.config import load_config
+from digenrl.models import family, flow_sigmas
+cfg = load_config("workflows/configs/tiny.yaml")
+family(cfg.model).latent_shape(); flow_sigmas(cfg.sampler, cfg.model)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(
+    ("diffusers.models", "diffusers.pipelines", "peft", "transformers.models.qwen2_vl")))))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []

@@ -28,7 +28,7 @@ from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
 __all__ = ["Conditioning", "ModelFamily", "PromptCache", "PROMPT_CACHE_BYTES",
            "PromptEncoderLike", "SourceImage", "area_size", "stack_rows", "to_uint8",
-           "JOINT_ATTENTION_TARGETS"]
+           "JOINT_ATTENTION_TARGETS", "diffusers_class"]
 
 
 #: LoRA targets of an MMDiT (SD3, FLUX): the joint attention's image and text projections.
@@ -244,6 +244,14 @@ class PromptCache:
         return len(self._cache)
 
 
+def diffusers_class(name: str) -> type:
+    """The diffusers class ``name`` (``"SD3Transformer2DModel"``), imported now: diffusers
+    imports a model's package only when it is first asked for."""
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
 def to_uint8(pixels: torch.Tensor) -> np.ndarray:
     """Decoded pixels in [-1, 1], channels second, to uint8 with channels last:
     ``(n, 3, H, W)`` -> ``(n, H, W, 3)``; ``(n, 3, F, H, W)`` -> ``(n, F, H, W, 3)``."""
@@ -280,9 +288,12 @@ class ModelFamily:
     #: True when its guidance is classifier-free guidance against a negative prompt
     #: (False: a guidance-distilled model, whose guidance is an embedding).
     uses_negative_prompt: ClassVar[bool] = True
-    #: The diffusers classes of the trained transformer and of the VAE.
-    transformer_class: ClassVar[type]
-    vae_class: ClassVar[type]
+    #: The diffusers classes of the trained transformer and of the VAE, by name: a
+    #: family's module imports no diffusers model (diffusers' model packages import
+    #: each other, about 3 CPU-seconds), so a driver or scheduler that only asks a
+    #: family for its shapes and schedule never imports them.
+    transformer_class_name: ClassVar[str]
+    vae_class_name: ClassVar[str]
     #: Modules that get LoRA adapters when ``train.lora_targets`` is empty: the
     #: attention projections (as peft matches names: full name or last dotted parts).
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
@@ -392,6 +403,14 @@ class ModelFamily:
         return sigma * self.num_train_timesteps()
 
     # --------------------------------------------------------------------- the parts
+
+    @property
+    def transformer_class(self) -> type:
+        return diffusers_class(self.transformer_class_name)
+
+    @property
+    def vae_class(self) -> type:
+        return diffusers_class(self.vae_class_name)
 
     def build_transformer(self, seed: int) -> torch.nn.Module:
         """The trainable velocity model, float32, with the initial (version 0) weights:

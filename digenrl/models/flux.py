@@ -11,7 +11,6 @@ from __future__ import annotations
 from functools import cached_property
 
 import torch
-from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
@@ -83,8 +82,8 @@ class FluxFamily(ModelFamily):
              "text_encoder_2")
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", False), ("tokenizer_2", True))
-    transformer_class = FluxTransformer2DModel
-    vae_class = AutoencoderKL
+    transformer_class_name = "FluxTransformer2DModel"
+    vae_class_name = "AutoencoderKL"
     lora_targets = JOINT_ATTENTION_TARGETS
     #: FluxPipeline's default_sample_size: 128 latent pixels.
     default_sample_size = 128

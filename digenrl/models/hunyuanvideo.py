@@ -12,17 +12,23 @@ from functools import cached_property
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
-from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import \
-    DEFAULT_PROMPT_TEMPLATE as PROMPT_TEMPLATE
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, ModelFamily
 from digenrl.models.common import TextEncoders, scaled_vae_decode, timesteps
 
-__all__ = ["HunyuanVideoFamily", "PROMPT_TEMPLATE", "CLIP_LENGTH", "HIDDEN_LAYERS_SKIPPED"]
+__all__ = ["HunyuanVideoFamily", "prompt_template", "CLIP_LENGTH", "HIDDEN_LAYERS_SKIPPED"]
 
-#: PROMPT_TEMPLATE: the pipeline's prompt template and the tokens of its prefix it crops.
+
+def prompt_template() -> dict:
+    """The pipeline's prompt template and the tokens of its prefix it crops (imported
+    when first asked for: the pipeline's module imports diffusers' model packages)."""
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import \
+        DEFAULT_PROMPT_TEMPLATE
+
+    return DEFAULT_PROMPT_TEMPLATE
+
+
 #: Tokens of the CLIP encoding (the pipeline's ``_get_clip_prompt_embeds``).
 CLIP_LENGTH = 77
 #: Layers before the last whose hidden states the pipeline takes from the Llama encoder.
@@ -64,19 +70,19 @@ class HunyuanVideoFamily(ModelFamily):
     video = True
     default_max_sequence_length = 256
     tokenizer_parts = (("tokenizer", True), ("tokenizer_2", False))
-    transformer_class = HunyuanVideoTransformer3DModel
-    vae_class = AutoencoderKLHunyuanVideo
+    transformer_class_name = "HunyuanVideoTransformer3DModel"
+    vae_class_name = "AutoencoderKLHunyuanVideo"
     lora_targets = JOINT_ATTENTION_TARGETS
     #: HunyuanVideoPipeline's defaults.
     default_height, default_width, default_frames = 720, 1280, 129
 
     @property
     def dropped_tokens(self) -> int:
-        return PROMPT_TEMPLATE["crop_start"]
+        return prompt_template()["crop_start"]
 
     def prompt_text(self, prompt: str, part: str) -> str:
         """The Llama tokenizer sees the prompt in the template; CLIP's, the prompt."""
-        return PROMPT_TEMPLATE["template"].format(prompt) if part == "tokenizer" else prompt
+        return prompt_template()["template"].format(prompt) if part == "tokenizer" else prompt
 
     @cached_property
     def factors(self) -> tuple[int, int]:

@@ -27,9 +27,7 @@ from functools import cached_property, lru_cache
 
 import diffusers
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
-from transformers import Qwen2VLProcessor
 
 from digenrl.config import ConfigError, SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily, SourceImage
@@ -37,7 +35,7 @@ from digenrl.models.common import (TextEncoders, by_source_size, normalized_vae_
                                    normalized_vae_encode, pack, packed_sigmas, timesteps,
                                    unpack)
 
-__all__ = ["QwenImageFamily", "QwenImageEditFamily", "ImageTextProcessor", "pipeline_defaults",
+__all__ = ["QwenImageFamily", "QwenImageEditFamily", "pipeline_defaults",
            "ROPE_POSITIONS", "SOURCE_AREA"]
 
 #: Positions in QwenEmbedRope's rotary table (``torch.arange(4096)``): the text tokens
@@ -56,18 +54,6 @@ def pipeline_defaults(name: str):
     cls = getattr(diffusers, name)
     parts = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     return cls(**dict.fromkeys(parts))
-
-
-class ImageTextProcessor(Qwen2VLProcessor):
-    """Qwen2VLProcessor for images and text only: transformers builds its video
-    processor only with torchvision installed, and a prompt with its source image needs
-    none. Loads a Qwen-Image-Edit folder's ``processor/`` (its image processor is the
-    PIL one without torchvision) and turns each prompt's image placeholder into the
-    image's vision tokens as Qwen2VLProcessor does."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template,
-                         **kwargs)
 
 
 def _drop_template(hidden: torch.Tensor, mask: torch.Tensor, drop: int,
@@ -101,8 +87,8 @@ class QwenImageFamily(ModelFamily):
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s
     tokenizer_parts = (("tokenizer", True),)
-    transformer_class = QwenImageTransformer2DModel
-    vae_class = AutoencoderKLQwenImage
+    transformer_class_name = "QwenImageTransformer2DModel"
+    vae_class_name = "AutoencoderKLQwenImage"
     lora_targets = JOINT_ATTENTION_TARGETS
 
     @cached_property
@@ -222,6 +208,8 @@ class _QwenEditEncoder(TextEncoders):
 
     def __init__(self, family: "QwenImageEditFamily", device):
         super().__init__(family, device)
+        from digenrl.models.qwen_processor import ImageTextProcessor
+
         self.processor = ImageTextProcessor.from_pretrained(family.folder / "processor")
         self.qwen = self.text_encoder("text_encoder")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from functools import cached_property
 
 import torch
-from diffusers import AutoencoderKL, SD3Transformer2DModel
 
 from digenrl.config import ConfigError, SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily
@@ -75,8 +74,8 @@ class SD3Family(ModelFamily):
         + T5_PARTS
     default_max_sequence_length = 256
     tokenizer_parts = ((CLIP_PARTS[0][0], False), (CLIP_PARTS[1][0], False), (T5_PARTS[0], True))
-    transformer_class = SD3Transformer2DModel
-    vae_class = AutoencoderKL
+    transformer_class_name = "SD3Transformer2DModel"
+    vae_class_name = "AutoencoderKL"
     lora_targets = JOINT_ATTENTION_TARGETS
 
     @cached_property

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Sequence
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily, PromptCache
@@ -101,7 +101,8 @@ class TinyFamily(ModelFamily):
     """The built-in SD3-shaped model (``model.path`` null, or a folder of parts only)."""
 
     parts = ("transformer", "vae")
-    transformer_class = SD3Transformer2DModel
+    transformer_class_name = "SD3Transformer2DModel"
+    vae_class_name = "AutoencoderKL"
     lora_targets = JOINT_ATTENTION_TARGETS
 
     def check_folder(self) -> None:
@@ -140,24 +141,24 @@ class TinyFamily(ModelFamily):
     def timestep(self, sigma: float) -> float:
         return sigma * 1000.0
 
-    def build_transformer(self, seed: int) -> SD3Transformer2DModel:
+    def build_transformer(self, seed: int) -> torch.nn.Module:
         if self.folder is not None:
-            model = SD3Transformer2DModel.from_pretrained(
+            model = self.transformer_class.from_pretrained(
                 self.folder, subfolder="transformer", dtype=torch.float32)
         else:
             seeded(seed, "transformer")
-            model = SD3Transformer2DModel(**self.transformer_config())
+            model = self.transformer_class(**self.transformer_config())
         return model.eval()
 
-    def build_vae(self, seed: int) -> AutoencoderKL:
+    def build_vae(self, seed: int) -> torch.nn.Module:
         cfg = self.cfg
         if self.folder is not None:
-            vae = AutoencoderKL.from_pretrained(self.folder, subfolder="vae",
-                                                dtype=torch.float32)
+            vae = self.vae_class.from_pretrained(self.folder, subfolder="vae",
+                                                 dtype=torch.float32)
         else:
             seeded(seed, "vae")
             n = len(cfg.vae_channels)
-            vae = AutoencoderKL(
+            vae = self.vae_class(
                 in_channels=3, out_channels=3,
                 down_block_types=("DownEncoderBlock2D",) * n,
                 up_block_types=("UpDecoderBlock2D",) * n,

@@ -10,7 +10,6 @@ import html
 import re
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
 from digenrl.config import ConfigError
 from digenrl.models.base import ModelFamily
@@ -55,8 +54,8 @@ class WanFamily(ModelFamily):
     pipeline_class = "WanPipeline"
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     video = True
-    transformer_class = WanTransformer3DModel
-    vae_class = AutoencoderKLWan
+    transformer_class_name = "WanTransformer3DModel"
+    vae_class_name = "AutoencoderKLWan"
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", True),)
     #: WanPipeline's defaults.

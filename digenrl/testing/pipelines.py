@@ -350,7 +350,7 @@ def qwen_processor():
     processor, resizing to at most 112 x 112 pixels: a few vision tokens)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from digenrl.models.qwenimage import ImageTextProcessor
+    from digenrl.models.qwen_processor import ImageTextProcessor
 
     return ImageTextProcessor(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112),
                               qwen_tokenizer())
