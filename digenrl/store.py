@@ -14,17 +14,20 @@ hold. The trainer checkpoints a run keeps in the same store are :mod:`digenrl.ch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 import numpy as np
 import xarray as xr
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync as zarr_sync
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "SOURCES_ATTRIBUTE",
@@ -80,6 +83,18 @@ def frame_strip(images: np.ndarray, frames: int = STRIP_FRAMES) -> np.ndarray:
 
 class StoreError(ValueError):
     pass
+
+
+def _write_all(writes: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Await ``writes`` together on zarr's event loop (its synchronous API's loop); once
+    all have ended, raise the first one's error, if any. (An error leaves rows beyond the
+    last commit, which readers never see and reopening cuts.)"""
+    async def together() -> list:
+        return await asyncio.gather(*writes, return_exceptions=True)
+
+    for outcome in zarr_sync(together()):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 def _quiet_consolidate(path: str) -> None:
@@ -184,17 +199,12 @@ class RunStore:
         """The array ``group.name`` (None while there is none)."""
         return self._arrays.get((group, name))
 
-    def _append(self, group: str, name: str, values: np.ndarray, rows: int = 0) -> None:
-        """Append ``values`` to ``group.name``: an iteration's value of an iteration
-        group's variable, or a row group's (``tasks``, ``eval``) rows. ``rows``: the rows
-        a column new to a row group starts with (the group's length before this commit)."""
-        values = np.asarray(values)
-        self._write(group, name, values if group in _ROW_CHUNKS else values[None], rows)
-
-    def _write(self, group: str, name: str, block: np.ndarray, rows: int = 0) -> None:
-        """Append ``block``, whose first dimension is the group's (iterations, tasks or
-        entries), to ``group.name``, making the array when it is new (its first ``rows``
-        rows then hold the fill value)."""
+    def _write(self, group: str, name: str, block: np.ndarray,
+               rows: int = 0) -> Coroutine[Any, Any, None]:
+        """The write (to await) that appends ``block``, whose first dimension is the
+        group's (iterations, tasks or entries), to ``group.name``, making the array when
+        it is new (its first ``rows`` rows then hold the fill value). The block is
+        checked here, before anything is written."""
         dims = _DIMS[group]
         extra = _EXTRA_DIMS.get((group, name), ())
         if block.dtype.kind in ("U", "O", "T"):
@@ -206,8 +216,15 @@ class RunStore:
         if block.ndim != ndim_expected:
             raise StoreError(f"{group}.{name}: expected {ndim_expected} dimensions "
                              f"{dims + extra}, got shape {block.shape}")
-        lead = block.shape[0]
         arr = self._array(group, name)
+        if arr is not None and arr.shape[1:] != block.shape[1:]:
+            raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
+                             f"got {block.shape[1:]}")
+        return self._write_rows(group, name, arr, block, dtype, rows)
+
+    async def _write_rows(self, group: str, name: str, arr: zarr.Array | None,
+                          block: np.ndarray, dtype: Any, rows: int) -> None:
+        lead = block.shape[0]
         if arr is None:
             chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in block.shape[1:])
             # A column new to this version, appended to an older run's store (or an
@@ -215,20 +232,19 @@ class RunStore:
             # rows hold the fill value (NaN), so every column keeps one length. Made at
             # its new length at once (one metadata write, not two); overwrite: nothing
             # uncommitted is kept (RunStore.open cut it), so no check that it is new.
-            arr = self.root[group].create_array(
-                name, shape=(rows + lead,) + block.shape[1:], chunks=chunks, dtype=dtype,
-                dimension_names=dims + extra, fill_value=_fill_value(block), overwrite=True)
-            self._arrays[group, name] = arr
+            new = await zarr.api.asynchronous.create_array(
+                self.root.store, name=f"{group}/{name}", shape=(rows + lead,) + block.shape[1:],
+                chunks=chunks, dtype=dtype, dimension_names=_DIMS[group] + _EXTRA_DIMS.get(
+                    (group, name), ()), fill_value=_fill_value(block), overwrite=True)
+            self._arrays[group, name] = zarr.Array(new)
             n = rows
         else:
-            if arr.shape[1:] != block.shape[1:]:
-                raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
-                                 f"got {block.shape[1:]}")
+            new = arr.async_array
             n = arr.shape[0]
             if lead:
-                arr.resize((n + lead,) + arr.shape[1:])
+                await new.resize((n + lead,) + arr.shape[1:])
         if lead:
-            arr[n:n + lead] = block
+            await new.setitem(slice(n, n + lead), block)
 
     def append_iteration(self, groups: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         """Write one iteration's rows of every group, then commit them atomically."""
@@ -245,30 +261,46 @@ class RunStore:
             if _first_dim(arr) == "iteration" and arr.shape[0] != expected:
                 raise StoreError(f"{group}.{name}: has {arr.shape[0]} iterations, "
                                  f"expected {expected}")
-        groups = list(dict.fromkeys(g for groups in batch for g in groups))
-        for group in groups:
-            if group not in _DIMS:
-                raise StoreError(f"group: expected one of {list(_DIMS)}, got {group!r}")
-            parts = [{k: np.asarray(v) for k, v in groups.get(group, {}).items()}
-                     for groups in batch]
-            names = list(dict.fromkeys(n for variables in parts for n in variables))
-            if group in _ROW_CHUNKS:
-                before = self._length(group)
-                counts = [_rows(variables) for variables in parts]
-                for name in names:
-                    like = next(v[name] for v in parts if name in v)
-                    block = [v[name] if name in v else _filled(like, n)
-                             for v, n in zip(parts, counts)]
-                    self._write(group, name, np.concatenate(block), before)
-            else:
-                for name in names:
-                    missing = [k for k, v in enumerate(parts) if name not in v]
-                    if missing:
-                        raise StoreError(f"{group}.{name}: expected a value in every "
-                                         f"iteration, missing in {len(missing)} of "
-                                         f"{len(parts)}")
-                    self._write(group, name, np.stack([v[name] for v in parts]))
+        writes = self._batch_writes(batch)
+        # Every array's write at once (each is a few files): a commit's cost was mostly
+        # zarr's per-operation round trips, paid once per array in turn.
+        _write_all(writes)
         self.commit()
+
+    def _batch_writes(self, batch: Sequence[Mapping[str, Mapping[str, np.ndarray]]]
+                      ) -> list[Coroutine[Any, Any, None]]:
+        """The writes of :meth:`append_iterations`, each block checked: a bad one raises
+        here, before anything is written."""
+        writes: list[Coroutine[Any, Any, None]] = []
+        try:
+            for group in dict.fromkeys(g for groups in batch for g in groups):
+                if group not in _DIMS:
+                    raise StoreError(f"group: expected one of {list(_DIMS)}, got {group!r}")
+                parts = [{k: np.asarray(v) for k, v in groups.get(group, {}).items()}
+                         for groups in batch]
+                names = list(dict.fromkeys(n for variables in parts for n in variables))
+                if group in _ROW_CHUNKS:
+                    before = self._length(group)
+                    counts = [_rows(variables) for variables in parts]
+                    for name in names:
+                        like = next(v[name] for v in parts if name in v)
+                        block = [v[name] if name in v else _filled(like, n)
+                                 for v, n in zip(parts, counts)]
+                        writes.append(self._write(group, name, np.concatenate(block), before))
+                else:
+                    for name in names:
+                        missing = [k for k, v in enumerate(parts) if name not in v]
+                        if missing:
+                            raise StoreError(f"{group}.{name}: expected a value in every "
+                                             f"iteration, missing in {len(missing)} of "
+                                             f"{len(parts)}")
+                        writes.append(self._write(group, name,
+                                                  np.stack([v[name] for v in parts])))
+        except BaseException:
+            for w in writes:
+                w.close()  # never started
+            raise
+        return writes
 
     def _length(self, group: str) -> int:
         """The rows of ``group`` (its first dimension's length) as written so far."""

@@ -10,7 +10,7 @@ import zarr
 from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
                                  read_weights, write_checkpoint, write_weights)
 from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
-from digenrl.store import GROUPS, RunStore, StoreError, open_run
+from digenrl.store import GROUPS, RunStore, StoreError, _write_all, open_run
 
 
 def rows(i, n=3):
@@ -68,12 +68,18 @@ def test_task_records_are_stored_as_their_schema_says(store_path):
     assert set(SIMULATED_COLUMNS) < set(TASK_COLUMNS)
 
 
+def write_uncommitted(store: RunStore, groups) -> None:
+    """Write one iteration's rows (``groups``, as ``append_iteration`` takes them) as a
+    writer does before it commits, and stop there, as a writer that dies does."""
+    _write_all(store._batch_writes([groups]))
+
+
 def test_a_reader_never_sees_a_partial_iteration(store_path):
     s = RunStore.create(store_path, {})
     s.append_iteration(rows(0))
     # A writer that dies after writing part of the next iteration, before its commit.
-    s._append("samples", "reward", rows(1)["samples"]["reward"])
-    s._append("tasks", "key", np.array(["x", "y", "z"]))
+    write_uncommitted(s, {"samples": {"reward": rows(1)["samples"]["reward"]},
+                          "tasks": {"key": np.array(["x", "y", "z"])}})
     for group in ("samples", "steps", "metrics", "tasks"):
         ds = xr.open_zarr(store_path, group=group)
         assert ds.sizes.get("iteration", 1) == 1
@@ -166,8 +172,8 @@ def test_final_weights_round_trip_are_replaced_whole_and_read_in_the_old_layout(
 def test_a_writer_stopped_in_its_first_append_leaves_nothing_behind(store_path):
     s = RunStore.create(store_path, {})
     # Iteration 0's first rows written, creating the variables, never committed.
-    s._append("metrics", "reward_mean", np.float64(0))
-    s._append("samples", "reward", np.zeros(3))
+    write_uncommitted(s, {"metrics": {"reward_mean": np.float64(0)},
+                          "samples": {"reward": np.zeros(3)}})
     assert all(ds.sizes.get("iteration", 0) == 0 for ds in open_run(store_path).values())
     s2 = RunStore.open(store_path)
     assert s2.iterations_complete == 0 and "reward_mean" not in s2.root["metrics"]
@@ -183,7 +189,7 @@ def test_attributes_change_in_place_in_the_committed_metadata(store_path):
 
     s = RunStore.create(store_path, {"config": {"seed": 1}})
     s.append_iteration(rows(0))
-    s._append("samples", "reward", rows(1)["samples"]["reward"])  # uncommitted rows
+    write_uncommitted(s, {"samples": {"reward": rows(1)["samples"]["reward"]}})
     s.update_attrs(finished=1)
     root = json.loads((Path(store_path) / "zarr.json").read_text())
     assert root["consolidated_metadata"] is not None
