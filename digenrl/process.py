@@ -36,13 +36,13 @@ def tune_malloc() -> bool:
     return ok and libc.mallopt(m_trim_threshold, 256 << 20) == 1
 
 
-#: Whether this process has frozen its objects (:func:`freeze_collector`).
-_frozen = False
+#: How many objects this process froze (:func:`freeze_collector`); None before it did.
+_frozen: int | None = None
 
 
 def freeze_collector() -> int:
     """Keep what this process holds after its start-up out of the collector's full
-    passes; returns how many objects are kept out.
+    passes; returns how many objects the first call kept out.
 
     A process that has imported torch, diffusers and transformers holds about half a
     million objects that live as long as it does (modules, functions, classes). Python's
@@ -58,8 +58,9 @@ def freeze_collector() -> int:
     so a reference cycle a run leaves behind is still freed. (A frozen object, too, is
     freed as soon as nothing refers to it; only a cycle among frozen objects stays.)"""
     global _frozen
-    if not _frozen:
-        _frozen = True
+    if _frozen is None:
         gc.collect()
         gc.freeze()
-    return gc.get_freeze_count()
+        # (Counted once: counting walks every frozen object, tens of CPU-ms.)
+        _frozen = gc.get_freeze_count()
+    return _frozen

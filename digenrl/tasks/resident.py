@@ -101,8 +101,14 @@ class ResidentModels:
             return module
 
     def _new_module(self) -> torch.nn.Module:
-        """A transformer in ``model.dtype`` on this worker's device, for one version."""
+        """A transformer in ``model.dtype`` on this worker's device, for one version (its
+        trainable weights are loaded next). Without LoRA, built once: a further version
+        starts as a copy of one held, whose other tensors are the same (a copy in memory
+        costs milliseconds; a build draws every initial weight again, or reads the
+        folder again)."""
         if not self.trainable.lora:
+            if self._versions:
+                return copy.deepcopy(next(iter(self._versions.values())))
             return cast_for_forward(build_policy(self.cfg, self.trainable, self.seed),
                                     self.cfg, self.trainable).to(self.device)
         if self._base is None:
