@@ -5,6 +5,9 @@
     python workflows/microbench.py eventloop  # the simulator's CPU per task vs a bare event loop
     python workflows/microbench.py transfer   # a version's weights, trainer to rollout worker
     python workflows/microbench.py collector  # a full garbage-collector pass, before and after the freeze
+    python workflows/microbench.py idle       # an idle local cluster's CPU, by event-loop tick interval
+    python workflows/microbench.py imports    # a driver's imports; a forked worker's first model build
+    python workflows/microbench.py commit     # a store commit: its arrays written at once vs in turn
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -23,7 +26,19 @@ alternating, and prints the worker's own record of each fetch (Dask's
 ``transfer_incoming_log``) in milliseconds. ``collector`` times full passes of Python's
 cyclic garbage collector in a fresh process that has imported what a worker imports
 (torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
-after :func:`digenrl.process.freeze_collector`.
+after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
+rollout and two trainer workers a run starts, lets it settle, and prints the CPU all its
+processes (the driver's, with the scheduler and the nannies, and the workers') use per
+second while no run uses it, with the event loops' tick (:data:`digenrl.cluster.DASK_CONFIG`)
+as configured and at 0.1 s, each in a fresh process, alternating. ``imports`` prints,
+each in a fresh process, the CPU-seconds of a driver's imports (``digenrl.cli``,
+``digenrl.runner``, and the default family asked for its latent shape and sigmas) and
+the CPU-seconds and modules a worker forked from the preloading server
+(:data:`digenrl.cluster.WORKER_PRELOAD`) spends building the default transformer and VAE
+(the imports a build needs beyond the preload). ``commit`` appends iterations shaped like
+a small run's (30 task columns of 30 rows, 30 per-iteration variables) to a fresh store
+with :class:`digenrl.store.RunStore`, its writes awaited together (as it commits) and one
+after another, alternating, and prints CPU-seconds per commit.
 """
 
 from __future__ import annotations
@@ -314,10 +329,142 @@ def eventloop(gpus: int, iterations: int) -> None:
     print(f"ratio {sim / bare:.2f}")
 
 
+def _idle_cores(tick: str, seconds: float) -> float:
+    """Cores the local 2+2 cluster uses while idle, with the tick interval ``tick``
+    (empty: as configured), in this process."""
+    import psutil
+
+    from digenrl import cluster
+    from digenrl.config import ClusterConfig
+
+    if tick:
+        cluster.DASK_CONFIG["distributed.admin.tick.interval"] = tick
+    handle = cluster.start_cluster(ClusterConfig(rollout_workers=2, trainer_workers=2,
+                                                 dashboard_address=None))
+
+    def cpu() -> float:
+        me = psutil.Process()
+        total = 0.0
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        return total
+
+    try:
+        time.sleep(5)  # the workers' start-up settles
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(seconds)
+        return (cpu() - c0) / (time.monotonic() - t0)
+    finally:
+        handle.close()
+
+
+def idle(rounds: int, seconds: float = 20.0) -> None:
+    from digenrl.cluster import DASK_CONFIG
+
+    ticks = {f"as configured ({DASK_CONFIG['distributed.admin.tick.interval']})": "",
+             "0.1 s": "100ms"}
+    cores: dict[str, list[float]] = {name: [] for name in ticks}
+    for _ in range(rounds):
+        for name, tick in ticks.items():
+            out = subprocess.run([sys.executable, __file__, "_idle", tick, str(seconds)],
+                                 capture_output=True, text=True, check=True).stdout
+            cores[name].append(float(out.split()[-1]))
+    for name, c in cores.items():
+        print(f"idle 2+2 local cluster, tick {name}: {statistics.median(c):.4f} cores "
+              f"(median of {rounds}; {', '.join(f'{x:.4f}' for x in c)})")
+
+
+_DRIVER_IMPORTS = """
+import json, sys, time
+from digenrl.config import load_config
+import digenrl.cli, digenrl.runner
+from digenrl.models import family, flow_sigmas
+cfg = load_config("workflows/configs/tiny.yaml")
+family(cfg.model).latent_shape(); flow_sigmas(cfg.sampler, cfg.model)
+print(json.dumps({"cpu": time.process_time()}))
+"""
+
+_WORKER_BUILD = """
+import importlib, json, sys, time
+from digenrl.cluster import WORKER_PRELOAD
+for m in WORKER_PRELOAD:
+    importlib.import_module(m)
+before, t = set(sys.modules), time.process_time()
+from digenrl.config import ModelConfig
+from digenrl.lora import Trainable, build_policy
+from digenrl.models import build_vae
+build_policy(ModelConfig(), Trainable(), 0), build_vae(ModelConfig(), 0)
+print(json.dumps({"cpu": time.process_time() - t, "modules": len(set(sys.modules) - before)}))
+"""
+
+
+def imports(rounds: int) -> None:
+    import json
+
+    def fresh(code: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    driver, worker = [], []
+    for _ in range(rounds):
+        driver.append(fresh(_DRIVER_IMPORTS)["cpu"])
+        worker.append(fresh(_WORKER_BUILD))
+    print(f"a driver's imports: {statistics.median(driver):.2f} CPU-s (median of {rounds}; "
+          f"{', '.join(f'{x:.2f}' for x in driver)})")
+    print(f"a forked worker's first build of the default models: "
+          f"{statistics.median(w['cpu'] for w in worker):.2f} CPU-s, "
+          f"{worker[0]['modules']} modules imported beyond the preload")
+
+
+def _commit_cpu(together: bool, commits: int) -> float:
+    """CPU-seconds per commit of a small run's iteration to a fresh store."""
+    import tempfile
+
+    import numpy as np
+
+    from digenrl import store
+
+    rng = np.random.default_rng(0)
+    iteration = {"tasks": {f"column{k}": rng.standard_normal(30) for k in range(30)},
+                 "metrics": {f"metric{k}": np.float64(k) for k in range(30)}}
+    with tempfile.TemporaryDirectory() as tmp:
+        s = store.RunStore.create(os.path.join(tmp, "bench.zarr"), {})
+        s.append_iteration(iteration)   # (makes the arrays)
+        t = time.process_time()
+        for _ in range(commits):
+            writes = s._batch_writes([iteration])
+            if together:
+                store._write_all(writes)
+            else:
+                for w in writes:
+                    store._write_all([w])
+            s.commit()
+        return (time.process_time() - t) / commits
+
+
+def commit(rounds: int, commits: int = 10) -> None:
+    cpu: dict[str, list[float]] = {"at once": [], "in turn": []}
+    for _ in range(rounds):
+        cpu["at once"].append(_commit_cpu(True, commits))
+        cpu["in turn"].append(_commit_cpu(False, commits))
+    for name, c in cpu.items():
+        print(f"a commit of 60 arrays, written {name}: {statistics.median(c):.3f} CPU-s "
+              f"(median of {rounds} rounds of {commits})")
+    print(f"ratio {statistics.median(cpu['at once']) / statistics.median(cpu['in turn']):.2f}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
+        print(_idle_cores(sys.argv[2], float(sys.argv[3])))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer",
-                                         "collector"])
+                                         "collector", "idle", "imports", "commit"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -331,6 +478,12 @@ def main() -> None:
         transfer(args.rounds)
     elif args.what == "collector":
         collector(args.rounds)
+    elif args.what == "idle":
+        idle(args.rounds)
+    elif args.what == "imports":
+        imports(args.rounds)
+    elif args.what == "commit":
+        commit(args.rounds)
     else:
         malloc()
 
