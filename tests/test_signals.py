@@ -63,7 +63,7 @@ def test_a_signal_stops_the_run_with_the_resume_command(cluster_1x1, reference_r
     assert last == (f"digenrl run: stopped by {name}; {out} holds {done} complete "
                     f"iteration{'s' if done != 1 else ''}; continue with: "
                     f"digenrl run --resume {out} --scheduler {address}"), err
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err
     # Stopped before the last iteration was committed, or after it but before the final
     # weights were written: either way the resume finishes the run.
     if read_attrs(out).get("finished") != REFERENCE_ITERATIONS:
