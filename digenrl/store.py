@@ -220,10 +220,11 @@ class RunStore:
         if arr is not None and arr.shape[1:] != block.shape[1:]:
             raise StoreError(f"{group}.{name}: expected rows of shape {arr.shape[1:]}, "
                              f"got {block.shape[1:]}")
-        return self._write_rows(group, name, arr, block, dtype, rows)
+        return self._write_rows(group, name, arr, block, dtype, dims + extra, rows)
 
     async def _write_rows(self, group: str, name: str, arr: zarr.Array | None,
-                          block: np.ndarray, dtype: Any, rows: int) -> None:
+                          block: np.ndarray, dtype: Any, dimension_names: tuple[str, ...],
+                          rows: int) -> None:
         lead = block.shape[0]
         if arr is None:
             chunks = (_ROW_CHUNKS.get(group, 1),) + tuple(max(1, s) for s in block.shape[1:])
@@ -234,8 +235,8 @@ class RunStore:
             # uncommitted is kept (RunStore.open cut it), so no check that it is new.
             new = await zarr.api.asynchronous.create_array(
                 self.root.store, name=f"{group}/{name}", shape=(rows + lead,) + block.shape[1:],
-                chunks=chunks, dtype=dtype, dimension_names=_DIMS[group] + _EXTRA_DIMS.get(
-                    (group, name), ()), fill_value=_fill_value(block), overwrite=True)
+                chunks=chunks, dtype=dtype, dimension_names=dimension_names,
+                fill_value=_fill_value(block), overwrite=True)
             self._arrays[group, name] = zarr.Array(new)
             n = rows
         else:
