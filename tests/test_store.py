@@ -141,6 +141,25 @@ def test_checkpoints_round_trip_bit_for_bit_and_drop(store_path):
     assert set(open_run(store_path)) == set(GROUPS)
 
 
+def test_a_checkpoint_of_several_chunks_per_part_and_negative_zeros_reads_back_bit_for_bit(
+        store_path, monkeypatch):
+    """Each part's row spans several chunks, the last one partial, each written on its
+    own; parts equal to the fill value (zeros, and -0.0) are stored as they are."""
+    import digenrl.checkpoints as checkpoints
+    monkeypatch.setattr(checkpoints, "_CHECKPOINT_CHUNK", 8)
+    RunStore.create(store_path, {})
+    rng = np.random.default_rng(2)
+    shapes = {"a.weight": (3, 5), "a.bias": (5,), "scale": ()}   # 21 elements: 8 + 8 + 5
+    parts = {"params": {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
+             "exp_avg": {n: np.full(s, -0.0, np.float32) for n, s in shapes.items()},
+             "exp_avg_sq": {n: np.zeros(s, np.float32) for n, s in shapes.items()}}
+    write_checkpoint(store_path, 0, parts, step=0)
+    back, _ = read_checkpoint(store_path, 0)
+    for p in parts:
+        for n, a in parts[p].items():
+            assert back[p][n].shape == a.shape and back[p][n].tobytes() == a.tobytes(), (p, n)
+
+
 def test_final_weights_round_trip_are_replaced_whole_and_read_in_the_old_layout(store_path):
     store = RunStore.create(store_path, {})
     assert read_weights(store_path) == (None, {})  # a run that has not finished

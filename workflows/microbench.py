@@ -8,6 +8,7 @@
     python workflows/microbench.py idle       # an idle local cluster's CPU, by event-loop tick interval
     python workflows/microbench.py imports    # a driver's imports; a forked worker's first model build
     python workflows/microbench.py commit     # a store commit: its arrays written at once vs in turn
+    python workflows/microbench.py checkpoint # a checkpoint: chunk by chunk vs one zarr write
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -38,7 +39,11 @@ the CPU-seconds and modules a worker forked from the preloading server
 (the imports a build needs beyond the preload). ``commit`` appends iterations shaped like
 a small run's (30 task columns of 30 rows, 30 per-iteration variables) to a fresh store
 with :class:`digenrl.store.RunStore`, its writes awaited together (as it commits) and one
-after another, alternating, and prints CPU-seconds per commit.
+after another, alternating, and prints CPU-seconds per commit. ``checkpoint`` writes the
+default model's trainer state (its weights and two AdamW moments, 56 MB) as checkpoints
+to a fresh store, with :func:`digenrl.checkpoints.write_checkpoint` and as one zarr
+write of the whole array with zarr's default settings (the attributes set after it),
+alternating, and prints the user and system CPU-seconds per checkpoint.
 """
 
 from __future__ import annotations
@@ -458,13 +463,70 @@ def commit(rounds: int, commits: int = 10) -> None:
     print(f"ratio {statistics.median(cpu['at once']) / statistics.median(cpu['in turn']):.2f}")
 
 
+def _checkpoint_cpu(chunkwise: bool, writes: int) -> tuple[float, float]:
+    """User and system CPU-seconds per checkpoint of the default model's trainer state."""
+    import resource
+    import tempfile
+
+
+    from digenrl import checkpoints, store
+
+    params = {n: t.numpy() for n, t in _weights().tensors.items()}
+    parts = {p: params for p in ("params", "exp_avg", "exp_avg_sq")}
+
+    def whole(grp, name, flat, attrs):  # one write of the whole array, zarr's defaults
+        z = grp.create_array(name, shape=flat.shape, dtype=flat.dtype, compressors=None,
+                             chunks=(1, min(flat.shape[1], checkpoints._CHECKPOINT_CHUNK)),
+                             overwrite=True)
+        z[...] = flat
+        z.attrs.update(attrs)
+        return z
+
+    def used() -> tuple[float, float]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.zarr")
+        store.RunStore.create(path, {})
+        write = checkpoints._write_flat
+        try:
+            if not chunkwise:
+                checkpoints._write_flat = whole
+            checkpoints.write_checkpoint(path, 0, parts, 0)   # (first file writes)
+            u, s = used()
+            for v in range(1, writes + 1):
+                checkpoints.write_checkpoint(path, v, parts, v)
+                checkpoints.drop_checkpoints(path, lambda old, v=v: old < v)  # as a run does
+            u2, s2 = used()
+        finally:
+            checkpoints._write_flat = write
+    return (u2 - u) / writes, (s2 - s) / writes
+
+
+def checkpoint(rounds: int, writes: int = 10) -> None:
+    cpu: dict[str, list[tuple[float, float]]] = {"chunk by chunk": [], "one zarr write": []}
+    for _ in range(rounds):
+        cpu["chunk by chunk"].append(_checkpoint_cpu(True, writes))
+        cpu["one zarr write"].append(_checkpoint_cpu(False, writes))
+    for name, c in cpu.items():
+        user = statistics.median(u for u, _ in c)
+        system = statistics.median(s for _, s in c)
+        print(f"a checkpoint of the default model's trainer state, {name}: {user:.3f} user "
+              f"+ {system:.3f} system CPU-s (median of {rounds} rounds of {writes})")
+    ratio = (sum(statistics.median(x[k] for x in cpu["chunk by chunk"]) for k in (0, 1))
+             / sum(statistics.median(x[k] for x in cpu["one zarr write"]) for k in (0, 1)))
+    print(f"ratio of all CPU {ratio:.2f}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
         print(_idle_cores(sys.argv[2], float(sys.argv[3])))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer",
-                                         "collector", "idle", "imports", "commit"])
+                                         "collector", "idle", "imports", "commit",
+                                         "checkpoint"])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -484,6 +546,8 @@ def main() -> None:
         imports(args.rounds)
     elif args.what == "commit":
         commit(args.rounds)
+    elif args.what == "checkpoint":
+        checkpoint(args.rounds)
     else:
         malloc()
 
