@@ -60,6 +60,31 @@ def _inc(x):
     return x + 1
 
 
+def _cluster_cpu() -> float:
+    """CPU-seconds used so far by this process and every process under it: the driver
+    (with the local cluster's scheduler), the nannies and the workers."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _as_in_a_run() -> None:
+    """A worker process set up as a run's worker plugin sets it up (its allocator and
+    collector), without building models."""
+    from digenrl.process import freeze_collector, tune_malloc
+
+    tune_malloc()
+    freeze_collector()
+
+
 def dispatch(hops: int, rounds: int) -> None:
     import logging
 
@@ -87,22 +112,27 @@ def dispatch(hops: int, rounds: int) -> None:
         ann = {ANNOTATION: meta.get} if annotate else None
         return HighLevelGraph({name: MaterializedLayer(dsk, annotations=ann)}, {name: set()})
 
-    times = {"plain": [], "digenrl": []}
+    c.run(_as_in_a_run)
+    times: dict[str, list[float]] = {"plain": [], "digenrl": []}
+    cpu: dict[str, list[float]] = {"plain": [], "digenrl": []}
     try:
         for r in range(rounds):
             for label in ("plain", "digenrl"):
                 g = chain(f"{label}-{r}", label == "digenrl")
-                t0 = time.perf_counter()
+                c0, t0 = _cluster_cpu(), time.perf_counter()
                 [f] = c.get(g, [(f"{label}-{r}", hops - 1)], sync=False)
                 assert f.result() == hops
                 times[label].append((time.perf_counter() - t0) / hops * 1000)
+                cpu[label].append((_cluster_cpu() - c0) / hops * 1000)
                 del f
     finally:
         handle.close()
     for label, ts in times.items():
         print(f"{label:>8}: {statistics.median(ts):.2f} ms per hop "
-              f"(median of {rounds} chains of {hops}; min {min(ts):.2f}, max {max(ts):.2f})")
-    print(f"   ratio: {statistics.median(times['digenrl']) / statistics.median(times['plain']):.3f}")
+              f"(median of {rounds} chains of {hops}; min {min(ts):.2f}, max {max(ts):.2f}); "
+              f"{statistics.median(cpu[label]):.2f} CPU-ms per task, all processes")
+    print(f"   ratio: {statistics.median(times['digenrl']) / statistics.median(times['plain']):.3f}"
+          f" (CPU {statistics.median(cpu['digenrl']) / statistics.median(cpu['plain']):.3f})")
 
 
 _FORWARD = """
@@ -234,7 +264,9 @@ def transfer(rounds: int) -> None:
     by_name = {str(w["name"]): a for a, w in c.scheduler_info()["workers"].items()}
     trainer = next(a for n, a in by_name.items() if n.startswith("trainer"))
     rollout = next(a for n, a in by_name.items() if n.startswith("rollout"))
+    c.run(_as_in_a_run)
     times: dict[str, list[float]] = {"idle": [], "training": []}
+    cpu: list[float] = []   # all processes, per fetch to an idle trainer's worker
     nbytes = 0
     try:
         # A first round, not counted: each worker imports what the weights need on its
@@ -247,7 +279,10 @@ def transfer(rounds: int) -> None:
                 if label == "training":
                     busy = c.submit(_train_for, 1.0, workers=[trainer], pure=False)
                     time.sleep(0.2)   # (the passes under way before the fetch)
+                c0 = _cluster_cpu()
                 nbytes = c.submit(_size, w, workers=[rollout], pure=False).result()
+                if r and busy is None:
+                    cpu.append(_cluster_cpu() - c0)
                 if r:
                     times[label].append(1000 * c.run(_last_fetch, workers=[rollout])[rollout])
                 if busy is not None:
@@ -260,6 +295,9 @@ def transfer(rounds: int) -> None:
         print(f"{label:>9}: {statistics.median(ts):6.1f} ms per fetch (median; "
               f"min {min(ts):.1f}, max {max(ts):.1f})")
     print(f"    ratio: {statistics.median(times['training']) / statistics.median(times['idle']):.2f}")
+    print(f"CPU, all processes, per fetch from the idle trainer (with the task reading it): "
+          f"{1000 * statistics.median(cpu):.1f} ms, {1000 * statistics.median(cpu) / (nbytes / 1e6):.2f} "
+          f"ms per MB")
 
 
 def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple[int, float]:
@@ -337,8 +375,6 @@ def eventloop(gpus: int, iterations: int) -> None:
 def _idle_cores(tick: str, seconds: float) -> float:
     """Cores the local 2+2 cluster uses while idle, with the tick interval ``tick``
     (empty: as configured), in this process."""
-    import psutil
-
     from digenrl import cluster
     from digenrl.config import ClusterConfig
 
@@ -346,23 +382,11 @@ def _idle_cores(tick: str, seconds: float) -> float:
         cluster.DASK_CONFIG["distributed.admin.tick.interval"] = tick
     handle = cluster.start_cluster(ClusterConfig(rollout_workers=2, trainer_workers=2,
                                                  dashboard_address=None))
-
-    def cpu() -> float:
-        me = psutil.Process()
-        total = 0.0
-        for p in [me, *me.children(recursive=True)]:
-            try:
-                t = p.cpu_times()
-            except psutil.Error:
-                continue
-            total += t.user + t.system
-        return total
-
     try:
         time.sleep(5)  # the workers' start-up settles
-        c0, t0 = cpu(), time.monotonic()
+        c0, t0 = _cluster_cpu(), time.monotonic()
         time.sleep(seconds)
-        return (cpu() - c0) / (time.monotonic() - t0)
+        return (_cluster_cpu() - c0) / (time.monotonic() - t0)
     finally:
         handle.close()
 

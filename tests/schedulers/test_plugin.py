@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from distributed import Event
+from distributed import Event, Worker
 from distributed.utils_test import async_poll_for, inc
 
 from digenrl.records import TASK_COLUMNS
 from digenrl.schedulers.options import MODES, ScheduleOptions
-from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+from digenrl.schedulers.plugin import WORKER_SEND_INTERVAL, DigenRLSchedulerPlugin
 
 from inprocess import pooled_cluster
 from plugin_helpers import annotated, task_meta, wait_for_event, worker_name
@@ -87,6 +87,18 @@ async def test_training_beyond_the_bound_fails_with_a_clear_error(c, s, r, t):
         assert type(e).__name__ == "StalenessBoundError"
     else:
         raise AssertionError("the task ran")
+
+
+@pooled_cluster(POOLED)
+async def test_the_schedulers_messages_to_every_worker_go_out_at_the_plugins_interval(c, s, r, t):
+    """Workers that joined before the plugin was registered and one that joins later."""
+    default = s.stream_comms[r.address].interval
+    assert default > WORKER_SEND_INTERVAL
+    await install(s)
+    assert {s.stream_comms[w.address].interval for w in (r, t)} == {WORKER_SEND_INTERVAL}
+    async with Worker(s.address, nthreads=1, resources={"GPU": 1, "rollout": 1}) as late:
+        await async_poll_for(lambda: late.address in s.stream_comms, timeout=20)
+        assert s.stream_comms[late.address].interval == WORKER_SEND_INTERVAL
 
 
 @pooled_cluster([("127.0.0.1", 2, ROLLOUT), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
