@@ -12,7 +12,9 @@
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
-by the plugin and released by the policy), alternating, and prints milliseconds per hop.
+by the plugin and released by the policy), alternating, and prints milliseconds per hop
+and the CPU-milliseconds per task of all the cluster's processes (the workers' allocator
+and collector set up as a run sets them up).
 ``malloc`` times the default transformer's forward pass in fresh processes with and
 without ``MALLOC_TRIM_THRESHOLD_=65536`` (what Dask's nanny exports), and with that
 variable plus the allocator tuning the worker plugin applies. ``eventloop`` times, in
@@ -24,7 +26,8 @@ published weights (a ``PolicyWeights`` of its 4.6 million parameters) from the t
 to the rollout worker of the default local cluster, with the trainer idle and while it
 runs the default transformer's forward and backward passes (as during a micro-step),
 alternating, and prints the worker's own record of each fetch (Dask's
-``transfer_incoming_log``) in milliseconds. ``collector`` times full passes of Python's
+``transfer_incoming_log``) in milliseconds, and the CPU-milliseconds all processes spend
+per fetch to the idle trainer's neighbour (with the small task that reads it), per MB. ``collector`` times full passes of Python's
 cyclic garbage collector in a fresh process that has imported what a worker imports
 (torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
 after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
