@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import zarr
 
-from digenrl.store import StoreError
+from digenrl.store import StoreError, write_all
 
 __all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_checkpoints",
            "write_weights", "read_weights"]
@@ -69,17 +69,18 @@ def _write_flat(grp: zarr.Group, name: str, flat: np.ndarray, attrs: dict) -> za
     """``flat`` as the new array ``grp/name``, uncompressed, with ``attrs`` (written with
     its metadata: one write, where setting them afterwards writes it once per key).
 
-    Written one chunk at a time, every chunk stored: zarr then writes each chunk's bytes
-    as they lie in ``flat``. (Handed a selection larger than a chunk it first copies each
-    chunk into a new buffer, and by default it compares every chunk with the fill value
-    to leave out empty ones: together most of a checkpoint's CPU beside the file writes.)"""
+    Each chunk is its own write, all awaited together, and every chunk is stored: zarr
+    then writes each chunk's bytes as they lie in ``flat``. (Handed a selection larger
+    than a chunk it first copies each chunk into a new buffer, and by default it compares
+    every chunk with the fill value to leave out empty ones: together most of a
+    checkpoint's CPU beside the file writes.)"""
     step = max(1, min(flat.shape[1], _CHECKPOINT_CHUNK))
     z = grp.create_array(name, shape=flat.shape, dtype=flat.dtype, compressors=None,
                          chunks=(1, step), attributes=attrs, overwrite=True,
                          config={"write_empty_chunks": True})
-    for row in range(flat.shape[0]):
-        for start in range(0, flat.shape[1], step):
-            z[row:row + 1, start:start + step] = flat[row:row + 1, start:start + step]
+    write_all([z.async_array.setitem((slice(row, row + 1), slice(start, start + step)),
+                                     flat[row:row + 1, start:start + step])
+               for row in range(flat.shape[0]) for start in range(0, flat.shape[1], step)])
     return z
 
 

@@ -29,7 +29,7 @@ import zarr
 import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
-__all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
+__all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations", "write_all",
            "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "SOURCES_ATTRIBUTE",
            "StoreError", "frame_strip", "STRIP_FRAMES"]
 
@@ -85,10 +85,12 @@ class StoreError(ValueError):
     pass
 
 
-def _write_all(writes: Sequence[Coroutine[Any, Any, None]]) -> None:
-    """Await ``writes`` together on zarr's event loop (its synchronous API's loop); once
-    all have ended, raise the first one's error, if any. (An error leaves rows beyond the
-    last commit, which readers never see and reopening cuts.)"""
+def write_all(writes: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Await ``writes`` (zarr's asynchronous writes) together on zarr's event loop (its
+    synchronous API's loop); once all have ended, raise the first one's error, if any.
+    (An error in a commit's writes leaves rows beyond the last commit, which readers
+    never see and reopening cuts; in a checkpoint's, a checkpoint never marked
+    complete.)"""
     async def together() -> list:
         return await asyncio.gather(*writes, return_exceptions=True)
 
@@ -265,7 +267,7 @@ class RunStore:
         writes = self._batch_writes(batch)
         # Every array's write at once (each is a few files): a commit's cost was mostly
         # zarr's per-operation round trips, paid once per array in turn.
-        _write_all(writes)
+        write_all(writes)
         self.commit()
 
     def _batch_writes(self, batch: Sequence[Mapping[str, Mapping[str, np.ndarray]]]

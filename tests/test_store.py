@@ -10,7 +10,7 @@ import zarr
 from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
                                  read_weights, write_checkpoint, write_weights)
 from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
-from digenrl.store import GROUPS, RunStore, StoreError, _write_all, open_run
+from digenrl.store import GROUPS, RunStore, StoreError, write_all, open_run
 
 
 def rows(i, n=3):
@@ -71,7 +71,7 @@ def test_task_records_are_stored_as_their_schema_says(store_path):
 def write_uncommitted(store: RunStore, groups) -> None:
     """Write one iteration's rows (``groups``, as ``append_iteration`` takes them) as a
     writer does before it commits, and stop there, as a writer that dies does."""
-    _write_all(store._batch_writes([groups]))
+    write_all(store._batch_writes([groups]))
 
 
 def test_a_reader_never_sees_a_partial_iteration(store_path):

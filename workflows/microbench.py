@@ -471,10 +471,10 @@ def _commit_cpu(together: bool, commits: int) -> float:
         for _ in range(commits):
             writes = s._batch_writes([iteration])
             if together:
-                store._write_all(writes)
+                store.write_all(writes)
             else:
                 for w in writes:
-                    store._write_all([w])
+                    store.write_all([w])
             s.commit()
         return (time.process_time() - t) / commits
 
