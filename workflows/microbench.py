@@ -298,9 +298,11 @@ def transfer(rounds: int) -> None:
         print(f"{label:>9}: {statistics.median(ts):6.1f} ms per fetch (median; "
               f"min {min(ts):.1f}, max {max(ts):.1f})")
     print(f"    ratio: {statistics.median(times['training']) / statistics.median(times['idle']):.2f}")
+    # (The mean: a process's CPU time is counted in clock ticks of 10 ms.)
+    per_fetch = statistics.mean(cpu)
     print(f"CPU, all processes, per fetch from the idle trainer (with the task reading it): "
-          f"{1000 * statistics.median(cpu):.1f} ms, {1000 * statistics.median(cpu) / (nbytes / 1e6):.2f} "
-          f"ms per MB")
+          f"{1000 * per_fetch:.1f} ms, {1000 * per_fetch / (nbytes / 1e6):.2f} ms per MB "
+          f"(mean of {len(cpu)})")
 
 
 def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple[int, float]:
