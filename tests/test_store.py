@@ -10,7 +10,7 @@ import zarr
 from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
                                  read_weights, write_checkpoint, write_weights)
 from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
-from digenrl.store import GROUPS, RunStore, StoreError, write_all, open_run
+from digenrl.store import GROUPS, RunStore, StoreError, open_run, write_all
 
 
 def rows(i, n=3):

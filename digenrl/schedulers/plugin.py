@@ -22,9 +22,11 @@ Dask behaviours relied on (each is checked by ``tests/schedulers/test_dask_contr
 5. ``distributed.scheduler.no-workers-timeout`` is unset, so parked tasks never time out.
 6. Per-key layer annotations reach the plugin's ``update_graph`` as ``annotations``.
 
-The scheduler's batched stream to each worker (``Scheduler.stream_comms[address]``, a
-``BatchedSend``) exists when ``add_worker`` runs, and its ``interval`` is the least time
-between two of its sends (see :data:`WORKER_SEND_INTERVAL`).
+(7 to 9, what the progress watchdog and the hand-off rely on: docs/scheduling.md.)
+
+10. The scheduler's batched stream to each worker (``Scheduler.stream_comms[address]``,
+    a ``BatchedSend``) exists when ``add_worker`` runs, and its ``interval`` is the
+    least time between two of its sends (see :data:`WORKER_SEND_INTERVAL`).
 """
 
 from __future__ import annotations

@@ -101,29 +101,6 @@ async def test_4_restricted_tasks_bypass_queuing(c, s, a, b):
     await c.gather(futs)
 
 
-class StreamAtJoin(SchedulerPlugin):
-    name = "stream-at-join"
-
-    def __init__(self):
-        self.streams = {}
-
-    def add_worker(self, scheduler, worker):
-        self.streams[worker] = scheduler.stream_comms.get(worker)
-
-
-@pooled_cluster(NTHREADS)
-async def test_10_a_workers_stream_exists_when_plugins_hear_it_joined(c, s, a, b):
-    """The plugin sets the interval of the scheduler's batched stream to a worker when
-    the worker joins: the stream must exist then, and be the one the scheduler keeps."""
-    plugin = StreamAtJoin()
-    s.add_plugin(plugin)
-    async with Worker(s.address, nthreads=1) as w:
-        await async_poll_for(lambda: w.address in plugin.streams, timeout=20)
-        stream = plugin.streams[w.address]
-        assert stream is not None and stream is s.stream_comms[w.address]
-        assert isinstance(stream.interval, float) and stream.interval > 0
-
-
 def test_5_no_workers_timeout_is_unset():
     assert dask.config.get("distributed.scheduler.no-workers-timeout") is None
 
@@ -176,3 +153,26 @@ def test_8_a_failed_gather_strands_an_input_when_it_is_handled_after_its_resumed
         step, who_has={noise: [spare]}, nbytes={noise: 1}, stimulus_id="compute-again"))
     assert ws.tasks[noise].state == "flight" and ws.tasks[noise].coming_from == spare
     ws.validate_state()
+
+
+class StreamAtJoin(SchedulerPlugin):
+    name = "stream-at-join"
+
+    def __init__(self):
+        self.streams = {}
+
+    def add_worker(self, scheduler, worker):
+        self.streams[worker] = scheduler.stream_comms.get(worker)
+
+
+@pooled_cluster(NTHREADS)
+async def test_10_a_workers_stream_exists_when_plugins_hear_it_joined(c, s, a, b):
+    """The plugin sets the interval of the scheduler's batched stream to a worker when
+    the worker joins: the stream must exist then, and be the one the scheduler keeps."""
+    plugin = StreamAtJoin()
+    s.add_plugin(plugin)
+    async with Worker(s.address, nthreads=1) as w:
+        await async_poll_for(lambda: w.address in plugin.streams, timeout=20)
+        stream = plugin.streams[w.address]
+        assert stream is not None and stream is s.stream_comms[w.address]
+        assert isinstance(stream.interval, float) and stream.interval > 0
