@@ -497,7 +497,6 @@ def _checkpoint_cpu(chunkwise: bool, writes: int) -> tuple[float, float]:
     import resource
     import tempfile
 
-
     from digenrl import checkpoints, store
 
     params = {n: t.numpy() for n, t in _weights().tensors.items()}
@@ -538,14 +537,13 @@ def checkpoint(rounds: int, writes: int = 10) -> None:
     for _ in range(rounds):
         cpu["chunk by chunk"].append(_checkpoint_cpu(True, writes))
         cpu["one zarr write"].append(_checkpoint_cpu(False, writes))
-    for name, c in cpu.items():
-        user = statistics.median(u for u, _ in c)
-        system = statistics.median(s for _, s in c)
+    medians = {name: (statistics.median(u for u, _ in c), statistics.median(s for _, s in c))
+               for name, c in cpu.items()}
+    for name, (user, system) in medians.items():
         print(f"a checkpoint of the default model's trainer state, {name}: {user:.3f} user "
               f"+ {system:.3f} system CPU-s (median of {rounds} rounds of {writes})")
-    ratio = (sum(statistics.median(x[k] for x in cpu["chunk by chunk"]) for k in (0, 1))
-             / sum(statistics.median(x[k] for x in cpu["one zarr write"]) for k in (0, 1)))
-    print(f"ratio of all CPU {ratio:.2f}")
+    print(f"ratio of all CPU "
+          f"{sum(medians['chunk by chunk']) / sum(medians['one zarr write']):.2f}")
 
 
 def main() -> None:
@@ -553,9 +551,10 @@ def main() -> None:
         print(_idle_cores(sys.argv[2], float(sys.argv[3])))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "transfer",
-                                         "collector", "idle", "imports", "commit",
-                                         "checkpoint"])
+    # The benchmarks that take only the number of rounds.
+    by_rounds = {"transfer": transfer, "collector": collector, "idle": idle,
+                 "imports": imports, "commit": commit, "checkpoint": checkpoint}
+    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", *by_rounds])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
@@ -565,18 +564,8 @@ def main() -> None:
         dispatch(args.hops, args.rounds)
     elif args.what == "eventloop":
         eventloop(args.gpus, args.iterations)
-    elif args.what == "transfer":
-        transfer(args.rounds)
-    elif args.what == "collector":
-        collector(args.rounds)
-    elif args.what == "idle":
-        idle(args.rounds)
-    elif args.what == "imports":
-        imports(args.rounds)
-    elif args.what == "commit":
-        commit(args.rounds)
-    elif args.what == "checkpoint":
-        checkpoint(args.rounds)
+    elif args.what in by_rounds:
+        by_rounds[args.what](args.rounds)
     else:
         malloc()
 
