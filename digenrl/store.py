@@ -30,8 +30,8 @@ import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
-           "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN", "SOURCES_ATTRIBUTE",
-           "StoreError", "frame_strip", "STRIP_FRAMES"]
+           "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
+           "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.

@@ -27,8 +27,9 @@ to the rollout worker of the default local cluster, with the trainer idle and wh
 runs the default transformer's forward and backward passes (as during a micro-step),
 alternating, and prints the worker's own record of each fetch (Dask's
 ``transfer_incoming_log``) in milliseconds, and the CPU-milliseconds all processes spend
-per fetch to the idle trainer's neighbour (with the small task that reads it), per MB. ``collector`` times full passes of Python's
-cyclic garbage collector in a fresh process that has imported what a worker imports
+per fetch from the idle trainer (with the small task that reads it) and per MB
+(the workers' allocator and collector set up as a run sets them up). ``collector``
+times full passes of Python's cyclic garbage collector in a fresh process that has imported what a worker imports
 (torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
 after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
 rollout and two trainer workers a run starts, lets it settle, and prints the CPU all its
