@@ -29,8 +29,9 @@ alternating, and prints the worker's own record of each fetch (Dask's
 ``transfer_incoming_log``) in milliseconds, and the CPU-milliseconds all processes spend
 per fetch from the idle trainer (with the small task that reads it) and per MB
 (the workers' allocator and collector set up as a run sets them up). ``collector``
-times full passes of Python's cyclic garbage collector in a fresh process that has imported what a worker imports
-(torch, diffusers, transformers, Dask, digenrl) and built the default models, before and
+times full passes of Python's cyclic garbage collector in a fresh process that has
+imported what a worker imports (torch, diffusers, transformers, Dask, digenrl) and built
+the default models, before and
 after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
 rollout and two trainer workers a run starts, lets it settle, and prints the CPU all its
 processes (the driver's, with the scheduler and the nannies, and the workers') use per
