@@ -31,12 +31,12 @@ per fetch from the idle trainer (with the small task that reads it) and per MB
 (the workers' allocator and collector set up as a run sets them up). ``collector``
 times full passes of Python's cyclic garbage collector in a fresh process that has
 imported what a worker imports (torch, diffusers, transformers, Dask, digenrl) and built
-the default models, before and
-after :func:`digenrl.process.freeze_collector`. ``idle`` starts the local cluster of two
-rollout and two trainer workers a run starts, lets it settle, and prints the CPU all its
-processes (the driver's, with the scheduler and the nannies, and the workers') use per
-second while no run uses it, with the event loops' tick (:data:`digenrl.cluster.DASK_CONFIG`)
-as configured and at 0.1 s, each in a fresh process, alternating. ``imports`` prints,
+the default models, before and after :func:`digenrl.process.freeze_collector`. ``idle``
+starts the local cluster of two rollout and two trainer workers a run starts, lets it
+settle, and prints the CPU all its processes (the driver's, with the scheduler and the
+nannies, and the workers') use per second while no run uses it, with the event loops'
+tick (:data:`digenrl.cluster.DASK_CONFIG`) as configured and at 0.1 s, each in a fresh
+process, alternating. ``imports`` prints,
 each in a fresh process, the CPU-seconds of a driver's imports (``digenrl.cli``,
 ``digenrl.runner``, and the default family asked for its latent shape and sigmas) and
 the CPU-seconds and modules a worker forked from the preloading server
