@@ -28,7 +28,9 @@ runs the default transformer's forward and backward passes (as during a micro-st
 alternating, and prints the worker's own record of each fetch (Dask's
 ``transfer_incoming_log``) in milliseconds, and the CPU-milliseconds all processes spend
 per fetch from the idle trainer (with the small task that reads it) and per MB
-(the workers' allocator and collector set up as a run sets them up). ``collector``
+(the workers' allocator and collector set up as a run sets them up), then, in this
+process, the milliseconds Dask takes to serialize those weights into frames and read
+them back, and to pickle and unpickle them. ``collector``
 times full passes of Python's cyclic garbage collector in a fresh process that has
 imported what a worker imports (torch, diffusers, transformers, Dask, digenrl) and built
 the default models, before and after :func:`digenrl.process.freeze_collector`. ``idle``
@@ -305,6 +307,34 @@ def transfer(rounds: int) -> None:
     print(f"CPU, all processes, per fetch from the idle trainer (with the task reading it): "
           f"{1000 * per_fetch:.1f} ms, {1000 * per_fetch / (nbytes / 1e6):.2f} ms per MB "
           f"(mean of {len(cpu)})")
+    _serialization()
+
+
+def _serialization(repeats: int = 21) -> None:
+    """Dask's serialization of the default weights, by the digenrl serializer and pickled,
+    each read back from fresh writable buffers (as a socket fills them)."""
+    import pickle
+
+    from distributed.protocol.serialize import merge_and_deserialize, serialize_and_split
+
+    weights = _weights()
+
+    def ms(f) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return 1000 * statistics.median(times)
+
+    header, frames = serialize_and_split(weights)
+    received = iter([[bytearray(f) for f in frames] for _ in range(repeats)])
+    pickled = pickle.dumps(weights, protocol=5)
+    print(f"{len(weights.tensors)} tensors in {len(frames)} frames; medians of {repeats}: "
+          f"serialize_and_split {ms(lambda: serialize_and_split(weights)):.1f} ms, "
+          f"merge_and_deserialize {ms(lambda: merge_and_deserialize(header, next(received))):.1f}"
+          f" ms; pickled {ms(lambda: pickle.dumps(weights, protocol=5)):.1f} ms, unpickled "
+          f"{ms(lambda: pickle.loads(bytearray(pickled))):.1f} ms")
 
 
 def _bare_loop(workers: int, chains: int, length: int, iterations: int) -> tuple[int, float]:
