@@ -1,6 +1,7 @@
 """Task results on the wire (digenrl/tasks/wire.py): every type that travels between
-workers goes through Dask's "dask" serializer as plain data plus one frame per tensor or
-array, comes back bit for bit, and a header naming anything else is refused."""
+workers goes through Dask's "dask" serializer as plain data plus frames (a large tensor or
+array in a frame of its own, the small ones sharing one), comes back bit for bit, and a
+header naming anything else is refused."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def examples() -> dict[str, object]:
         "Conditioning": latents.cond,
         "Conditioning in bfloat16 without a negative prompt": bf16,
         "PolicyWeights of every dtype and shape": mixed_weights(7),
+        "PolicyWeights with tensors too large to share a frame": large_weights(3),
     }
 
 
@@ -86,6 +88,20 @@ def mixed_weights(seed: int) -> PolicyWeights:
         "bool": x > 0, "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
         "empty": torch.empty(0, 3, dtype=torch.float16), "strided": x.t()[1:4],
         "nan": torch.tensor([float("nan"), -0.0, float("inf")])})
+
+
+def large_weights(seed: int) -> PolicyWeights:
+    """Weights with tensors above and at the size that shares a frame, between small ones
+    (one of them not contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    floats = wire.PACKED_BYTES // 4
+    big = torch.randn(floats + 1, generator=g)
+    return PolicyWeights(seed, {
+        "small": torch.randn(3, 5, generator=g), "large": big,
+        "at the limit": torch.randn(floats, generator=g),
+        "large bfloat16": torch.randn(3, floats, generator=g).bfloat16(),
+        "large, strided": torch.randn(2, floats, generator=g).t(),
+        "last": torch.arange(7)})
 
 
 def assert_bit_identical(got, want, where="value") -> None:
@@ -121,31 +137,73 @@ def test_every_travelling_type_has_an_example(examples):
     assert names >= {cls.__name__ for cls in TRAVELLING} | {"OptimizeOut"}
 
 
-@pytest.mark.parametrize("writable", [True, False], ids=["bytearray", "bytes"])
-def test_every_travelling_type_round_trips_bit_exact(examples, writable):
+def _received_at(frame, offset: int) -> memoryview:
+    """``frame``'s bytes in writable memory starting ``offset`` bytes past a 64-byte
+    boundary, as a socket may fill a frame Dask reads inside a larger buffer."""
+    n = memoryview(frame).nbytes
+    block = torch.empty(n + 128, dtype=torch.uint8).numpy()
+    start = -block.ctypes.data % 64 + offset
+    block[start:start + n] = np.frombuffer(frame, np.uint8)
+    return memoryview(block[start:start + n])
+
+
+@pytest.mark.parametrize("received", ["aligned", "4 bytes past", "16 bytes past", "bytes"])
+def test_every_travelling_type_round_trips_bit_exact(examples, received):
     """Through Dask's own message framing (the header packed with MessagePack) and
-    frames received as fresh buffers, writable or not, without a warning."""
+    frames received as fresh buffers, writable or not, on a 64-byte boundary or off it,
+    without a warning; every tensor read back lies on a 64-byte boundary, as torch puts
+    a tensor it makes, in the received frame where that frame lies on one."""
+    offset = {"aligned": 0, "4 bytes past": 4, "16 bytes past": 16}.get(received)
     for name, value in examples.items():
-        frames = [bytearray(f) if writable else bytes(f)
+        frames = [bytes(f) if offset is None else _received_at(f, offset)
                   for f in dumps({"data": to_serialize(value)})]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = loads(frames)["data"]
         assert_bit_identical(got, value, name)
-        if writable and isinstance(value, PolicyWeights):  # a received frame is used as is
-            first = next(iter(got.tensors.values()))
-            assert any(first.data_ptr() == np.frombuffer(f, np.uint8).ctypes.data
-                       for f in frames)
+        if isinstance(value, PolicyWeights):
+            spans = [(np.frombuffer(f, np.uint8).ctypes.data, memoryview(f).nbytes)
+                     for f in frames]
+            for t in got.tensors.values():
+                if t.numel():
+                    assert t.data_ptr() % wire.ALIGN == 0, name
+                    in_frame = any(a <= t.data_ptr() < a + n for a, n in spans)
+                    assert in_frame == (offset == 0), name
 
 
-def test_dask_uses_the_dask_serializer_one_frame_per_tensor(examples):
+def test_a_product_of_a_received_tensor_has_the_bits_of_one_made_here():
+    """A small matrix product on the CPU can take another path for an input off a
+    16-byte boundary, and give other bits: what a worker computes from a received tensor
+    must be what it computes from the tensor made where it was sent from."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 8, generator=g), torch.randn(32, 8, generator=g)
+    want = torch.nn.functional.linear(x, w)
+    for offset in range(0, 64, 4):
+        frames = [_received_at(f, offset)
+                  for f in dumps({"data": to_serialize(PolicyWeights(0, {"x": x}))})]
+        got = loads(frames)["data"].tensors["x"]
+        assert torch.equal(torch.nn.functional.linear(got, w), want), offset
+
+
+def test_large_buffers_travel_as_they_lie_and_small_ones_share_one_frame(examples):
     for name, value in examples.items():
         header, frames = serialize(value)
         assert header["serializer"] == "dask", name
         buffers = []
         _collect_buffers(value, buffers)
-        assert len(frames) == len(buffers), name
-        assert sum(memoryview(f).nbytes for f in frames) == sum(buffers), name
+        large = [n for n in buffers if n > wire.PACKED_BYTES]
+        small = len(large) < len(buffers)
+        assert len(frames) == len(large) + small, name
+        assert sorted(memoryview(f).nbytes for f in frames[:len(large)]) == sorted(large), name
+        if small:  # each small buffer at an aligned offset, after the one before it
+            assert sum(buffers) - sum(large) <= memoryview(frames[-1]).nbytes < \
+                sum(buffers) - sum(large) + wire.ALIGN * len(buffers), name
+    weights = large_weights(3)
+    _, frames = serialize(weights)
+    # A large contiguous tensor's frame is its memory; a strided one's, a copy.
+    pointers = {np.frombuffer(f, np.uint8).ctypes.data for f in frames}
+    assert weights.tensors["large"].data_ptr() in pointers
+    assert weights.tensors["large, strided"].data_ptr() not in pointers
 
 
 def _collect_buffers(value, out: list[int]) -> None:
@@ -178,9 +236,18 @@ def _tampered(value, change):
      r"\['sampling_copy', 'tensors', 'version'\]"),
     (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(dtype="object"),
      r"PolicyWeights.tensors\['float32'\]: tensor dtype: expected one of .*, got 'object'"),
-    (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(shape=[6, 6]),
-     r"PolicyWeights.tensors\['float32'\]: expected 144 bytes for shape \[6, 6\], got a "
-     r"frame of 120"),
+    (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(shape=[60, 6]),
+     r"PolicyWeights.tensors\['float32'\]: expected 1440 bytes for shape \[60, 6\] at "
+     r"offset 0, got a shared frame of \d+"),
+    (lambda v: v["fields"]["tensors"]["dict"]["bool"]["tensor"].update(packed=-64),
+     r"PolicyWeights.tensors\['bool'\]: expected an offset in the shared frame \(a "
+     r"multiple of 64\), got -64"),
+    (lambda v: v["fields"]["tensors"]["dict"]["bool"]["tensor"].update(packed=True),
+     r"PolicyWeights.tensors\['bool'\]: expected an offset in the shared frame \(a "
+     r"multiple of 64\), got True"),
+    (lambda v: v["fields"]["tensors"]["dict"]["bool"]["tensor"].update(packed=8),
+     r"PolicyWeights.tensors\['bool'\]: expected an offset in the shared frame \(a "
+     r"multiple of 64\), got 8"),
     (lambda v: v["fields"].update(version={"set": [1]}),
      r"PolicyWeights.version: expected a number, .*got \{'set': \[1\]\}"),
 ])
@@ -189,6 +256,34 @@ def test_a_header_it_did_not_write_is_refused_in_one_line(change, message):
     with pytest.raises(ValueError, match="^wire: " + message) as e:
         deserialize(header, frames)
     assert "\n" not in str(e.value)
+
+
+def test_a_large_buffers_frame_of_the_wrong_size_or_index_is_refused_in_one_line():
+    header, frames = serialize(large_weights(1))
+    tensors = header["sub-header"]["value"]["fields"]["tensors"]["dict"]
+    tensors["large"]["tensor"]["shape"] = [7]
+    with pytest.raises(ValueError, match=r"^wire: PolicyWeights.tensors\['large'\]: "
+                                         r"expected 28 bytes for shape \[7\], got a frame "
+                                         rf"of {4 * (wire.PACKED_BYTES // 4 + 1)}$"):
+        deserialize(header, frames)
+    header, frames = serialize(large_weights(1))
+    header["sub-header"]["value"]["fields"]["tensors"]["dict"]["large"]["tensor"]["frame"] = 9
+    with pytest.raises(ValueError, match=r"^wire: PolicyWeights.tensors\['large'\]: "
+                                         rf"expected a frame index below {len(frames)}, "
+                                         r"got 9$"):
+        deserialize(header, frames)
+
+
+def test_a_header_without_its_shared_frame_is_refused():
+    header, frames = serialize(mixed_weights(1))
+    header["sub-header"]["shared"] = 3
+    with pytest.raises(ValueError, match=r"^wire: PolicyWeights: expected the shared "
+                                         r"frame's index below 1, got 3$"):
+        deserialize(header, frames)
+    del header["sub-header"]["shared"]
+    with pytest.raises(ValueError, match=r"expected an offset in the shared frame \(a "
+                                         r"multiple of 64\), got 0 \(shared frame: None\)"):
+        deserialize(header, frames)
 
 
 def test_an_array_header_naming_object_dtype_is_refused():
