@@ -91,8 +91,8 @@ def mixed_weights(seed: int) -> PolicyWeights:
 
 
 def large_weights(seed: int) -> PolicyWeights:
-    """Weights with tensors above and at the size that shares a frame, between small ones
-    (one of them not contiguous)."""
+    """Weights with tensors above the size that shares a frame (one of them not
+    contiguous) and at it, between small ones."""
     g = torch.Generator().manual_seed(seed)
     floats = wire.PACKED_BYTES // 4
     big = torch.randn(floats + 1, generator=g)
