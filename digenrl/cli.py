@@ -311,18 +311,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool) -> int:
     """``digenrl run --check``: everything a run checks before starting a cluster."""
     from digenrl.config import config_to_dict
-    from digenrl.driver import check_store
+    from digenrl.driver import check_store, resume_point
     from digenrl.runner import FlowGRPOWorkload
 
     workload = FlowGRPOWorkload(config)
-    start = 0
+    start = computed_from = 0
     if out is not None:
         start = check_store(workload, out, overwrite=overwrite, resume=resume)
+        if resume:
+            computed_from = resume_point(workload, out, start)
     sys.stdout.write(yaml.safe_dump(config_to_dict(config), sort_keys=False))
     for line in workload.describe():
         logger.info(line)
-    logger.info("the config is valid%s", f"; the run would resume {out} at iteration {start}"
-                if resume else "")
+    again = (f", computing iterations {computed_from} to {start - 1} again from their "
+             f"checkpoints" if computed_from < start else "")
+    logger.info("the config is valid%s", f"; the run would resume {out} at iteration "
+                f"{start}{again}" if resume else "")
     return 0
 
 

@@ -983,11 +983,15 @@ class StoreConfig:
     commit_interval: float = 10.0
     """Seconds between two commits of complete iterations to the store: the iterations completed meanwhile are committed together, each array written once for them (a commit costs about the same for one iteration as for several). 0 commits every iteration as soon as it is complete. Readers see complete iterations only either way; a driver that dies loses the iterations not committed yet, which --resume computes again, bit for bit."""
 
+    checkpoint_every: int = 1
+    """Iterations between two resume points whose trainer state (weights and optimizer moments) is checkpointed in the store: with N, the versions a run resumed at iteration N, 2N, ... (and at its last iteration) restores -- version kN, and with bounded staleness k the k versions before it. 1 checkpoints every version. The other versions live in the trainer's memory only: a lost trainer recomputes them from the newest checkpoint before them, and a run resumed after its driver died starts computing again at the last resume point it stored, bit for bit, storing only the iterations it did not hold yet. Each checkpoint of full weights costs a write of three times the weights' size."""
+
     def validate(self, p: str) -> None:
         for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
         _finite(self.commit_interval, f"{p}.commit_interval", 0.0)
+        _positive_int(self.checkpoint_every, f"{p}.checkpoint_every")
 
 
 # ---------------------------------------------------------------------------- eval

@@ -128,15 +128,18 @@ def check_store(workload: Workload, out: str, *, overwrite: bool = False,
                                        and attrs.get("finished") == start):
         raise StoreError(f"resume: the store already holds {start} iterations; pass "
                          f"--iterations above {start} to continue it")
-    if start == 0:
+    return start
+
+
+def resume_point(workload: Workload, out: str, committed: int) -> int:
+    """Where a run resumed with ``committed`` iterations in its store at ``out`` starts
+    computing: the latest iteration whose retained versions' checkpoints the store
+    holds (:meth:`GraphLayout.resume_point`; ``committed`` itself unless the run wrote
+    only some versions' checkpoints, ``store.checkpoint_every``)."""
+    if committed == 0:
         return 0  # nothing to restore: version 0 is built (and checkpointed) again
     have = set(complete_checkpoints(out))
-    need = set(workload.layout.retained_versions(start))
-    missing = sorted(need - have)
-    if missing:
-        raise StoreError(f"resume: the store lacks the checkpoints of policy versions "
-                         f"{missing} (it holds {sorted(have)})")
-    return start
+    return workload.layout.resume_point(committed, have.__contains__)
 
 
 def library_versions() -> dict[str, str]:
@@ -170,7 +173,11 @@ class Driver:
     back by a task without inputs, no result ever needs more than about one iteration of
     lineage to be recomputed (published weights: none past their own checkpoint), the
     scheduler forgets finished iterations, and ``resume`` continues a run from its last
-    complete iteration bit for bit.
+    complete iteration bit for bit. With ``store.checkpoint_every`` N the versions
+    between resume points are read back from the memory of the worker that made them,
+    with that optimizer step as an input: lineage then reaches back to the newest
+    checkpoint (at most N iterations), and ``resume`` computes again, without storing
+    them again, the iterations since the last resume point.
     """
 
     def __init__(self, workload: Workload, out: str, cluster: ClusterHandle, *,
@@ -196,6 +203,9 @@ class Driver:
         #: its chunk size then, from what the iterations collected so far measured).
         self._plans: dict[int, IterationPlan] = {}
         self._measured: ChunkMeasurement | None = None
+        #: The task records of iterations computed again (the store holds them), until
+        #: they are stored with the next iteration committed.
+        self._carried: list[dict] = []
 
     # ------------------------------------------------------------------ helpers
 
@@ -259,31 +269,39 @@ class Driver:
 
     # --------------------------------------------------------------------- run
 
-    def _open_store(self) -> tuple[RunStore, int]:
+    def _open_store(self) -> tuple[RunStore, int, int]:
+        """The store, the iteration the run starts computing at and how many iterations
+        the store holds (those before it are computed again, not stored again)."""
         w = self.w
-        start = check_store(w, self.out, overwrite=self.overwrite, resume=self.resume)
+        committed = check_store(w, self.out, overwrite=self.overwrite, resume=self.resume)
         if not self.resume:
             store = RunStore.create(self.out, {
                 **w.attrs(), "schedule": w.options.as_dict(), "versions": library_versions(),
                 "cluster": self.handle.description, "run": self.run_id,
             }, overwrite=self.overwrite)
-            return store, 0
+            return store, 0, 0
+        start = resume_point(w, self.out, committed)
+        if start < committed:
+            logger.info("resuming at iteration %d from the checkpoints of iteration %d: "
+                        "iterations %d to %d are computed again, not stored again",
+                        committed, start, start, committed - 1)
         store = RunStore.open(self.out)
         self.run_id = store.attrs.get("run", self.run_id)
         # The config the run now follows (it may extend the iterations), and when.
-        store.update_attrs(**w.attrs(), resumed=[*store.attrs.get("resumed", []),
-                                                 {"at_iteration": start, "time": time.time()}])
-        return store, start
+        store.update_attrs(**w.attrs(), resumed=[
+            *store.attrs.get("resumed", []),
+            {"at_iteration": committed, "computed_from": start, "time": time.time()}])
+        return store, start, committed
 
     def run(self) -> RunResult:
         w, opts, client = self.w, self.w.options, self.handle.client
-        store, start = self._open_store()
+        store, start, committed = self._open_store()
         w.prepare(client, store)
         client.register_plugin(WeightReceipts())
         client.sync(client.scheduler.digenrl_begin_run, run=self.run_id, options=opts.as_dict())
         logger.info("run %s: mode %s (gap=%s tsp=%s tag=%s max_staleness=%d), %d iterations%s",
                     self.run_id, opts.mode, opts.gap, opts.tsp, opts.tag, opts.max_staleness,
-                    w.iterations, f", resuming at iteration {start}" if start else "")
+                    w.iterations, f", resuming at iteration {committed}" if committed else "")
         for line in w.describe():
             logger.info(line)
         pools = self.handle.description.get("pools", {})
@@ -292,7 +310,7 @@ class Driver:
             logger.info("dashboard: %s", self.handle.dashboard_link)
 
         try:
-            result = self._run(store, start)
+            result = self._run(store, start, committed)
         finally:
             self._release()
         return result
@@ -321,10 +339,10 @@ class Driver:
         except Exception as e:  # the cluster itself may be what failed
             logger.debug("could not end run %s on the scheduler: %r", self.run_id, e)
 
-    def _run(self, store: RunStore, start: int) -> RunResult:
+    def _run(self, store: RunStore, start: int, committed: int) -> RunResult:
         writer = StoreWriter(store, self.commit_interval)
         try:
-            result = self._iterate(writer, start)
+            result = self._iterate(writer, start, committed)
         except BaseException:
             # What is complete reaches the store, however the run ends.
             try:
@@ -337,19 +355,23 @@ class Driver:
         store.update_attrs(finished=self.w.iterations)
         return result
 
-    def _iterate(self, writer: StoreWriter, start: int) -> RunResult:
-        """Run iterations ``start ..`` to the end, handing each to ``writer`` once it is
-        complete; ``result.final`` is then the last version's published weights."""
+    def _iterate(self, writer: StoreWriter, start: int, committed: int) -> RunResult:
+        """Run iterations ``start ..`` to the end, handing each from ``committed`` on
+        (those before are in the store already) to ``writer`` once it is complete;
+        ``result.final`` is then the last version's published weights."""
         w, client = self.w, self.handle.client
         #: The CPU the run's processes spend, read as each iteration is committed.
         self.cpu_meter = CpuMeter(client)
         pipeline = Pipeline(w, client, self._submit, self.plan)
-        pipeline.begin(start)
+        pipeline.begin(start, stored=committed)
         result = RunResult(store=self.out)
         window = _Window(time.time())
         pipeline.submit_ready(start)
         for i in range(start, w.iterations):
             pipeline.wait_for(i, self._stalled)
+            if i < committed:
+                self._recomputed(pipeline, window, i)
+                continue
             summary = self._commit(writer, pipeline, window, i)
             result.iterations.append(summary)
             if self.on_iteration is not None:
@@ -369,6 +391,20 @@ class Driver:
         client = self.handle.client
         return client.sync(client.scheduler.digenrl_stalled, run=self.run_id)
 
+    def _recomputed(self, pipeline: Pipeline, window: _Window, i: int) -> None:
+        """Iteration ``i``, which the store holds, is computed again (a run resumed
+        from an earlier resume point): let go of its outputs and of the weights no later
+        piece reads, and begin the next iteration's window and measurements here."""
+        let_go(pipeline.take(i).values())
+        records, window.opened = window.close(self.handle.client, i)
+        self._measure(records)
+        self._carried += records  # stored with the next committed iteration's
+        pipeline.release(i)
+        self._cpu()
+        self._weight_receipts()
+        logger.info("iteration %d/%d computed again (the store holds it)", i + 1,
+                    self.w.iterations)
+
     def _commit(self, writer: StoreWriter, pipeline: Pipeline, window: _Window,
                 i: int) -> IterationSummary:
         """Iteration ``i`` is complete: gather what the workload stores, read the task
@@ -382,6 +418,7 @@ class Driver:
         let_go(futs.values())  # (before the checkpoints they were computed from go)
         records, t1 = window.close(client, i)
         self._measure(records)
+        records, self._carried = self._carried + records, []
         t0 = window.opened
         seconds = t1 - t0
         plan = self.plan(i)
@@ -413,7 +450,9 @@ class Driver:
         """Iteration ``i`` is in the store (the store's writer calls this): keep what a
         run resumed at ``i + 1`` may read or recompute from, and hand the iteration to
         the experiment trackers (which no commit waits for)."""
-        drop_checkpoints(self.out, lambda v: not self.w.layout.retains(v, i + 1))
+        layout, iterations = self.w.layout, self.w.iterations
+        drop_checkpoints(self.out,
+                         lambda v: not layout.keeps_checkpoint(v, i + 1, iterations))
         if self.tracker is not None:
             self.tracker.log_iteration(i, groups)
 
@@ -498,6 +537,7 @@ class Pipeline:
         self._submit = submit
         self._plan = plan
         self.start = 0
+        self.stored = 0
         #: version -> its publish future, held while the version is retained
         self.published: dict[int, Future] = {}
         #: version -> its checkpoint future, until the checkpoint is written
@@ -519,10 +559,12 @@ class Pipeline:
         self._evals: dict[int, dict[Key, Future]] = {}
         self.evaluated: set[int] = set()   # versions whose evaluation is in
 
-    def begin(self, start: int) -> None:
+    def begin(self, start: int, stored: int = 0) -> None:
         """Version 0 for a new run; for one resumed at ``start``, the weights of the
-        versions it retains, restored from their checkpoints."""
+        versions it retains, restored from their checkpoints. ``stored``: the iterations
+        the store holds (their evaluations are not computed again)."""
         self.start = start
+        self.stored = max(start, stored)
         if start == 0:
             self._submit_made(0, init_nodes(checkpoint=True), [], INIT)
             return
@@ -561,7 +603,7 @@ class Pipeline:
         progress = False
         for v in sorted(set(self.published) - self.evaluated):
             self.evaluated.add(v)
-            if eval_iteration(v) < self.start or v > self.w.iterations:
+            if eval_iteration(v) < self.stored or v > self.w.iterations:
                 continue
             nodes = nodes_of(v)
             if not nodes:
@@ -580,14 +622,21 @@ class Pipeline:
             progress = True
         return progress
 
+    def writes(self, v: int) -> bool:
+        """Whether this run writes version ``v``'s checkpoint (``store.checkpoint_every``)."""
+        return self.w.layout.writes_checkpoint(v, self.w.iterations)
+
     def _submit_made(self, v: int, nodes: list, keys: list[Key], name: str) -> dict[Key, Future]:
-        """Submit ``nodes``, which make version ``v``'s trainer state and checkpoint it,
-        with the read-back of that state (handed over in memory while the checkpoint is
-        written) and, past version 0 (published from the initial state), its publish."""
+        """Submit ``nodes``, which make version ``v``'s trainer state (and checkpoint it
+        when the run writes its checkpoint), with the read-back of that state (handed
+        over in memory while the checkpoint is written) and, past version 0 (published
+        from the initial state), its publish."""
+        written = self.writes(v)
         futs = self._submit_read_back(
-            v, nodes + restore_nodes(v, publish=v > 0, handoff=True),
-            keys + [checkpoint_key(v)], name)
-        self.checkpoints[v] = futs[checkpoint_key(v)]
+            v, nodes + restore_nodes(v, publish=v > 0, handoff=True, written=written),
+            keys + ([checkpoint_key(v)] if written else []), name)
+        if written:
+            self.checkpoints[v] = futs[checkpoint_key(v)]
         return futs
 
     def _submit_read_back(self, v: int, nodes: list, keys: list[Key],
@@ -638,7 +687,8 @@ class Pipeline:
             return False
         stats = iteration_outputs(plan)[STATS]
         futs = self._submit_made(
-            j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True),
+            j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True,
+                              written=self.writes(j + 1)),
             stats, f"tail-{j}")
         self._outputs[j].update({k: futs[k] for k in stats})
         let_go(self._held.pop(j, {}).values())
@@ -664,7 +714,8 @@ class Pipeline:
 
     def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
-        tail is in, its outputs are computed and checkpoint ``i + 1`` is written. A
+        tail is in, its outputs are computed and checkpoint ``i + 1`` is written (where
+        the run writes it). A
         task's error is raised here. After each ``STALL_POLL`` seconds without progress,
         ``stalled()`` says why the run can no longer progress (None while it can), and
         :class:`RunStalled` is raised with that."""
@@ -673,7 +724,8 @@ class Pipeline:
             self.submit_ready(i)
             futs = self._outputs.get(i, {})
             evals = self._evals.get(i, {})
-            trained = (i in self.tails and (i + 1) in self.checkpointed
+            trained = (i in self.tails
+                       and ((i + 1) in self.checkpointed or not self.writes(i + 1))
                        and all(f.done() for f in futs.values()))
             errors = [f for f in [*futs.values(), *evals.values()] if f.status == "error"]
             if errors:

@@ -157,6 +157,35 @@ def test_resume_extends_a_finished_run_and_finishes_a_stopped_one(
     assert read_attrs(out)["finished"] == REFERENCE_ITERATIONS
 
 
+def test_a_run_checkpointing_every_few_iterations_resumes_at_its_last_resume_point(
+        cluster_1x1, reference_run, tmp_path):
+    out = tmp_path / "run.zarr"
+    cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"store.checkpoint_every": 4})
+
+    def stop_after_the_second(summary):
+        if summary.iteration == 1:
+            raise DriverStopped
+
+    with pytest.raises(DriverStopped):
+        Runner(cfg, str(out), cluster=cluster_1x1, on_iteration=stop_after_the_second).run()
+    assert committed_iterations(out) == 2
+    # Versions 1 and 2 (the checkpoints a resume at iteration 2 restores) were never
+    # written: the run starts computing again at iteration 0 and stores from iteration 2.
+    written = set(complete_checkpoints(out))
+    assert 0 in written and not written & {1, 2}, written
+    assert resume(out, cluster_1x1) == 0
+    ds = open_run(out)
+    assert_same_results(ds, stored_weights(out), reference_run)
+    [resumed] = read_attrs(out)["resumed"]
+    assert (resumed["at_iteration"], resumed["computed_from"]) == (2, 0)
+    # The task records keep the work done twice: iterations 0 and 1 ran in both runs.
+    # (The first run's record of a later step is stored too if it was read before the
+    # run stopped.)
+    steps = ds["tasks"].to_dataframe().query("kind == 'optimize'").iteration
+    counts = steps.value_counts().to_dict()
+    assert counts[0] == counts[1] == 2 and counts[3] == 1 and counts[2] in (1, 2), counts
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--resume", "{ref}"], "resume: the store already holds 4 iterations; pass --iterations "
                             "above 4 to continue it"),

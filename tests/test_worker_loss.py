@@ -90,10 +90,11 @@ def _all_processing(dask_scheduler):
     return {a: _processing(dask_scheduler, a) for a in dask_scheduler.workers}
 
 
-def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=None):
+def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=None,
+                before: int | None = None):
     """Run ``cfg`` (default: the reference config); SIGKILL the ``pool`` worker while it
-    computes a ``kind`` task of iteration ``min_iteration`` or later. Returns the killed
-    worker's address and the keys it was computing."""
+    computes a ``kind`` task of iteration ``min_iteration`` or later (and before
+    ``before``). Returns the killed worker's address and the keys it was computing."""
     client = cluster.client
     address = _pool_worker(client, pool)
     cfg = cfg or small_config(iterations=REFERENCE_ITERATIONS)
@@ -106,7 +107,8 @@ def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=Non
                                  f"{kind} task of iteration {min_iteration} or later")
         assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
         keys = client.run_on_scheduler(_processing, address=address)
-        hit = [k for k in keys if k[0] == kind and k[1] >= min_iteration]
+        hit = [k for k in keys if k[0] == kind and k[1] >= min_iteration
+               and (before is None or k[1] < before)]
         if hit:
             pid = client.run(os.getpid, workers=[address])[address]
             os.kill(pid, signal.SIGKILL)
@@ -168,6 +170,24 @@ def test_a_killed_trainer_loses_nothing_and_its_successor_gets_the_weights(
         expected = read_checkpoint(path, v)[0]["params"]
         assert params.keys() == expected.keys()
         assert all(np.array_equal(params[n], expected[n]) for n in params), v
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_recomputes_the_versions_not_checkpointed_from_the_newest_one(
+        cluster_1x1, reference_run, tmp_path):
+    # Checkpoints at resume points 4 apart: of the 4 iterations' versions only 0 and the
+    # last two (a run resumed at its end restores them) are written. Killed during
+    # iteration 2, the trainer takes version 2's state with it, which only its memory
+    # held: the optimizer steps of iterations 0 and 1 (and what they read) are computed
+    # again from version 0's checkpoint.
+    path = tmp_path / "r.zarr"
+    cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"store.checkpoint_every": 4})
+    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 2, cfg=cfg, before=3)
+    assert keys and all(k[0] == "grad" and k[1] == 2 for k in keys)
+    t = check_run(path, reference_run, dead)
+    steps = t[t.kind == "optimize"].iteration.value_counts().to_dict()
+    assert steps[0] == steps[1] == 2 and steps[3] == 1, steps
+    assert complete_checkpoints(path) == [3, 4]
 
 
 def test_every_model_task_reads_its_weights_as_an_input():

@@ -90,7 +90,8 @@ class GraphContext:
             version_lag=config.schedule.options().max_staleness,
             stale_groups=config.schedule.stale_groups, algorithm=shape,
             save_latents=config.store.save_latents, group_rewards=bool(group_rewards),
-            group_reward_gpu=rewards_need_gpu(group_rewards))
+            group_reward_gpu=rewards_need_gpu(group_rewards),
+            checkpoint_every=config.store.checkpoint_every)
         evaluation = held_out = None
         if config.eval.on:
             esampler = config.eval.sampler(config.sampler)

@@ -7,8 +7,8 @@ micro-step) -> ``reduce`` (a fixed tree, each node a chain adding one part at a 
 ``grad`` tasks read) and ``stats``.
 With a reward that scores whole prompt groups, a ``group_reward`` (group) task reads the
 decoded images of the group's chunks and its ``advantage`` reads it too.
-A run on Dask checkpoints each version and publishes it from the checkpoint read back
-(:func:`tail_nodes`).
+A run on Dask checkpoints versions (each one, or those :meth:`GraphLayout.writes_checkpoint`
+names) and publishes each from its state read back (:func:`tail_nodes`).
 
 The algorithm (:mod:`digenrl.algorithms`, the layout's ``algorithm``) says which
 ``denoise`` steps are SDE steps (each annotated ``sde``), which micro-steps a chunk has
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
@@ -139,6 +139,9 @@ class GraphLayout:
     #: ``noise`` tasks read (a run's graph always; a cost profile's only when it gives
     #: encoding a cost: ``costs.encode_per_group``).
     encode: bool = True
+    #: Resume points a run writes the checkpoints of: every ``checkpoint_every``-th
+    #: iteration (:meth:`writes_checkpoint`).
+    checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -186,7 +189,41 @@ class GraphLayout:
     def retained_versions(self, iteration: int) -> list[int]:
         """The versions up to ``iteration`` that :meth:`retains` keeps there: what a run
         resumed at ``iteration`` restores."""
-        return [v for v in range(iteration + 1) if self.retains(v, iteration)]
+        first = max(0, iteration - self.version_lag)
+        return ([0] if self.kl and first > 0 else []) + list(range(first, iteration + 1))
+
+    def writes_checkpoint(self, version: int, iterations: int) -> bool:
+        """Whether a run of ``iterations`` iterations writes the checkpoint of
+        ``version``: version 0, and every version a run resumed at a resume point
+        restores (:meth:`retained_versions`), the resume points being the multiples of
+        ``checkpoint_every`` and the run's last iteration. (With ``checkpoint_every`` 1,
+        every version.) A version not written is read back from the memory of the
+        worker whose optimizer step made it, and recomputed from the newest checkpoint
+        before it when that memory is lost."""
+        if version == 0:
+            return True
+        every = self.checkpoint_every
+        point = min(-(-version // every) * every, max(iterations, version))
+        return self.retains(version, point)
+
+    def resume_point(self, committed: int, checkpointed: Callable[[int], bool]) -> int:
+        """Where a run whose store holds ``committed`` iterations starts computing
+        again, ``checkpointed(v)`` saying whether version ``v``'s checkpoint is complete:
+        the latest iteration at most ``committed`` whose retained versions are all
+        checkpointed (0, from the start, when none is). The iterations from there to
+        ``committed`` are computed again, bit for bit, and not stored again."""
+        for point in range(committed, 0, -1):
+            if all(checkpointed(v) for v in self.retained_versions(point)):
+                return point
+        return 0
+
+    def keeps_checkpoint(self, version: int, committed: int, iterations: int) -> bool:
+        """Whether a run of ``iterations`` iterations whose store holds ``committed``
+        keeps the checkpoint of ``version``: what its latest resume point restores
+        (and the recomputation of any later version starts from), and every later
+        version's."""
+        point = self.resume_point(committed, lambda v: self.writes_checkpoint(v, iterations))
+        return version > point or self.retains(version, point)
 
 
 def init_nodes(checkpoint: bool = False) -> list[Node]:
@@ -200,15 +237,23 @@ def init_nodes(checkpoint: bool = False) -> list[Node]:
     return nodes
 
 
-def restore_nodes(version: int, publish: bool = False, handoff: bool = False) -> list[Node]:
+def restore_nodes(version: int, publish: bool = False, handoff: bool = False,
+                  written: bool = True) -> list[Node]:
     """Read version ``version``'s state back from its checkpoint (a task with no inputs:
     lineage ends there), and optionally publish its weights from it.
 
     With ``handoff`` (the version is made in this run: by the optimizer step before it,
     or as the initial state) the read-back takes the state from the memory of the
     worker that made it when it runs there, which the scheduler arranges while the
-    checkpoint is being written; the maker's key is a plain argument, not an input."""
-    args = (version, optimize_key(version - 1)) if handoff else (version,)
+    checkpoint is being written; the maker's key is a plain argument, not an input.
+    Without ``written`` (a version whose checkpoint the run does not write) the
+    maker's result is an input: lineage goes on through the optimizer step that made
+    it, back to the newest version read from a checkpoint."""
+    maker = optimize_key(version - 1)
+    if not written:
+        assert handoff, "a version read from no checkpoint is read from its maker"
+        maker = Dep(maker)
+    args = (version, maker) if handoff else (version,)
     nodes = [Node(restore_key(version), RESTORE,
                   task_meta(RESTORE, version - 1, version), args)]
     if publish:
@@ -489,22 +534,25 @@ def _summed_in_order(key: Key, parts: list[Key], meta: dict) -> list[Node]:
 
 
 def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
-               checkpoint: bool = False) -> list[Node]:
+               checkpoint: bool = False, written: bool = True) -> list[Node]:
     """The optimizer step from trainer state ``state`` and the reduced gradient.
 
     Without ``checkpoint`` (the simulator's whole-iteration graph) it publishes version
     i + 1 from the optimizer step itself. With it (the driver's pieces, ``state`` being
-    :func:`restore_key` ``(i)``, submitted apart) it writes checkpoint i + 1 instead, and
-    version i + 1 is published from that checkpoint read back
-    (:func:`restore_nodes` ``(i + 1, publish=True)``, once it is written): published
-    weights then never need more than their own checkpoint to be recomputed."""
+    :func:`restore_key` ``(i)``, submitted apart) version i + 1 is published from its
+    state read back (:func:`restore_nodes` ``(i + 1, publish=True)``), and the tail
+    writes checkpoint i + 1 unless ``written`` is false (a version the run does not
+    checkpoint, :meth:`GraphLayout.writes_checkpoint`): published weights of a
+    checkpointed version then never need more than their own checkpoint to be
+    recomputed."""
     i = plan.iteration
     root = layout.reduce_root(plan)
     stepped = optimize_key(i)
     out = [Node(stepped, OPTIMIZE, task_meta(OPTIMIZE, i, i), (Dep(state), Dep(root), i))]
     if checkpoint:
-        out.append(Node(checkpoint_key(i + 1), CHECKPOINT,
-                        task_meta(CHECKPOINT, i, i + 1), (i + 1, Dep(stepped))))
+        if written:
+            out.append(Node(checkpoint_key(i + 1), CHECKPOINT,
+                            task_meta(CHECKPOINT, i, i + 1), (i + 1, Dep(stepped))))
     else:
         out.append(Node(publish_key(i + 1), PUBLISH, task_meta(PUBLISH, i, i + 1),
                         (Dep(stepped),)))

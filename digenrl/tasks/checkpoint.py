@@ -1,6 +1,8 @@
 """Checkpoint and restore tasks: the trainer state of a policy version to and from the
-run's store. Restoring is a task without inputs, so a result recomputed after a worker
-loss never needs more history than the newest checkpoint.
+run's store. Restoring a checkpointed version is a task without inputs, so a result
+recomputed after a worker loss never needs more history than the newest checkpoint; a
+version the run does not checkpoint (``store.checkpoint_every``) is restored from the
+optimizer step that made it, an input.
 
 A restore first looks for the state in the memory of the worker running it: the
 scheduler sends it to the worker whose optimizer step made the state while the
@@ -46,11 +48,15 @@ def save_state(spec: CheckpointSpec, version: int, out: OptimizeOut) -> int:
 
 
 def load_state(spec: CheckpointSpec, version: int,
-               maker: Hashable | None = None) -> OptimizeOut:
+               maker: Hashable | OptimizeOut | None = None) -> OptimizeOut:
     """Version ``version``'s trainer state, bit for bit as it was written: the result of
     ``maker`` (the key of the task that made the state) when this worker holds it, else
-    read from the checkpoint."""
-    held = _in_memory(maker) if maker is not None else None
+    read from the checkpoint. A version the run does not checkpoint has its maker's
+    result as an input (``maker`` is that result)."""
+    if isinstance(maker, OptimizeOut):
+        held = maker
+    else:
+        held = _in_memory(maker) if maker is not None else None
     if held is not None:
         assert held.state.version == version, (held.state.version, version)
         return OptimizeOut(held.state, None)

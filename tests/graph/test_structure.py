@@ -109,6 +109,54 @@ def test_the_retained_versions_are_those_later_iterations_may_read(lag, kl, expe
         assert {v for v in range(i + 2) if layout.retains(v, i + 1)} >= read
 
 
+@pytest.mark.parametrize("every,lag,kl,written", [
+    (1, 1, False, set(range(11))),
+    (4, 0, False, {0, 4, 8, 10}),
+    (4, 1, False, {0, 3, 4, 7, 8, 9, 10}),
+    (4, 2, True, {0, 2, 3, 4, 6, 7, 8, 9, 10}),
+    (20, 1, False, {0, 9, 10}),
+])
+def test_checkpoints_are_written_for_every_resume_point(every, lag, kl, written):
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=lag, kl=kl,
+                         checkpoint_every=every)
+    assert {v for v in range(11) if layout.writes_checkpoint(v, 10)} == written
+    # The resume points of a run of 10 iterations, all stored, include each multiple of
+    # ``every`` and its end (others where written versions happen to suffice, as 9 with
+    # versions 8 to 10 written); at each, a resumed run restores only written versions.
+    points = {layout.resume_point(n, written.__contains__) for n in range(11)}
+    assert points >= {p for p in range(11) if p % every == 0 or p == 10}
+    assert all(set(layout.retained_versions(p)) <= written for p in points)
+    assert all(n - layout.resume_point(n, written.__contains__) < every for n in range(11))
+
+
+def test_a_resume_point_falls_back_to_the_newest_complete_checkpoints():
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=1, checkpoint_every=4)
+    assert layout.resume_point(6, {0, 3, 4}.__contains__) == 4
+    assert layout.resume_point(4, {0, 3, 4}.__contains__) == 4
+    assert layout.resume_point(6, {0, 4, 5}.__contains__) == 5
+    assert layout.resume_point(6, {0, 4}.__contains__) == 0  # version 3 is missing
+    assert layout.resume_point(0, set().__contains__) == 0
+
+
+@pytest.mark.parametrize("lag,kl", [(0, False), (1, False), (2, True)])
+def test_checkpointing_every_version_keeps_what_resuming_there_restores(lag, kl):
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=lag, kl=kl)
+    for committed in range(1, 9):
+        for v in range(10):
+            assert layout.keeps_checkpoint(v, committed, 9) == (
+                v > committed or layout.retains(v, committed)), (committed, v)
+
+
+def test_checkpointing_every_few_versions_keeps_the_last_resume_points_restore():
+    layout = GraphLayout(num_steps=4, trained_steps=2, version_lag=1, checkpoint_every=4)
+    # Committed 6 of 10: the last resume point is 4 (versions 3 and 4); version 0 and
+    # every version past 4 -- each recomputed from 4 when lost -- are not needed, but
+    # versions past the committed ones may be written already and are kept.
+    kept = {v for v in range(11) if layout.keeps_checkpoint(v, 6, 10)}
+    assert kept == set(range(3, 11))
+    assert {v for v in range(11) if layout.keeps_checkpoint(v, 8, 10)} == set(range(7, 11))
+
+
 def test_chunks_spanning_groups():
     p = IterationPlan.uniform(0, ("a", "b", "c", "d"), 2, 4)
     nodes = {n.key: n for n in iteration_nodes(LAYOUT, p)}

@@ -6,7 +6,9 @@ state), whose memory still holds it while the checkpoint is being written: the v
 is published without waiting for the checkpoint's write and read. With that worker gone
 (or its result lost or forgotten) it waits until the checkpoint is written, then goes
 to any worker of its pool and reads the checkpoint; a resumed run's read-back, with no
-checkpoint task in its graph, goes anywhere at once.
+checkpoint task in its graph, goes anywhere at once. The read-back of a version the run
+does not checkpoint has its maker's result as an input: it runs once that result is in
+memory again (recomputed where lost), on the worker that made it.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class Handoff(Rule):
         that made the state, whose memory holds it (the task takes it from there); with
         that worker gone or unknown, to any worker of the pool once the version's
         checkpoint is written (or when no checkpoint task is known: a resumed run reads
-        one written before), and nowhere yet while it is being written. (It has no
-        inputs: ``loc`` is not read.)"""
+        one written before), and nowhere yet while it is being written. (``loc`` is not
+        read: its only possible input is the maker's result, whose worker it picks.)"""
         policy = self.policy
         v = info.policy_version
         maker = self.workers.get(self.made_on.get(v, ""))
