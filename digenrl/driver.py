@@ -111,8 +111,9 @@ class Workload(Protocol):
 
 def check_store(workload: Workload, out: str, *, overwrite: bool = False,
                 resume: bool = False) -> int:
-    """The iteration a run of ``workload`` writing ``out`` starts at, or why it cannot
-    run (a :class:`StoreError`, or the workload's ``ConfigError`` for a resumed run whose
+    """The iteration a run of ``workload`` writing ``out`` stores first (a resumed run
+    may start computing earlier, :func:`resume_point`), or why it cannot run (a
+    :class:`StoreError`, or the workload's ``ConfigError`` for a resumed run whose
     config differs). It only reads, so callers check before starting any cluster."""
     if not resume:
         if Path(out).exists() and not overwrite:

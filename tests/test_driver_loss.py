@@ -10,6 +10,7 @@ bit-identical to the run that was never interrupted.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -158,7 +159,7 @@ def test_resume_extends_a_finished_run_and_finishes_a_stopped_one(
 
 
 def test_a_run_checkpointing_every_few_iterations_resumes_at_its_last_resume_point(
-        cluster_1x1, reference_run, tmp_path):
+        cluster_1x1, reference_run, tmp_path, caplog):
     out = tmp_path / "run.zarr"
     cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"store.checkpoint_every": 4})
 
@@ -173,6 +174,10 @@ def test_a_run_checkpointing_every_few_iterations_resumes_at_its_last_resume_poi
     # written: the run starts computing again at iteration 0 and stores from iteration 2.
     written = set(complete_checkpoints(out))
     assert 0 in written and not written & {1, 2}, written
+    with caplog.at_level(logging.INFO, logger="digenrl"):
+        assert main(["run", "--check", "--resume", str(out)]) == 0
+    assert (f"would resume {out} at iteration 2, computing iterations 0 to 1 again"
+            in caplog.text), caplog.text
     assert resume(out, cluster_1x1) == 0
     ds = open_run(out)
     assert_same_results(ds, stored_weights(out), reference_run)
