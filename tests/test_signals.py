@@ -64,6 +64,8 @@ def test_a_signal_stops_the_run_with_the_resume_command(cluster_1x1, reference_r
                     f"iteration{'s' if done != 1 else ''}; continue with: "
                     f"digenrl run --resume {out} --scheduler {address}"), err
     assert "Traceback" not in err, err
+    if signum == signal.SIGINT:
+        return  # the stop is the same from here on; SIGTERM's run is resumed below
     # Stopped before the last iteration was committed, or after it but before the final
     # weights were written: either way the resume finishes the run.
     if read_attrs(out).get("finished") != REFERENCE_ITERATIONS:

@@ -150,9 +150,21 @@ def test_a_killed_rollout_worker_loses_nothing(cluster_1x1, reference_run, anoth
 @pytest.mark.slow
 def test_a_killed_trainer_loses_nothing_and_its_successor_gets_the_weights(
         cluster_1x1, reference_run, another_client, tmp_path):
+    # Checkpoints at resume points 4 apart (``store.checkpoint_every``): of the 4
+    # iterations' versions only 0 and the last two (a run resumed at its end restores
+    # them) are written. Killed during iteration 2, the trainer takes version 2's state
+    # with it, which only its memory held: the optimizer steps of iterations 0 and 1
+    # (and what they read) are computed again from version 0's checkpoint. (A trainer
+    # lost when every version is checkpointed: tests/test_chaos_kills.py,
+    # tests/test_lora_runs.py.)
     path = tmp_path / "r.zarr"
-    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 1)
+    cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"store.checkpoint_every": 4})
+    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 2, cfg=cfg, before=3)
+    assert keys and all(k[0] == "grad" and k[1] == 2 for k in keys)
     t = check_run(path, reference_run, dead)
+    steps = t[t.kind == "optimize"].iteration.value_counts().to_dict()
+    assert steps[0] == steps[1] == 2 and steps[3] == 1, steps
+    assert complete_checkpoints(path) == [3, 4]
     client = cluster_1x1.client
     successor = _pool_worker(client, "trainer")
     assert successor != dead
@@ -170,24 +182,6 @@ def test_a_killed_trainer_loses_nothing_and_its_successor_gets_the_weights(
         expected = read_checkpoint(path, v)[0]["params"]
         assert params.keys() == expected.keys()
         assert all(np.array_equal(params[n], expected[n]) for n in params), v
-
-
-@pytest.mark.slow
-def test_a_killed_trainer_recomputes_the_versions_not_checkpointed_from_the_newest_one(
-        cluster_1x1, reference_run, tmp_path):
-    # Checkpoints at resume points 4 apart: of the 4 iterations' versions only 0 and the
-    # last two (a run resumed at its end restores them) are written. Killed during
-    # iteration 2, the trainer takes version 2's state with it, which only its memory
-    # held: the optimizer steps of iterations 0 and 1 (and what they read) are computed
-    # again from version 0's checkpoint.
-    path = tmp_path / "r.zarr"
-    cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"store.checkpoint_every": 4})
-    dead, keys = run_killing(cluster_1x1, path, "trainer", "grad", 2, cfg=cfg, before=3)
-    assert keys and all(k[0] == "grad" and k[1] == 2 for k in keys)
-    t = check_run(path, reference_run, dead)
-    steps = t[t.kind == "optimize"].iteration.value_counts().to_dict()
-    assert steps[0] == steps[1] == 2 and steps[3] == 1, steps
-    assert complete_checkpoints(path) == [3, 4]
 
 
 def test_every_model_task_reads_its_weights_as_an_input():
