@@ -716,10 +716,9 @@ class Pipeline:
     def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
         tail is in, its outputs are computed and checkpoint ``i + 1`` is written (where
-        the run writes it). A
-        task's error is raised here. After each ``STALL_POLL`` seconds without progress,
-        ``stalled()`` says why the run can no longer progress (None while it can), and
-        :class:`RunStalled` is raised with that."""
+        the run writes it). A task's error is raised here. After each ``STALL_POLL``
+        seconds without progress, ``stalled()`` says why the run can no longer progress
+        (None while it can), and :class:`RunStalled` is raised with that."""
         while True:
             self._note_checkpoints(i)
             self.submit_ready(i)

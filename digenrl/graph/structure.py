@@ -189,8 +189,10 @@ class GraphLayout:
     def retained_versions(self, iteration: int) -> list[int]:
         """The versions up to ``iteration`` that :meth:`retains` keeps there: what a run
         resumed at ``iteration`` restores."""
-        first = max(0, iteration - self.version_lag)
-        return ([0] if self.kl and first > 0 else []) + list(range(first, iteration + 1))
+        # (Of the versions up to ``iteration``, only these can be: version 0 and the
+        # last ``version_lag + 1``.)
+        window = range(max(0, iteration - self.version_lag), iteration + 1)
+        return [v for v in sorted({0, *window}) if self.retains(v, iteration)]
 
     def writes_checkpoint(self, version: int, iterations: int) -> bool:
         """Whether a run of ``iterations`` iterations writes the checkpoint of
