@@ -551,13 +551,12 @@ def tail_nodes(layout: GraphLayout, plan: IterationPlan, state: Key,
     root = layout.reduce_root(plan)
     stepped = optimize_key(i)
     out = [Node(stepped, OPTIMIZE, task_meta(OPTIMIZE, i, i), (Dep(state), Dep(root), i))]
-    if checkpoint:
-        if written:
-            out.append(Node(checkpoint_key(i + 1), CHECKPOINT,
-                            task_meta(CHECKPOINT, i, i + 1), (i + 1, Dep(stepped))))
-    else:
+    if not checkpoint:
         out.append(Node(publish_key(i + 1), PUBLISH, task_meta(PUBLISH, i, i + 1),
                         (Dep(stepped),)))
+    elif written:
+        out.append(Node(checkpoint_key(i + 1), CHECKPOINT,
+                        task_meta(CHECKPOINT, i, i + 1), (i + 1, Dep(stepped))))
     out.append(Node(stats_key(i), STATS, task_meta(STATS, i, i), (Dep(stepped),)))
     return out
 
