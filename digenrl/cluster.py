@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster, Nanny, Scheduler, SpecCluster, WorkerPlugin
+from distributed import (Client, LocalCluster, Nanny, Scheduler, SpecCluster, Worker,
+                         WorkerPlugin)
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.utils import get_mp_context
 
@@ -27,7 +28,7 @@ from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resource
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
            "PooledLocalCluster", "PooledSpecCluster", "QuietReportedErrors", "worker_resources",
-           "HeadlessScheduler", "DASK_CONFIG"]
+           "HeadlessScheduler", "OneClockWorker", "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,27 @@ def _not_reported_by_driver(record: logging.LogRecord) -> bool:
         return True
     text = " ".join(map(str, record.args or ()))
     return not any(name in text for name in REPORTED_BY_DRIVER)
+
+
+class OneClockWorker(Worker):
+    """The worker of a cluster started here, whose processes all read one clock.
+
+    Dask's worker estimates its clock's offset from the scheduler's at every heartbeat
+    (the scheduler's time minus the middle of the round trip) and adds it to every time it
+    reports: the start and stop of each computation and of each fetch, which the task
+    records keep. On one host the true offset is zero and the estimate only its error, up
+    to half a round trip (tens of milliseconds on a loaded host); it moves with every
+    heartbeat, so a task's fetch and its computation were shifted by different amounts and
+    a fetch could seem to end after the task that waited for it had started. This worker
+    reports its own clock's times."""
+
+    @property
+    def scheduler_delay(self) -> float:
+        return 0.0
+
+    @scheduler_delay.setter
+    def scheduler_delay(self, estimate: float) -> None:
+        pass  # one clock: nothing to correct
 
 
 class QuietReportedErrors(WorkerPlugin):
@@ -182,8 +204,9 @@ class _HeadlessWhenDashboardOff:
 
 
 class PooledLocalCluster(_PoolTagging, _HeadlessWhenDashboardOff, LocalCluster):
-    """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``;
-    with ``dashboard_address=None`` its scheduler opens no HTTP port at all."""
+    """A LocalCluster whose worker processes are tagged ``rollout-N`` / ``trainer-N``
+    and report this host's clock (:class:`OneClockWorker`); with
+    ``dashboard_address=None`` its scheduler opens no HTTP port at all."""
 
     def __init__(self, rollout_workers: int, trainer_workers: int, *,
                  speeds: dict[str, float] | None = None, **kwargs: Any):
@@ -191,6 +214,8 @@ class PooledLocalCluster(_PoolTagging, _HeadlessWhenDashboardOff, LocalCluster):
         self._speeds = dict(speeds or {})
         self._dashboard_off = kwargs.get("dashboard_address", ":8787") is None
         super().__init__(n_workers=0, **kwargs)
+        if self.new_spec["cls"] is Nanny:
+            self.new_spec["options"]["worker_class"] = OneClockWorker
         self.scale(rollout_workers + trainer_workers)
 
 
@@ -326,6 +351,7 @@ class PooledSpecCluster(_PoolTagging, SpecCluster):
             "dashboard_address": (dashboard_address if dashboard_address is not None
                                   else LOOPBACK_ANY_PORT)}}}
         worker = {"cls": Nanny, "options": {"nthreads": nthreads, "memory_limit": 0,
+                                            "worker_class": OneClockWorker,
                                             "silence_logs": logging.WARNING,
                                             "config": dict(worker_config or {})}}
         super().__init__(workers={}, scheduler=scheduler, worker=worker,

@@ -1,8 +1,10 @@
 """Cluster start-up: pool tags, and the fallback when GPUs are asked for but absent."""
 
 import logging
+import time
 
 import pytest
+from distributed import get_task_stream
 
 from digenrl.cluster import pool_counts, start_cluster
 from digenrl.config import ClusterConfig
@@ -99,3 +101,26 @@ def test_an_emulated_cluster_without_a_dashboard_gives_no_link_and_listens_on_lo
         assert e.value.code == 404
     finally:
         handle.close()
+
+
+def _offset_as_a_heartbeat_sets_it(dask_worker) -> float:
+    dask_worker.scheduler_delay = 0.25  # a heartbeat's estimate of the clocks' offset
+    return dask_worker.scheduler_delay
+
+
+def _now() -> float:
+    return time.time()
+
+
+def test_a_local_clusters_workers_report_the_hosts_clock(cluster_1x1):
+    """All processes of a local cluster read one clock, so a worker reports the times it
+    reads: a task's compute span (as the task records get it) holds the time the task
+    read while it ran, whatever offset a heartbeat estimated (digenrl.cluster.
+    OneClockWorker). Dask's own worker would shift the span by that estimate."""
+    client = cluster_1x1.client
+    assert set(client.run(_offset_as_a_heartbeat_sets_it).values()) == {0.0}
+    with get_task_stream(client) as stream:
+        inside = client.submit(_now, pure=False).result()
+    [computed] = [ss for task in stream.data for ss in task["startstops"]
+                  if ss["action"] == "compute"]
+    assert computed["start"] <= inside <= computed["stop"], (computed, inside)
