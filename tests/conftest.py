@@ -1,7 +1,9 @@
 """Shared fixtures: small real components and real local Dask clusters.
 
-The clusters are session-scoped (starting worker processes costs seconds); every run
-registers its own scheduler policy and worker state, so runs never see each other's.
+The clusters are kept between tests (starting worker processes costs seconds): the one
+of a worker per pool for the session, those of several only while the files using them
+run. Every run registers its own scheduler policy and worker state, so runs never see
+each other's.
 
 Every cluster of the suite -- the session's, the in-process ones, and those of the
 ``digenrl`` and ``dask`` processes the tests start -- runs with Dask's own state
@@ -50,13 +52,33 @@ SCHEDULER_ERRORS = _Errors()
 logging.getLogger("distributed.scheduler").addHandler(SCHEDULER_ERRORS)
 
 
+#: The fixtures giving a cluster of several workers per pool (below), and the files whose
+#: tests use one (found as the tests are collected).
+SEVERAL_WORKERS = ("cluster_2x2", "emulated_2x2")
+_SEVERAL_WORKERS_FILES: set = set()
+
+
 def pytest_collection_modifyitems(items):
-    """The files holding slow tests first, each keeping its own order: the suite's
-    processes (``-n 2 --dist loadfile``) take whole files in this order, so the long
-    files start early and the processes end together instead of one finishing a long
-    file alone."""
+    """The files using a cluster of several workers per pool first, then the other files
+    holding slow tests, each file keeping its own order: the suite's processes (``-n 2
+    --dist loadfile --no-loadscope-reorder``) take whole files in this order, so that the
+    long files start early and the processes end together instead of one finishing a
+    long file alone, and so that each process runs the tests of those clusters back to
+    back and then closes them (:func:`pytest_runtest_teardown`)."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    _SEVERAL_WORKERS_FILES.update(item.path for item in items
+                                  if set(SEVERAL_WORKERS) & set(item.fixturenames))
+    items.sort(key=lambda item: (item.path not in _SEVERAL_WORKERS_FILES,
+                                 item.path not in slow))
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Once the next test of this process is not of a file using the clusters of several
+    workers (or there is none), close them: each costs about 0.06 of a core while it
+    idles (its heartbeats and monitors), for as long as the suite runs after its last
+    test."""
+    if nextitem is None or nextitem.path not in _SEVERAL_WORKERS_FILES:
+        _SEVERAL_WORKERS.close()
 
 
 @pytest.fixture(autouse=True)
@@ -126,11 +148,29 @@ def cluster_1x1():
     handle.close()
 
 
-@pytest.fixture(scope="session")
+class _Clusters:
+    """Clusters started when a test first asks for them and closed together."""
+
+    def __init__(self):
+        self.handles: dict[str, Any] = {}
+
+    def get(self, name: str, start):
+        if name not in self.handles:
+            self.handles[name] = start()
+        return self.handles[name]
+
+    def close(self) -> None:
+        while self.handles:
+            self.handles.popitem()[1].close()
+
+
+_SEVERAL_WORKERS = _Clusters()
+
+
+@pytest.fixture
 def cluster_2x2():
-    handle = _cluster(2, 2)
-    yield handle
-    handle.close()
+    """Two rollout and two trainer workers, kept for the tests that use them (above)."""
+    return _SEVERAL_WORKERS.get("cluster_2x2", lambda: _cluster(2, 2))
 
 
 def small_emulated_profile(time_scale: float):
@@ -147,18 +187,21 @@ def small_emulated_profile(time_scale: float):
                                trained_steps=2, time_scale=time_scale)
 
 
-@pytest.fixture(scope="session")
-def emulated_2x2():
-    """An emulated cluster for :func:`small_emulated_profile` (its pool speeds)."""
+def _emulated_2x2():
     from digenrl.cluster import start_emulated_cluster
     from digenrl.vocabulary import ROLLOUT, TRAINER
 
     p = small_emulated_profile(1.0)
-    handle = start_emulated_cluster(p.rollout_workers, p.trainer_workers,
-                                    {ROLLOUT: p.rollout_speed, TRAINER: p.trainer_speed},
-                                    dashboard_address=None)
-    yield handle
-    handle.close()
+    return start_emulated_cluster(p.rollout_workers, p.trainer_workers,
+                                  {ROLLOUT: p.rollout_speed, TRAINER: p.trainer_speed},
+                                  dashboard_address=None)
+
+
+@pytest.fixture
+def emulated_2x2():
+    """An emulated cluster for :func:`small_emulated_profile` (its pool speeds), kept
+    for the tests that use it, as :func:`cluster_2x2`."""
+    return _SEVERAL_WORKERS.get("emulated_2x2", _emulated_2x2)
 
 
 @pytest.fixture
