@@ -91,7 +91,8 @@ def _not_reported_by_driver(record: logging.LogRecord) -> bool:
 
 
 class OneClockWorker(Worker):
-    """The worker of a cluster started here, whose processes all read one clock.
+    """The worker of the CPU and emulated local clusters started here, whose processes
+    all read one clock.
 
     Dask's worker estimates its clock's offset from the scheduler's at every heartbeat
     (the scheduler's time minus the middle of the round trip) and adds it to every time it

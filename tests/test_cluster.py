@@ -114,9 +114,9 @@ def _now() -> float:
 
 def test_a_local_clusters_workers_report_the_hosts_clock(cluster_1x1):
     """All processes of a local cluster read one clock, so a worker reports the times it
-    reads: a task's compute span (as the task records get it) holds the time the task
-    read while it ran, whatever offset a heartbeat estimated (digenrl.cluster.
-    OneClockWorker). Dask's own worker would shift the span by that estimate."""
+    reads (``digenrl.cluster.OneClockWorker``): a task's compute span, as the task
+    records get it, holds the time the task read while it ran, whatever offset a
+    heartbeat estimated. Dask's own worker would shift the span by that estimate."""
     client = cluster_1x1.client
     assert set(client.run(_offset_as_a_heartbeat_sets_it).values()) == {0.0}
     with get_task_stream(client) as stream:
