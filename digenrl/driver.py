@@ -38,14 +38,14 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
-from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError, StoreWriter,
-                           committed_iterations, read_attrs)
+from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
+                           evaluation_means, read_attrs)
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
                                 TRAINER)
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
-           "check_store", "library_versions", "evaluation_means"]
+           "check_store", "library_versions"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -481,20 +481,6 @@ def let_go(futures: Iterable[Future]) -> None:
     committed, through checkpoints already dropped, or a checkpoint written again."""
     for f in futures:
         f.release()
-
-
-def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
-    """Each evaluation in an iteration's ``eval`` rows: its version, the mean of its
-    valid rewards, and the prompts it scored."""
-    if not rows or not len(rows["version"]):
-        return []
-    out = []
-    for v in np.unique(rows["version"]):
-        mine = rows["version"] == v
-        good = rows[REWARD_COLUMN][mine & rows["valid"]]
-        out.append((int(v), float(good.mean()) if len(good) else float("nan"),
-                    int(mine.sum())))
-    return out
 
 
 class Pipeline:

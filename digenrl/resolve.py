@@ -13,9 +13,9 @@ or videos of an image model; the libraries of the experiment trackers and their 
 it, still before any cluster).
 
 :func:`check_world` is what every entry point calls before it starts a cluster:
-``digenrl run`` (with ``--check`` too) and the runner through the workload's
-:meth:`GraphContext.from_config <digenrl.graph.build.GraphContext.from_config>`, which
-starts with it; ``digenrl bench`` and ``workflows/flow_grpo.py`` before their cluster.
+``digenrl run`` (with ``--check`` too), the runner's workload before it builds a graph
+(the graph layer checks nothing of the world and imports no part of this one),
+``digenrl bench`` and ``workflows/flow_grpo.py`` before their cluster.
 """
 
 from __future__ import annotations

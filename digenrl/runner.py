@@ -23,8 +23,7 @@ from digenrl.checkpoints import write_weights
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
                             config_to_dict)
-from digenrl.driver import (Driver, IterationSummary, RunResult, check_store,
-                            evaluation_means, library_versions)
+from digenrl.driver import Driver, IterationSummary, RunResult, check_store, library_versions
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
@@ -32,9 +31,10 @@ from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source, source_table
+from digenrl.resolve import check_world
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
-                           RunStore, frame_strip)
+                           RunStore, evaluation_means, frame_strip)
 from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
@@ -58,6 +58,7 @@ class FlowGRPOWorkload:
     def __init__(self, config: RunConfig):
         self.config = config
         self.options = config.schedule.options()
+        check_world(config)  # before any graph: a workload exists only for a world that fits
         self.ctx = GraphContext.from_config(config)
         self.layout = self.ctx.layout
         self.iterations = config.iterations

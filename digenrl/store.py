@@ -31,7 +31,8 @@ from zarr.core.sync import sync as zarr_sync
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
-           "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES"]
+           "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES",
+           "evaluation_means"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
@@ -506,4 +507,18 @@ def open_run(path: str | Path, *, attempts: int = 20) -> dict[str, xr.Dataset]:
     attrs = root.attrs["digenrl"]
     for ds in out.values():
         ds.attrs["digenrl"] = attrs
+    return out
+
+
+def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
+    """Each evaluation in an iteration's ``eval`` rows: its version, the mean of its
+    valid rewards, and the prompts it scored."""
+    if not rows or not len(rows["version"]):
+        return []
+    out = []
+    for v in np.unique(rows["version"]):
+        mine = rows["version"] == v
+        good = rows[REWARD_COLUMN][mine & rows["valid"]]
+        out.append((int(v), float(good.mean()) if len(good) else float("nan"),
+                    int(mine.sum())))
     return out

@@ -43,8 +43,7 @@ import numpy as np
 import yaml
 
 from digenrl.config import ConfigError, RunConfig, TrackingConfig, config_to_dict
-from digenrl.driver import evaluation_means
-from digenrl.store import EVAL_GROUP, REWARD_COLUMN, frame_strip, read_attrs
+from digenrl.store import EVAL_GROUP, REWARD_COLUMN, evaluation_means, frame_strip, read_attrs
 
 __all__ = ["Tracker", "IterationLog", "Grid", "check_trackers", "tracking_dir",
            "BACKENDS", "ATTRIBUTE", "QUEUE_LENGTH"]

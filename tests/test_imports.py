@@ -1,6 +1,7 @@
-"""Dependencies run one way (docs/architecture.md): read from the source.
+"""Dependencies run one way (docs/architecture.md, "Layers"): read from the source.
 
-Every module under ``digenrl/`` is parsed and each of its imports of a ``digenrl``
+The allowed directions are the layer table of docs/architecture.md, read from there (one
+table for the reader and the test). Every module under ``digenrl/`` is parsed and each of its imports of a ``digenrl``
 module is an edge -- top-level ones and those inside functions alike, since a
 function-local import is a dependency that merely waits for its first call (those under
 ``if TYPE_CHECKING:``, for annotations only, never run and are left out). Importing
@@ -17,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "digenrl"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+#: What the scheduling layer never loads, directly or through another module.
+MODEL_LIBRARIES = {"torch", "diffusers", "transformers", "peft"}
 
 #: What the config may import of the project: the pure leaves it is built from (the
 #: schedule's switches and the options the policy reads; the algorithms' shapes and the
@@ -31,8 +35,8 @@ CONFIG_LEAVES = {"digenrl.schedulers", "digenrl.schedulers.switches",
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -67,20 +71,96 @@ def imported(module: str, path: Path, node: ast.Import | ast.ImportFrom,
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def _imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module that run (not those for annotations only)."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if _type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only]
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each digenrl module of ``package`` (a folder named ``digenrl``) -> the digenrl
+    modules its imports load."""
+    paths = {module_name(p, package.parent): p for p in package.rglob("*.py")}
     modules = set(paths)
-    graph = {}
-    for module, path in paths.items():
-        tree = ast.parse(path.read_text(), str(path))
-        typing_only = {id(n) for block in ast.walk(tree) if _type_checking(block)
-                       for stmt in block.body for n in ast.walk(stmt)}
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
-                deps |= imported(module, path, node, modules)
-        graph[module] = deps
-    return graph
+    return {module: set().union(*(imported(module, path, node, modules)
+                                  for node in _imports(path)))
+            for module, path in paths.items()}
+
+
+def library_imports(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each digenrl module -> the top-level names of the other libraries it imports."""
+    out = {}
+    for path in package.rglob("*.py"):
+        names = set()
+        for node in _imports(path):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif not node.level and node.module:
+                names.add(node.module.split(".")[0])
+        out[module_name(path, package.parent)] = names - {"digenrl"}
+    return out
+
+
+#: A row of the layer table: a module or package name, whether it stands for its
+#: package file only (else for everything under it too), and its layer.
+Entry = tuple[str, bool, str]
+
+
+def layer_table(text: str) -> tuple[list[Entry], dict[str, set[str]]]:
+    """The layer table between ``<!-- layers -->`` and ``<!-- /layers -->``: its names,
+    and each layer -> the layers it may import (``every layer``: all of them)."""
+    rows = text.split("<!-- layers -->")[1].split("<!-- /layers -->")[0].strip().splitlines()
+    entries: list[Entry] = []
+    allowed: dict[str, set[str]] = {}
+    for row in rows[2:]:  # past the header and its rule
+        layer, modules, may = (cell.strip() for cell in row.strip("|").split("|"))
+        for piece in modules.split(","):
+            name = piece.split("`")[1]
+            entries.append((name if name == "digenrl" else f"digenrl.{name}",
+                            "package file" in piece, layer))
+        allowed[layer] = {m.strip() for m in may.split(",") if m.strip()}
+    for layer, may in allowed.items():
+        if may == {"every layer"}:
+            allowed[layer] = set(allowed)
+    return entries, allowed
+
+
+def layer_of(module: str, entries: list[Entry]) -> str | None:
+    """The layer of the table's most specific name covering ``module`` (a package file
+    named as such before the package as a whole)."""
+    covering = [(len(name), exact, layer) for name, exact, layer in entries
+                if module == name or (not exact and module.startswith(name + "."))]
+    return max(covering)[2] if covering else None
+
+
+def layer_violations(graph: dict[str, set[str]], text: str) -> list[str]:
+    """Every import against the layer table, and every module it places in no layer."""
+    entries, allowed = layer_table(text)
+    out = []
+    for module in sorted(graph):
+        mine = layer_of(module, entries)
+        if mine is None:
+            out.append(f"{module}: in no layer of the table")
+            continue
+        for dep in sorted(graph[module]):
+            theirs = layer_of(dep, entries)
+            if theirs != mine and theirs not in allowed[mine]:
+                out.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    return out
+
+
+def reachable(graph: dict[str, set[str]], start: set[str]) -> set[str]:
+    """``start`` and every module its imports load, transitively."""
+    seen, todo = set(start), list(start)
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
 
 
 def _type_checking(node: ast.AST) -> bool:
@@ -131,8 +211,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_walk_sees_top_level_and_function_local_imports(graph):
-    # Top level: the graph context checks a config against the world it names.
-    assert "digenrl.resolve" in graph["digenrl.graph.build"]
+    # Top level: the graph binds task functions.
+    assert "digenrl.tasks.rollout" in graph["digenrl.graph.build"]
     # Inside a function: the command line loads the runner only to run.
     assert "digenrl.runner" in graph["digenrl.cli"]
     # Imports for annotations only are no dependency: a rule names its core's type.
@@ -155,6 +235,39 @@ def test_the_config_imports_only_its_pure_leaves(graph):
     # ... and the leaves import nothing of the project but each other.
     for leaf in CONFIG_LEAVES:
         assert graph[leaf] <= CONFIG_LEAVES, (leaf, graph[leaf])
+
+
+def test_every_import_follows_the_layer_table(graph):
+    wrong = layer_violations(graph, ARCHITECTURE.read_text())
+    assert not wrong, "imports against docs/architecture.md's layer table:\n" + "\n".join(wrong)
+
+
+def test_the_layer_table_refuses_an_arrow_against_it(tmp_path):
+    """A copy of the package with one module added to the graph layer that imports the
+    driver inside a function: the table's check names that import, and nothing else."""
+    import shutil
+
+    copy = tmp_path / "digenrl"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "graph" / "probe.py").write_text(
+        "def submit():\n    from digenrl.driver import Driver\n    return Driver\n")
+    wrong = layer_violations(import_graph(copy), ARCHITECTURE.read_text())
+    assert wrong == ["digenrl.graph.probe (graph) imports digenrl.driver (run)"]
+
+
+def test_the_scheduling_layer_loads_no_model_library_and_no_task_code(graph):
+    """What the scheduling modules load, transitively: no torch (nor diffusers,
+    transformers, peft) and no task, model or graph code, so the simulator and the
+    scheduler's process run the policy without either."""
+    libraries = library_imports()
+    entries, _ = layer_table(ARCHITECTURE.read_text())
+    schedulers = {m for m in graph if layer_of(m, entries) == "schedulers"}
+    loaded = reachable(graph, schedulers)
+    assert not {m for m in loaded if m.startswith(("digenrl.tasks", "digenrl.models",
+                                                   "digenrl.graph"))}
+    models = {m: sorted(libraries[m] & MODEL_LIBRARIES) for m in loaded
+              if libraries[m] & MODEL_LIBRARIES}
+    assert not models, f"the scheduling layer loads model libraries: {models}"
 
 
 def test_no_import_cycles(graph):

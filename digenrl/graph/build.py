@@ -19,7 +19,6 @@ from digenrl.graph.structure import (GraphLayout, Node, eval_nodes, init_nodes,
 from digenrl.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
-from digenrl.resolve import check_world
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
 from digenrl.tasks.reward_sources import resolve_rewards
@@ -51,10 +50,10 @@ class GraphContext:
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
-        """The context of ``config``, checked against the world first
-        (:func:`~digenrl.resolve.check_world`): a context exists only for a config
-        whose model, prompts, rewards and LoRA targets are there."""
-        check_world(config)
+        """The context of ``config``. Building the graph checks nothing of the world:
+        what ``config`` names outside itself (the model folder, prompts, rewards, LoRA
+        targets) is checked before, by :func:`~digenrl.resolve.check_world`, which the
+        workload calls first."""
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)
         mseed = model_seed(config.model, config.seed)
