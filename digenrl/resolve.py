@@ -23,9 +23,10 @@ from __future__ import annotations
 # The config's own message helpers: a check here reads like one in digenrl.config.
 from digenrl.config import ConfigError, RewardConfig, RunConfig, _choice, _require, _sub_path
 from digenrl.lora import check_targets
+from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
-                             load_prompt_file)
+                             load_prompt_file, read_source)
 from digenrl.tasks.rewards import REWARDS
 from digenrl.tracking import check_trackers
 
@@ -127,6 +128,11 @@ def check_prompt_inputs(config: RunConfig) -> None:
                                   f"does not edit images), got {got}")
             raise ConfigError(f"{where.format(many[0])} at most {fam.max_source_images} "
                               f"source image(s) for {what}, got {got}")
+        if fam.takes_images:
+            fam.check_sources(field, [(f"line {n + 1} of {f.path}", prompt,
+                                SourceImage.of(read_source(image)))
+                               for n, prompt in enumerate(f.prompts)
+                               for image in f.inputs_of(n).images])
         negative = f.lines_with(lambda i: i.negative is not None)
         if negative and not fam.uses_negative_prompt:
             raise ConfigError(f"{where.format(negative[0])} no \"negative_prompt\" for "

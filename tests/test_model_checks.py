@@ -13,7 +13,7 @@ from digenrl.cli import main
 from digenrl.config import ConfigError, RewardModelConfig, load_config, tiny_model_fields
 from digenrl.tasks.rewards import REWARDS, register_reward
 
-from conftest import pipeline_config
+from conftest import pipeline_config, source_picture, write_prompt_lines
 
 
 def refused(capsys, argv) -> str:
@@ -91,6 +91,45 @@ def test_a_size_past_the_positional_or_text_table_is_refused(tiny_pipelines):
                                           r"prompt\), got 130592$"):
         pipeline_config(qwen, "qwenimage", **{"model.width": 130592})
     pipeline_config(qwen, "qwenimage", **{"model.width": 130576})  # the last that fits
+
+
+def test_an_edit_past_qwen_images_rotary_table_is_refused(tiny_pipelines, tmp_path, capsys):
+    """Qwen-Image-Edit's text (the prompt with its source image's vision tokens) takes
+    the rotary positions after the larger half side of the image's and the source's
+    grids: an output size, or a source area, past the table is refused in one line
+    before any work, as Qwen-Image's is; the length checked is the encoder's."""
+    folder = tiny_pipelines["qwenimage_edit"]
+    edits = write_prompt_lines(tmp_path, [{"prompt": "make it red",
+                                           "image": source_picture(48, 64, 0)}])
+    out = tmp_path / "run.zarr"
+    base = ["workflows/configs/qwenimage.yaml", "--out", str(out),
+            "--set", f"model.path={folder}", "--set", f"data.prompt_file={edits}"]
+    err = refused(capsys, [*base, "--set", "model.height=261184", "--set", "model.width=32"])
+    assert err.endswith("model.height: expected at most 260640 pixels for this "
+                        "QwenImageEditPipeline folder (its rotary table holds 4096 positions, "
+                        "24 (the prompt of line 1 of " + edits + " with its source image's "
+                        "vision tokens) of them for the prompt), got 261184"), err
+    # A 4:3 source resized to the area of 262144 x 262144 pixels: 302688 pixels wide, a
+    # grid of 9459 packed latents (of 32 pixels), 4729 positions a half side.
+    err = refused(capsys, [*base, "--set", f"model.source_area={262144 ** 2}"])
+    assert err.endswith("model.source_area: expected a source image and prompt that fit "
+                        "this QwenImageEditPipeline folder's rotary table of 4096 positions "
+                        "(the prompt of line 1 of " + edits + " with its source image's "
+                        "vision tokens takes 24 of them after the source's 4729), got "
+                        f"{262144 ** 2}"), err
+    assert not out.exists()
+
+    # The length checked is what the encoder keeps of the processor's tokens.
+    from digenrl.models import family
+    from digenrl.models.base import SourceImage
+
+    cfg = pipeline_config(folder, "qwenimage_edit", **{"data.prompt_file": edits})
+    fam = family(cfg.model)
+    image = SourceImage.of(source_picture(48, 64, 0))
+    ids = fam.processor(text=[fam.prompt_text("make it red", "processor")],
+                        images=[fam.prompt_image(image)], return_tensors="pt")["input_ids"]
+    assert fam.encoded_length("make it red", *fam.source_size(image)) == \
+        ids.shape[1] - fam.dropped_tokens == 24
 
 
 @pytest.fixture

@@ -443,6 +443,13 @@ class ModelFamily:
         height, width = image.pixels.shape[:2]
         return area_size(self.cfg.source_area, height, width, self.size_multiple())
 
+    def check_sources(self, field: str, lines: Sequence[tuple[str, str, SourceImage]]) -> None:
+        """Each ``(where, prompt, source image)`` of the prompt file ``field`` names fits
+        what the transformer takes (``where``: the line and the file). An editing family
+        whose text encoding holds the source's vision tokens, or whose rotary table
+        holds the source's positions, checks them here, where the sources are known
+        (:meth:`check_size` checks what the configured size alone decides)."""
+
     def pipeline_source_size(self, image: SourceImage) -> tuple[int, int]:
         """(height, width) the family's pipeline resizes a source image to. Each editing
         family (:attr:`takes_images`) defines it; no other family is asked."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cached_property, lru_cache
+from typing import Sequence
 
 import diffusers
 import torch
@@ -138,15 +139,24 @@ class QwenImageFamily(ModelFamily):
         if self.max_sequence_length > limit:
             raise ConfigError(f"model.max_sequence_length: expected at most {limit} for a "
                               f"{self.pipeline_class} folder, got {self.max_sequence_length}")
-        side = max(self.latent_shape()[1:]) // 2
-        if side // 2 + self.max_sequence_length > ROPE_POSITIONS:
+        self._check_image_side(self.max_sequence_length,
+                               f"model.max_sequence_length {self.max_sequence_length}")
+
+    def rope_side(self) -> int:
+        """Where the text's rotary positions start after the image's: the largest half
+        side of its packed latent grid."""
+        return max(self.latent_shape()[1:]) // 4
+
+    def _check_image_side(self, text: int, whose: str) -> None:
+        """The image's positions and ``text`` positions after them fit the table
+        (``whose``: what takes the ``text``, for the message)."""
+        if self.rope_side() + text > ROPE_POSITIONS:
             name = "height" if self.image_size()[0] >= self.image_size()[1] else "width"
-            most = (2 * (ROPE_POSITIONS - self.max_sequence_length) + 1) * self.size_multiple()
+            most = (2 * (ROPE_POSITIONS - text) + 1) * self.size_multiple()
             raise ConfigError(f"model.{name}: expected at most {most} pixels for this "
                               f"{self.pipeline_class} folder (its rotary table holds "
-                              f"{ROPE_POSITIONS} positions, model.max_sequence_length "
-                              f"{self.max_sequence_length} of them for the prompt), got "
-                              f"{max(self.image_size())}")
+                              f"{ROPE_POSITIONS} positions, {whose} of them for the prompt), "
+                              f"got {max(self.image_size())}")
 
     def latent_shape(self) -> tuple[int, int, int]:
         f = self.vae_scale_factor
@@ -237,8 +247,54 @@ class QwenImageEditFamily(QwenImageFamily):
     max_source_images = 1
 
     def check_positions(self) -> None:
-        """Nothing to check before the source images are known: the edit pipeline does
-        not cut its encoding (it holds the source's vision tokens) to a length."""
+        """The image leaves a position for the prompt; the prompt's positions depend on
+        the source images (:meth:`check_sources`): the edit pipeline does not cut its
+        encoding, which holds the source's vision tokens, to a length."""
+        self._check_image_side(1, "at least 1")
+
+    def check_sources(self, field: str, lines: Sequence[tuple[str, str, SourceImage]]) -> None:
+        """The text (the template, the prompt and the source's vision tokens) takes the
+        rotary positions after the largest half side of the image's and the source's
+        packed grids (the source is the second frame of ``img_shapes``): both must fit
+        the table. Refused in one line naming what is too large: the image's size, the
+        source area, or else the prompt file's line."""
+        for where, prompt, source in lines:
+            height, width = self.source_size(source)
+            source_side = max(height, width) // self.size_multiple() // 2
+            text = self.encoded_length(prompt, height, width)
+            if max(self.rope_side(), source_side) + text <= ROPE_POSITIONS:
+                continue
+            if source_side + text <= ROPE_POSITIONS:  # the image's own size overflows
+                self._check_image_side(text, f"{text} (the prompt of {where} with its "
+                                             f"source image's vision tokens)")
+            field = "model.source_area" if self.cfg.source_area is not None else \
+                f"{field}: {where}"
+            got = self.cfg.source_area if self.cfg.source_area is not None else \
+                f"a source image resized to {height} x {width} pixels"
+            raise ConfigError(f"{field}: expected a source image and prompt that fit this "
+                              f"{self.pipeline_class} folder's rotary table of "
+                              f"{ROPE_POSITIONS} positions (the prompt of {where} with its "
+                              f"source image's vision tokens takes {text} of them after the "
+                              f"source's {source_side}), got {got}")
+
+    @cached_property
+    def processor(self):
+        """The folder's ``processor/``, as the encoder loads it."""
+        from digenrl.models.qwen_processor import ImageTextProcessor
+
+        return ImageTextProcessor.from_pretrained(self.folder / "processor")
+
+    def encoded_length(self, prompt: str, height: int, width: int) -> int:
+        """Tokens of the encoding of ``prompt`` with a source image resized to ``height``
+        x ``width``, as the encoder keeps them: the processor's tokens, the template's
+        image placeholder turned into the image's vision tokens (patches over
+        ``merge_size²``, as Qwen2VLProcessor counts them without the pixels), past the
+        template's dropped prefix."""
+        images = self.processor.image_processor
+        vision = (images.get_number_of_image_patches(height, width)
+                  // images.merge_size ** 2)
+        ids = self.processor.tokenizer(self.prompt_text(prompt, "processor"))["input_ids"]
+        return len(ids) - 1 + vision - self.dropped_tokens
 
     @cached_property
     def image_processor(self) -> VaeImageProcessor:
