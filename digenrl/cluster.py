@@ -255,8 +255,13 @@ class ClusterHandle:
     def close(self) -> None:
         """Close the client and the cluster started for it. A cluster slow to shut down
         (dozens of worker processes on a loaded machine) costs a warning, not the
-        results of the work already done, and leaves no process behind."""
+        results of the work already done, and leaves no process behind. The workers of a
+        cluster started here stop their heartbeats first: a heartbeat under way while
+        the scheduler closes would log Dask's ``Failed to communicate with scheduler
+        during heartbeat`` traceback after a finished command's output."""
         try:
+            if self.cluster is not None:
+                stop_heartbeats(self.client)
             self.client.close()
         finally:
             if self.cluster is not None:
@@ -278,6 +283,22 @@ class ClusterHandle:
             return self.client.dashboard_link or None
         except Exception:  # a scheduler without a dashboard
             return None
+
+
+def stop_heartbeats(client: Client) -> None:
+    """Each worker's heartbeat to the scheduler stopped (on the worker's event loop:
+    a callback stopped, nothing that blocks); a worker that cannot be reached is
+    closing already."""
+    try:
+        client.run(_stop_heartbeat, on_error="ignore")
+    except (OSError, TimeoutError):
+        pass
+
+
+def _stop_heartbeat(dask_worker) -> None:
+    callback = dask_worker.periodic_callbacks.get("heartbeat")
+    if callback is not None:
+        callback.stop()
 
 
 def _kill_subprocess_scheduler(cluster: Any) -> None:

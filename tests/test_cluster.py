@@ -103,6 +103,26 @@ def test_an_emulated_cluster_without_a_dashboard_gives_no_link_and_listens_on_lo
         handle.close()
 
 
+def _heartbeat_running(dask_worker) -> bool:
+    return dask_worker.periodic_callbacks["heartbeat"].is_running()
+
+
+def test_a_started_clusters_workers_stop_their_heartbeats_before_it_closes():
+    """ClusterHandle.close stops every worker's heartbeat before the scheduler goes: a
+    heartbeat under way while it closes logs Dask's "Failed to communicate with
+    scheduler during heartbeat" traceback after the command's output."""
+    from digenrl.cluster import start_emulated_cluster, stop_heartbeats
+
+    handle = start_emulated_cluster(1, 1, {}, dashboard_address=None)
+    try:
+        running = handle.client.run(_heartbeat_running)
+        assert len(running) == 2 and all(running.values())
+        stop_heartbeats(handle.client)
+        assert handle.client.run(_heartbeat_running) == dict.fromkeys(running, False)
+    finally:
+        handle.close()
+
+
 def _offset_as_a_heartbeat_sets_it(dask_worker) -> float:
     dask_worker.scheduler_delay = 0.25  # a heartbeat's estimate of the clocks' offset
     return dask_worker.scheduler_delay
