@@ -26,8 +26,8 @@ import yaml
 
 from digenrl.algorithms import (ALGORITHMS, DEFAULT_ALGORITHM, KL_SPACES, LATENT, VELOCITY,
                                 Algorithm)
-from digenrl.schedulers.options import MODES, ScheduleOptions
-from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, Switch, switches
+from digenrl.schedulers.options import MODES, ScheduleOptions, check_fields
+from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, SWITCHES, Switch, switches
 
 __all__ = [
     "ConfigError",
@@ -865,13 +865,6 @@ def _check_switch(s: Switch, value: Any, path: str) -> None:
         _finite(value, path, s.low, s.high, lo_open=s.low_open)
 
 
-def _schedule_field(s: Switch) -> tuple[str, Any, Any]:
-    """A mode preset is null (the mode's) unless set; a plain setting has its default."""
-    if s.preset:
-        return s.name, s.type | None, field(default=None)
-    return s.name, s.type | None if s.nullable else s.type, field(default=s.default)
-
-
 def _schedule_doc(s: Switch) -> str:
     """The configuration reference's line of switch ``s``."""
     if not s.preset:
@@ -883,21 +876,37 @@ def _schedule_doc(s: Switch) -> str:
 #: The switches the ``schedule`` section sets (all but those only a mode sets).
 _SCHEDULE_FIELDS = tuple(s for s in switches() if s.configurable)
 
-#: The ``schedule`` section: ``mode`` and a field per switch, built from their
-#: declarations in :mod:`digenrl.schedulers.switches`.
-ScheduleConfig = dataclasses.make_dataclass(
-    "ScheduleConfig",
-    [("mode", str, field(default=DEFAULT_MODE))]
-    + [_schedule_field(s) for s in _SCHEDULE_FIELDS],
-    bases=(_ScheduleChecks,), frozen=True,
-    namespace={"__module__": __name__, "__doc__": """Mode and the switches that ablate it. ``null`` keeps the mode's preset.
+
+# Each field but ``mode`` is the switch of its name (digenrl.schedulers.switches says
+# what it does and how its values are checked): a mode preset is null (the mode's) unless
+# set, a plain setting has the switch's default. check_fields below refuses any other.
+@dataclass(frozen=True)
+class ScheduleConfig(_ScheduleChecks):
+    """Mode and the switches that ablate it. ``null`` keeps the mode's preset.
 
     ``stale_groups``: with ``max_staleness = k > 0``, how many leading prompt groups of
     iteration ``i`` are generated with version ``i - k`` (so they can start before the
     trainer finishes iteration ``i - 1``, filling its tail bubble); the other groups are
     generated with version ``i``. ``null``: all groups (every sample ``k`` versions old).
     The choice is static, so a run's numbers never depend on timing.
-    """})
+    """
+
+    mode: str = DEFAULT_MODE
+    max_staleness: int | None = None
+    gap: bool | None = None
+    tsp: bool | None = None
+    tag: bool | None = None
+    rebalance: bool | None = None
+    rat: bool | None = None
+    transfer_bandwidth: float = SWITCHES["transfer_bandwidth"].default
+    stale_groups: int | None = SWITCHES["stale_groups"].default
+    slots_per_worker: int = SWITCHES["slots_per_worker"].default
+    stall_timeout: float | None = SWITCHES["stall_timeout"].default
+
+
+check_fields(ScheduleConfig, _SCHEDULE_FIELDS,
+             field_type=lambda s: s.type | None if s.preset or s.nullable else s.type,
+             field_default=lambda s: None if s.preset else s.default)
 
 
 def _schedule_docs() -> dict[str, str]:

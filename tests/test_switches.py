@@ -1,7 +1,6 @@
 """The scheduling switches: each declared once, everything else derived from it."""
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -10,90 +9,70 @@ import pytest
 
 from digenrl.cli import build_parser, config_from_args
 from digenrl.config import ConfigError, ScheduleConfig, reference_markdown
-from digenrl.schedulers.options import MODES, ScheduleOptions
+from digenrl.schedulers.options import MODES, ScheduleOptions, check_fields
 from digenrl.schedulers.switches import MODE_NAMES, SWITCHES, Switch, declare
 
-#: A module declaring one more switch, as a project adding one would (imported before
-#: the options are built).
+#: A module declaring one more switch, as a change adding one starts (imported before
+#: the options): without its fields, importing the options refuses it.
 EXTRA = '''
 from digenrl.schedulers.switches import MODE_NAMES, Switch, declare
 
 declare(Switch("warp", bool, title="warp drive", modes=dict(zip(MODE_NAMES, (False, False, True))),
-               fixed={"colocated": "there is no warp core"},
                help="Warp drive: every task arrives before it leaves."))
-declare(Switch("warp_factor", int, title="the warp factor", low=1, high=9,
-               modes=dict(zip(MODE_NAMES, (1, 2, 9))), help="How fast the warp drive runs."))
-'''
-
-#: What the subprocess reports about the declared switches, through the real command
-#: line, config, options, modes and configuration reference.
-PROBE = '''
-import contextlib, io, json
-import extra_switches  # the declarations come first
-from digenrl.cli import build_parser, config_from_args, main
-from digenrl.config import ConfigError, load_config, reference_markdown
-from digenrl.schedulers.options import MODES
-
-def options(*argv):
-    o = config_from_args(build_parser().parse_args(["run", "--out", "x.zarr", *argv]))
-    return o.schedule.options().as_dict()
-
-def error(overrides):
-    try:
-        load_config(None, overrides)
-    except ConfigError as e:
-        return str(e)
-
-def run_help():
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main(["run", "--help"])
-    return out.getvalue()
-
-reference = [line for line in reference_markdown().splitlines()
-             if line.startswith(("| `warp`", "| `warp_factor`"))]
-print(json.dumps({
-    "modes": MODES,
-    "default": options(),
-    "flags": options("--no-warp", "--warp-factor", "3"),
-    "colocated": options("--mode", "colocated"),
-    "help": run_help(),
-    "reference": reference,
-    "bad_value": error({"schedule.warp_factor": 10}),
-    "fixed": error({"schedule.mode": "colocated", "schedule.warp": True}),
-}))
 '''
 
 
-def probe(tmp_path) -> dict:
+def test_a_switch_declared_without_its_fields_is_refused_on_import(tmp_path):
     (tmp_path / "extra_switches.py").write_text(EXTRA)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    done = subprocess.run([sys.executable, "-c", "import extra_switches, digenrl.config"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().endswith(
+        "TypeError: ScheduleOptions: expected a field warp: <class 'bool'> for the "
+        "declared switch warp, got none"), done.stderr
 
 
-def test_a_declared_switch_reaches_the_modes_the_config_the_flags_and_the_reference(tmp_path):
-    seen = probe(tmp_path)
-    assert [seen["modes"][m]["warp"] for m in MODE_NAMES] == [False, False, True]
-    assert [seen["modes"][m]["warp_factor"] for m in MODE_NAMES] == [1, 2, 9]
-    # The mode's value unless a flag or the config sets it.
-    assert (seen["default"]["warp"], seen["default"]["warp_factor"]) == (True, 9)
-    assert (seen["flags"]["warp"], seen["flags"]["warp_factor"]) == (False, 3)
-    assert (seen["colocated"]["warp"], seen["colocated"]["warp_factor"]) == (False, 1)
-    assert "--warp, --no-warp" in seen["help"] and "switch warp drive on or off" in seen["help"]
-    assert "--warp-factor INT" in seen["help"] and "the warp factor" in seen["help"]
-    warp, factor = seen["reference"]
-    assert warp.startswith("| `warp` | `bool \\| None` | `null` | Warp drive: every task") \
-        and "(colocated false, disaggregated false, digenrl true)" in warp
-    assert factor.startswith("| `warp_factor` | `int \\| None` | `null` | How fast") \
-        and "(colocated 1, disaggregated 2, digenrl 9)" in factor
-    assert seen["bad_value"] == ("schedule.warp_factor: expected an integer from 1 to 9 or "
-                                 "null, got 10")
-    assert seen["fixed"] == ("schedule.warp: expected false or null in colocated mode "
-                             "(schedule.mode; there is no warp core), got True")
+def test_the_fields_check_names_a_wrong_type_default_or_extra_field():
+    """check_fields, which importing the options and the config runs on their classes."""
+    switch = Switch("speed", int, default=3, low=1, help="How fast.")
+
+    def check(cls):
+        check_fields(cls, (switch,), field_type=lambda s: s.type,
+                     field_default=lambda s: s.default)
+
+    @dataclasses.dataclass
+    class Right:
+        mode: str
+        speed: int = 3
+
+    @dataclasses.dataclass
+    class WrongType:
+        mode: str
+        speed: float = 3
+
+    @dataclasses.dataclass
+    class WrongDefault:
+        mode: str
+        speed: int = 4
+
+    @dataclasses.dataclass
+    class Extra:
+        mode: str
+        speed: int = 3
+        other: bool = False
+
+    check(Right)
+    with pytest.raises(TypeError, match=r"^WrongType.speed: expected the type <class 'int'> "
+                                        r"of its switch, got <class 'float'>$"):
+        check(WrongType)
+    with pytest.raises(TypeError, match=r"^WrongDefault.speed: expected the default 3 of its "
+                                        r"switch, got 4$"):
+        check(WrongDefault)
+    with pytest.raises(TypeError, match=r"^Extra: expected a declared switch for each field, "
+                                        r"got \['other'\] without one$"):
+        check(Extra)
 
 
 def test_the_declared_switches_are_what_this_process_uses():

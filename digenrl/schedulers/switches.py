@@ -1,17 +1,20 @@
 """The scheduling switches, each declared once: its name, type, default, meaning and the
 value each mode gives it.
 
-Everything else about a switch is derived from its declaration here: the field of
-:class:`~digenrl.schedulers.options.ScheduleOptions` the policy reads and the mode
-presets :data:`~digenrl.schedulers.options.MODES`; the field of the config's
-``schedule`` section (:class:`~digenrl.config.ScheduleConfig`), its check and its line
-in the configuration reference; the command line's flag (``--gap/--no-gap``,
+Everything else about a switch is derived from its declaration here or checked against
+it: the field of :class:`~digenrl.schedulers.options.ScheduleOptions` the policy reads
+and the mode presets :data:`~digenrl.schedulers.options.MODES`; the field of the
+config's ``schedule`` section (:class:`~digenrl.config.ScheduleConfig`), its check and
+its line in the configuration reference; the command line's flag (``--gap/--no-gap``,
 ``--max-staleness``). Plain data, importing nothing of the project, so the scheduler,
 the config and the command line all read it.
 
-A new switch is one :func:`declare` call (below, or in a module imported before
-:mod:`digenrl.schedulers.options`, which builds the classes from the declarations);
-the policy then reads it as ``options.NAME``.
+A new switch is one :func:`declare` call below, plus its field in ``ScheduleOptions``
+(a switch the policy reads) and in ``ScheduleConfig`` (one a config sets): both classes
+are declared for readers and type checkers, and importing them checks that each field
+has its switch's type and default and that no switch lacks its field
+(:func:`~digenrl.schedulers.options.check_fields`). The policy then reads it as
+``options.NAME``.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ _built = False
 
 def declare(switch: Switch) -> Switch:
     """Add ``switch``. Only before :mod:`digenrl.schedulers.options` is imported: the
-    options, the config's section and the flags are built from the switches then."""
+    options and the config's section are checked against the switches, and the flags
+    built from them, then."""
     if _built:
         raise RuntimeError(f"switch {switch.name}: declared after "
                            f"digenrl.schedulers.options built the options from the "
