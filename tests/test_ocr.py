@@ -294,3 +294,17 @@ def test_runs_with_the_ocr_reward_store_it_and_evaluate_it(cluster_1x1, tmp_path
     events = cluster_1x1.client.get_events(reward_models.EVENT_TOPIC)
     loaded = [e["worker"] for _, e in events if e["kind"] == "ocr"]
     assert scorers and sorted(loaded) == sorted(scorers), (loaded, scorers)
+
+
+
+def test_the_ocr_workflow_config_passes_the_checks_of_a_run():
+    """workflows/configs/ocr.yaml passes every check a run makes before its cluster (on
+    the built-in model: the test pipelines' tokenizers know only the animal prompts):
+    its reward, the target text of every training and held-out prompt."""
+    from digenrl.config import load_config
+    from digenrl.resolve import check_world
+
+    cfg = load_config("workflows/configs/ocr.yaml")
+    check_world(cfg)
+    assert (cfg.data.samples_per_prompt, cfg.train.kl_beta, cfg.train.lora_rank) == (24, 0.04, 32)
+    assert cfg.reward.models["ocr"].kind == "ocr" and cfg.eval.on
