@@ -1075,7 +1075,7 @@ WANDB_MODES = ("online", "offline")
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """Experiment trackers the run logs to besides its store, after each iteration is committed: every metric of the iteration (metrics/NAME at step = iteration), the held-out evaluation (eval/reward_mean at step = the evaluated policy version), captioned sample grids, and the resolved config as hyperparameters. The run's tracker runs are kept in the store's attributes, so digenrl run --resume continues them. A tracker that cannot start stops the run before any cluster starts; one that fails later is a warning and the run goes on."""
+    """Experiment trackers the run logs to besides its store, after each iteration is committed: every metric of the iteration (metrics/NAME at step = iteration), the held-out evaluation (eval/reward_mean, and each reward's own mean as eval/rewards/NAME, e.g. an OCR reward's held-out accuracy, at step = the evaluated policy version), captioned sample grids, and the resolved config as hyperparameters. The run's tracker runs are kept in the store's attributes, so digenrl run --resume continues them. A tracker that cannot start stops the run before any cluster starts; one that fails later is a warning and the run goes on."""
 
     backends: tuple[str, ...] = ()
     """The trackers to log to: any of tensorboard, wandb, mlflow (each needs its library: pip install 'digenrl[tensorboard]', [wandb] or [mlflow]); empty logs to the store only."""

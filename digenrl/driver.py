@@ -39,13 +39,14 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, RunStore, StoreError, StoreWriter,
-                           committed_iterations, read_attrs)
+                           committed_iterations, read_attrs, reward_columns)
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
                                 TRAINER)
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
-           "check_store", "library_versions", "evaluation_means"]
+           "check_store", "library_versions", "evaluation_means",
+           "evaluation_reward_means"]
 
 logger = logging.getLogger("digenrl")
 Key = Hashable
@@ -481,6 +482,25 @@ def let_go(futures: Iterable[Future]) -> None:
     committed, through checkpoints already dropped, or a checkpoint written again."""
     for f in futures:
         f.release()
+
+
+def evaluation_reward_means(rows: dict[str, np.ndarray] | None
+                            ) -> dict[int, dict[str, float]]:
+    """Each evaluated version's mean of each reward's own column (``reward_NAME``: an
+    OCR reward's is the held-out OCR accuracy) over its valid rows; a reward without a
+    finite score there (a group reward, left out of evaluation) is left out."""
+    if not rows or not len(rows["version"]):
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for v in np.unique(rows["version"]):
+        mine = (rows["version"] == v) & rows["valid"]
+        means = {}
+        for name, column in reward_columns(rows).items():
+            scores = np.asarray(rows[column], dtype=np.float64)[mine]
+            if np.isfinite(scores).any():
+                means[name] = float(np.nanmean(scores))
+        out[int(v)] = means
+    return out
 
 
 def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:

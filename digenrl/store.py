@@ -31,13 +31,28 @@ from zarr.core.sync import sync as zarr_sync
 
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
-           "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES"]
+           "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES",
+           "reward_column", "reward_columns"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
 EVAL_GROUP = "eval"
 #: A sample's (``samples``) or an evaluated prompt's (``eval``) weighted reward.
 REWARD_COLUMN = "reward"
+
+
+def reward_column(name: str) -> str:
+    """The column of reward ``name``'s own score (``samples`` and ``eval``), beside the
+    weighted sum in :data:`REWARD_COLUMN`."""
+    return f"{REWARD_COLUMN}_{name}"
+
+
+def reward_columns(columns) -> dict[str, str]:
+    """Reward name -> its column, of the per-reward columns among ``columns``."""
+    prefix = reward_column("")
+    return {c[len(prefix):]: c for c in columns if c.startswith(prefix)}
+
+
 #: A sample's advantage (``samples``).
 ADVANTAGE_COLUMN = "advantage"
 #: The run attribute listing the source images of an editing run (each one's path and

@@ -7,6 +7,7 @@ training and for each evaluated version."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -269,10 +270,16 @@ def test_runs_with_the_ocr_reward_store_it_and_evaluate_it(cluster_1x1, tmp_path
     """The tiny model on the ocr prompt set with OCR beside brightness, evaluated on the
     held-out texts every version: every OCR score in [0, 1], each reward's column stored
     (the total their weighted sum), and the evaluation's OCR accuracy per version."""
+    from digenrl.report import summarise
+
+    tracking = "tensorboard" if importlib.util.find_spec("tensorboard") else None
     cfg = small_config(**{"iterations": 2, "data.prompt_set": "ocr", "eval.every": 1,
                           "eval.before_first": True,
                           "reward.components": {"ocr": 1.0, "brightness": 0.5},
-                          "reward.models": {"ocr": {"kind": "ocr", "batch_size": 2}}})
+                          "reward.models": {"ocr": {"kind": "ocr", "batch_size": 2}},
+                          "tracking.backends": [tracking] if tracking else [],
+                          "tracking.dir": str(tmp_path / "tracking"),
+                          "tracking.image_every": 0})
     Runner(cfg, str(tmp_path / "run.zarr"), cluster=cluster_1x1).run()
     ds = open_run(tmp_path / "run.zarr")
     s = ds["samples"]
@@ -287,6 +294,19 @@ def test_runs_with_the_ocr_reward_store_it_and_evaluate_it(cluster_1x1, tmp_path
     accuracy = e.reward_ocr.values.reshape(3, held)
     assert ((accuracy >= 0) & (accuracy <= 1)).all()
     assert np.isfinite(e.reward_brightness.values).all()
+    # The held-out accuracy per version in the report and the tracker, beside the total.
+    per_version = accuracy.mean(axis=1)
+    assert ("held-out reward_ocr (mean per policy version): " + ", ".join(
+        f"v{v} {m:.4f}" for v, m in enumerate(per_version))) in summarise(ds).splitlines()
+    if tracking:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (folder,) = (tmp_path / "tracking" / "tensorboard").iterdir()
+        ea = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        ea.Reload()
+        assert [(s.step, pytest.approx(s.value, abs=1e-6))
+                for s in ea.Scalars("eval/rewards/ocr")] == list(enumerate(per_version))
+        assert len(ea.Scalars("eval/rewards/brightness")) == 3
     # The OCR model was loaded once on each worker that scored (training or held-out
     # samples), and nowhere else.
     t = ds["tasks"]

@@ -28,8 +28,8 @@ the process (``cluster.torch_threads`` on a worker: the task's share of the core
 the CUDA execution provider when onnxruntime-gpu provides it and the process has a GPU.
 Images are read in passes of ``batch_size``: on the CUDA provider a pass's detection is
 one forward pass of all its images (those of one size); on the CPU each image's
-detection runs alone, which is faster there (stacking 8 images of 512 pixels costs 1.5
-times as much per image on this machine's CPU: docs/performance.md). Recognition runs
+detection runs alone, which is faster there (stacking 8 images of 512 pixels costs 1.2
+times as much per image on a 2-core x86 machine: docs/performance.md). Recognition runs
 per image, on its text lines in RapidOCR's batches. A score does not depend on the
 images that share its pass except through floating-point rounding in the detector's
 batched forward pass, which can move only a confidence that lies at 0.5 or a box's
