@@ -200,6 +200,9 @@ class OcrReader:
             "EngineConfig.onnxruntime.cuda_ep_cfg.device_id": device})
         self.detector = self.engine._load_det_model()
         self.engine._load_rec_model()
+        # Where the detector runs (RapidOCR falls back to the CPU, with a warning, when the
+        # CUDA provider does not start).
+        self.cuda = "CUDAExecutionProvider" in self.detector.session.session.get_providers()
         self.device = "cuda" if self.cuda else "cpu"
         # RapidOCR keeps per-call state (its preprocessing op); one read at a time.
         self._lock = threading.Lock()
@@ -229,6 +232,9 @@ class OcrReader:
         maps = self._detect([p.image for p in passes], stack)
         texts = []
         for p, pred in zip(passes, maps):
+            if pred is None:  # an image the detector cannot take (too small): no text
+                texts.append("")
+                continue
             boxes, scores = self.detector.postprocess_op(pred, p.image.shape[:2])
             if len(boxes) == 0:
                 texts.append("")
@@ -240,18 +246,24 @@ class OcrReader:
                                  if t.strip() and s >= DROP_SCORE))
         return texts
 
-    def _detect(self, images: Sequence[np.ndarray], stack: bool) -> list[np.ndarray]:
-        """The detector's probability map of each image (``(1, 1, H, W)`` each): one
-        forward pass per run of equally sized images when ``stack``, else one each."""
+    def _detect(self, images: Sequence[np.ndarray], stack: bool) -> list[np.ndarray | None]:
+        """The detector's probability map of each image (``(1, 1, H, W)`` each; None for
+        one its preprocessing refuses): one forward pass per run of equally sized images
+        when ``stack``, else one each."""
         pre = self.detector.get_preprocess()
         inputs = [pre(image) for image in images]
         if not stack:
-            return [self.detector.session(x) for x in inputs]
-        maps: list[np.ndarray] = []
+            return [None if x is None else self.detector.session(x) for x in inputs]
+        maps: list[np.ndarray | None] = []
         a = 0
         while a < len(inputs):
+            if inputs[a] is None:
+                maps.append(None)
+                a += 1
+                continue
             b = a + 1
-            while b < len(inputs) and inputs[b].shape == inputs[a].shape:
+            while b < len(inputs) and inputs[b] is not None and \
+                    inputs[b].shape == inputs[a].shape:
                 b += 1
             out = self.detector.session(np.concatenate(inputs[a:b]))
             maps.extend(out[i:i + 1] for i in range(b - a))
