@@ -32,8 +32,9 @@ Kinds (``kind``):
   (:mod:`digenrl.tasks.ocr`, which says how it reads, threads and batches). Its models
   ship inside the ``rapidocr`` wheel: nothing to point at.
 
-In the CLIP kinds (``clip``, ``aesthetic``, ``clip_consistency``) every forward pass runs under ``torch.no_grad`` and holds exactly ``batch_size`` rows:
-the images are scored in slices of at most ``batch_size``, and a slice of fewer is padded
+In the CLIP kinds (``clip``, ``aesthetic``, ``clip_consistency``) every forward pass runs
+under ``torch.no_grad`` and holds exactly ``batch_size`` rows: the images are scored in
+slices of at most ``batch_size``, and a slice of fewer is padded
 with zero images (and, for ``clip``, empty prompts) whose scores are dropped. Prompts are
 tokenized to the text model's full length, never to the longest prompt of the slice. So
 every pass has the same shapes and a sample's score does not depend on which images
