@@ -328,3 +328,24 @@ def test_the_ocr_workflow_config_passes_the_checks_of_a_run():
     check_world(cfg)
     assert (cfg.data.samples_per_prompt, cfg.train.kl_beta, cfg.train.lora_rank) == (24, 0.04, 32)
     assert cfg.reward.models["ocr"].kind == "ocr" and cfg.eval.on
+
+
+@pytest.mark.slow
+def test_a_run_reads_each_target_from_its_prompt_file_lines(cluster_1x1, tmp_path):
+    """OCR alone, on .jsonl prompt files whose prompts quote nothing: each line's "text"
+    key reaches the reward in training and in evaluation (without it the reward would
+    fail the run), every score in [0, 1]."""
+    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": f"a shop sign {i}", "text": w}
+                                              for i, w in enumerate(["Open", "Sale", "Exit"])])
+    held = _jsonl(tmp_path / "held.jsonl", [{"prompt": "a bakery sign", "text": "Fresh Bread"},
+                                            {"prompt": "a mug", "text": "Coffee"}])
+    cfg = checked_config(**OCR, **{"iterations": 2, "data.prompt_file": train,
+                                   "data.eval_prompt_file": held, "eval.every": 2})
+    Runner(cfg, str(tmp_path / "run.zarr"), cluster=cluster_1x1).run()
+    ds = open_run(tmp_path / "run.zarr")
+    s, e = ds["samples"], ds["eval"]
+    assert s.valid.values.all() and e.valid.values.all()
+    for scores in (s.reward_ocr.values, e.reward_ocr.values):
+        assert ((scores >= 0) & (scores <= 1)).all()
+    np.testing.assert_array_equal(s.reward.values, s.reward_ocr.values)
+    assert e.version.values.tolist() == [2, 2]
