@@ -181,28 +181,29 @@ def _check_ocr_targets(config: RunConfig) -> None:
     if not ocr:
         return
     d = config.data
-    named: list[tuple[str, str, dict]] = []  # (where, prompt, metadata)
+    named: list[tuple[str, str, dict | None]] = []  # (where, prompt, a .jsonl line's keys)
 
     def from_file(field: str, path: str) -> None:
         f = load_prompt_file(path, field)
-        named.extend((f"{field}: line {n} of {f.path}", prompt, meta)
+        jsonl = f.path.lower().endswith(".jsonl")
+        named.extend((f"{field}: line {n} of {f.path}", prompt, meta if jsonl else None)
                      for n, (prompt, meta) in enumerate(zip(f.prompts, f.metadata), 1))
 
     if d.prompt_file is not None:
         from_file("data.prompt_file", d.prompt_file)
     elif d.prompts:
-        named.extend((f"data.prompts[{i}]", p, {}) for i, p in enumerate(d.prompts))
+        named.extend((f"data.prompts[{i}]", p, None) for i, p in enumerate(d.prompts))
     else:
-        named.extend((f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p, {})
+        named.extend((f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p, None)
                      for i, p in enumerate(PROMPT_SETS[d.prompt_set]))
     if config.eval.on:
         if d.eval_prompt_file is not None:
             from_file("data.eval_prompt_file", d.eval_prompt_file)
         else:
-            named.extend((f"held-out prompt {i} of data.prompt_set {d.prompt_set!r}", p, {})
+            named.extend((f"held-out prompt {i} of data.prompt_set {d.prompt_set!r}", p, None)
                          for i, p in enumerate(held_out_prompts(d).prompts))
     for where, prompt, meta in named:
-        problem = target_problem(prompt, meta)
+        problem = target_problem(prompt, meta, keyed=meta is not None)
         if problem is not None:
             expected, got = problem
             raise ConfigError(f"{where}: expected {expected} for the OCR reward "

@@ -169,8 +169,12 @@ def test_every_prompt_an_ocr_reward_scores_names_its_text(tmp_path):
     cases = [
         ({"data.prompt_file": str(txt)},
          f"data.prompt_file: line 2 of {txt}: expected the text to render in double quotes "
-         f"(as in 'A sign that says \"Open Late\"') or a \"text\" key for the OCR reward "
-         f"'ocr', got 'A cat on a mat'"),
+         f"(as in 'A sign that says \"Open Late\"') for the OCR reward 'ocr', got 'A cat on "
+         f"a mat'"),
+        ({"data.prompt_file": _jsonl(tmp_path / "q.jsonl", [{"prompt": "A cat"}])},
+         f"data.prompt_file: line 1 of {tmp_path / 'q.jsonl'}: expected the text to render "
+         f"in double quotes (as in 'A sign that says \"Open Late\"') or a \"text\" key for "
+         f"the OCR reward 'ocr', got 'A cat'"),
         ({"data.prompt_file": _jsonl(tmp_path / "e.jsonl", [{"prompt": 'A "sign"'},
                                                            {"prompt": 'A sign " "'}])},
          f"data.prompt_file: line 2 of {tmp_path / 'e.jsonl'}: expected quoted text other "

@@ -91,10 +91,11 @@ def ocr_target(prompt: str, metadata: Mapping[str, Any] | None = None) -> str:
     return _quoted(prompt)  # type: ignore[return-value]
 
 
-def target_problem(prompt: str, metadata: Mapping[str, Any] | None = None
-                   ) -> tuple[str, str] | None:
+def target_problem(prompt: str, metadata: Mapping[str, Any] | None = None,
+                   keyed: bool = True) -> tuple[str, str] | None:
     """None when ``prompt`` (with its line's ``metadata``) names a text to render, else
-    (what was expected, what arrived) for a one-line error."""
+    (what was expected, what arrived) for a one-line error; ``keyed``: the prompt comes
+    from a ``.jsonl`` line, which could name its text in a ``text`` key instead."""
     if metadata and TEXT_KEY in metadata:
         text = metadata[TEXT_KEY]
         if not isinstance(text, str):
@@ -105,8 +106,9 @@ def target_problem(prompt: str, metadata: Mapping[str, Any] | None = None
         return None
     text = _quoted(prompt)
     if text is None:
+        key = f' or a "{TEXT_KEY}" key' if keyed else ""
         return (f'the text to render in double quotes (as in \'A sign that says "Open '
-                f'Late"\') or a "{TEXT_KEY}" key', repr(prompt))
+                f'Late"\'){key}', repr(prompt))
     if not text.replace(" ", ""):
         return ("quoted text other than spaces to render", repr(prompt))
     return None
