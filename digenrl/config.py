@@ -423,7 +423,7 @@ class DataConfig:
     samples_per_prompt: int = 4
     """Images per prompt (the GRPO group size); at least 2."""
     prompt_set: str = "simple_animals"
-    """A built-in prompt list (simple_animals, animal_photos), used when prompts is empty."""
+    """A built-in prompt list (simple_animals, animal_photos; ocr: 192 text-rendering prompts, 8 templates x 24 texts in double quotes, for an OCR reward), used when prompts is empty."""
     prompts: tuple[str, ...] = ()
     """Your own prompts; each iteration draws prompts_per_iteration of them (seeded)."""
     prompt_file: str | None = None
@@ -581,9 +581,12 @@ def _is_template(text: Any) -> bool:
     return all(f.isidentifier() for f in fields)
 
 
-#: Kinds of reward model: a CLIP preference score, or an aesthetic head on CLIP's image
-#: embedding (digenrl.tasks.reward_models implements each).
-REWARD_MODEL_KINDS = ("clip", "aesthetic", "clip_consistency")
+#: Kinds of reward model: a CLIP preference score, an aesthetic head on CLIP's image
+#: embedding, CLIP's consistency of an edit with its source, or OCR of the text an image
+#: renders (digenrl.tasks.reward_models implements each).
+REWARD_MODEL_KINDS = ("clip", "aesthetic", "clip_consistency", "ocr")
+#: The kinds whose models ship with their library (no path, processor or head).
+BUNDLED_MODEL_KINDS = ("ocr",)
 #: The files a transformers model folder keeps its weights in (any one of them).
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -609,25 +612,39 @@ class RewardModelConfig:
     improved-aesthetic-predictor repository (a head on ViT-L/14's 768-wide embedding).
     Source consistency of an edit: ``kind: clip_consistency``, ``path`` a CLIP model
     folder (e.g. ``openai/clip-vit-large-patch14``'s); it needs a source image for every
-    sample (an editing run's prompt-file lines)."""
+    sample (an editing run's prompt-file lines). OCR of rendered text (Flow-GRPO's text
+    rendering reward): ``kind: ocr`` and nothing else: its PP-OCR models ship inside the
+    ``rapidocr`` wheel (``pip install -e ".[ocr]"``), so ``path``, ``processor`` and
+    ``head`` stay unset; each sample's target text is its prompt's quoted text or its
+    prompt-file line's ``text`` key."""
 
     kind: str = "clip"
-    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor); clip_consistency: the cosine of CLIP's embeddings of the edited image and its source image (instruction editing: how much of the source an edit keeps)."""
+    """clip: logit_scale x the cosine of CLIP's image and prompt embeddings, as PickScore and CLIP score compute it; aesthetic: an MLP head on the normalised CLIP image embedding (LAION's improved aesthetic predictor); clip_consistency: the cosine of CLIP's embeddings of the edited image and its source image (instruction editing: how much of the source an edit keeps); ocr: Flow-GRPO's OCR score in [0, 1] of the text the image renders against the prompt's quoted text (or its line's "text" key): 1 when the target occurs in the recognised text (spaces removed, case folded), else 1 - min(edit distance, target length) / target length (RapidOCR's PP-OCR models on onnxruntime)."""
     path: str = ""
-    """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker."""
+    """A local folder holding a transformers CLIPModel (config.json and model.safetensors or pytorch_model.bin), as save_pretrained writes it; readable from every worker. ocr: unset (its models ship in the rapidocr wheel)."""
     processor: str | None = None
     """A local folder holding its processor (preprocessor_config.json or processor_config.json and, for clip, the tokenizer: tokenizer.json or vocab.json with merges.txt), as CLIPImageProcessor's or CLIPProcessor's save_pretrained writes it; null: path."""
     head: str | None = None
     """aesthetic: the MLP head's weights (.safetensors, or .pth/.pt read with torch.load(weights_only=True)), keys layers.0 ... layers.7 as LAION's predictor saves them; clip: null."""
     dtype: str = "float32"
-    """dtype of the CLIP model's weights and forward pass (float32, bfloat16, float16); scores are returned as float64."""
+    """dtype of the CLIP model's weights and forward pass (float32, bfloat16, float16); scores are returned as float64. ocr: float32 (its ONNX models')."""
     batch_size: int = 32
-    """The most images one forward pass scores."""
+    """The most images one forward pass scores (ocr: one pass of its text detector on a GPU; on a CPU its images are read one by one)."""
 
     def validate(self, p: str) -> None:
         _choice(self.kind, f"{p}.kind", REWARD_MODEL_KINDS)
         _choice(self.dtype, f"{p}.dtype", DTYPES)
         _positive_int(self.batch_size, f"{p}.batch_size")
+        if self.kind in BUNDLED_MODEL_KINDS:
+            why = f"for kind {self.kind} (its models ship in its library's wheel)"
+            _require(self.path == "", f"{p}.path", f"no path {why}", self.path)
+            for name in ("processor", "head"):
+                _require(getattr(self, name) is None, f"{p}.{name}", f"null {why}",
+                         getattr(self, name))
+            _require(self.dtype == "float32", f"{p}.dtype",
+                     f"float32 for kind {self.kind} (its models compute in float32)",
+                     self.dtype)
+            return
         _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                  "a path to a local CLIPModel folder", self.path)
         _check_folder(self.path, f"{p}.path", [("config.json",), _WEIGHT_FILES],
@@ -1008,7 +1025,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out evaluation: the policy samples every held-out prompt once, from the same noise each time, with the ODE sampler (no noise), and the configured rewards score the images (the eval group of the store; digenrl report plots the curve and a grid per version). Held-out prompts come from data.eval_prompt_file or, when the run trains on a built-in data.prompt_set, from that set's eight held-out animals (penguin, giraffe, panda, koala, parrot, crab, peacock, swan: none of the training prompts), worded as the set words its prompts. With your own prompts and no eval_prompt_file, evaluation is refused."""
+    """Held-out evaluation: the policy samples every held-out prompt once, from the same noise each time, with the ODE sampler (no noise), and the configured rewards score the images (the eval group of the store; digenrl report plots the curve and a grid per version). Held-out prompts come from data.eval_prompt_file or, when the run trains on a built-in data.prompt_set, from that set's eight held-out prompts, worded as the set words its prompts: eight animals none of the training prompts names (penguin, giraffe, panda, koala, parrot, crab, peacock, swan), or for ocr eight texts none of its prompts shows, one in each of its templates. With your own prompts and no eval_prompt_file, evaluation is refused."""
 
     every: int = 0
     """Evaluate policy version v, published by iteration v - 1, when v is a multiple of every; 0 turns evaluation off. The evaluations run in GPU slots nothing else can use."""
@@ -1067,7 +1084,7 @@ WANDB_MODES = ("online", "offline")
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """Experiment trackers the run logs to besides its store, after each iteration is committed: every metric of the iteration (metrics/NAME at step = iteration), the held-out evaluation (eval/reward_mean at step = the evaluated policy version), captioned sample grids, and the resolved config as hyperparameters. The run's tracker runs are kept in the store's attributes, so digenrl run --resume continues them. A tracker that cannot start stops the run before any cluster starts; one that fails later is a warning and the run goes on."""
+    """Experiment trackers the run logs to besides its store, after each iteration is committed: every metric of the iteration (metrics/NAME at step = iteration), the held-out evaluation (eval/reward_mean, and each reward's own mean as eval/rewards/NAME, e.g. an OCR reward's held-out accuracy, at step = the evaluated policy version), captioned sample grids, and the resolved config as hyperparameters. The run's tracker runs are kept in the store's attributes, so digenrl run --resume continues them. A tracker that cannot start stops the run before any cluster starts; one that fails later is a warning and the run goes on."""
 
     backends: tuple[str, ...] = ()
     """The trackers to log to: any of tensorboard, wandb, mlflow (each needs its library: pip install 'digenrl[tensorboard]', [wandb] or [mlflow]); empty logs to the store only."""

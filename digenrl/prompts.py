@@ -36,20 +36,45 @@ _SIMPLE_ANIMALS = (
     "turkey", "fly", "llama", "camel", "bat", "gorilla", "hedgehog", "kangaroo",
 )
 
+# Text rendering, as Flow-GRPO's OCR task words its prompts: a scene showing a short text
+# in double quotes (the text the OCR reward reads for). Made here, every template with
+# every word.
+_OCR_TEMPLATES = (
+    'A sign that says "{}"',
+    'A storefront with "{}" painted above the door',
+    'A neon sign glowing with the words "{}"',
+    'A chalkboard menu that reads "{}"',
+    'A coffee mug with "{}" printed on it',
+    'A T-shirt with the slogan "{}"',
+    'A book cover titled "{}"',
+    'A birthday cake with "{}" written in icing',
+)
+_OCR_WORDS = (
+    "Open Late", "Hello World", "Fresh Bread", "Good Morning", "Coffee", "Welcome Home",
+    "Sale", "Exit", "Stay Curious", "Happy Birthday", "Night Market", "Dream Big",
+    "Free Wifi", "Keep Calm", "Sunset Cafe", "Bookshop", "Ocean Drive", "Best Friends",
+    "Hot Pizza", "Thank You", "Open 24 Hours", "Garden Party", "Lucky Star", "Go Team",
+)
+
 PROMPT_SETS: dict[str, tuple[str, ...]] = {
     "simple_animals": _SIMPLE_ANIMALS,
     "animal_photos": tuple(f"a photo of a {a}" for a in _SIMPLE_ANIMALS),
+    "ocr": tuple(t.format(w) for w in _OCR_WORDS for t in _OCR_TEMPLATES),
 }
 
 # Held out: animals none of the sets above name, so an evaluation measures how the
 # training carries over to prompts the policy never trained on.
 _HELD_OUT_ANIMALS = ("penguin", "giraffe", "panda", "koala", "parrot", "crab", "peacock",
                      "swan")
+# Held out of ocr: texts none of its prompts shows, one in each template.
+_HELD_OUT_WORDS = ("Moon River", "Jazz Night", "Green Tea", "Paper Kite", "Winter Sale",
+                   "Blue Lagoon", "Tiny Robot", "Fresh Start")
 
 #: Each built-in prompt set's held-out prompts, worded as the set words its own.
 HELD_OUT_SETS: dict[str, tuple[str, ...]] = {
     "simple_animals": _HELD_OUT_ANIMALS,
     "animal_photos": tuple(f"a photo of a {a}" for a in _HELD_OUT_ANIMALS),
+    "ocr": tuple(t.format(w) for t, w in zip(_OCR_TEMPLATES, _HELD_OUT_WORDS)),
 }
 
 #: The prompt file formats: one prompt per line, or one JSON object per line.

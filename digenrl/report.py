@@ -25,7 +25,8 @@ from digenrl.analysis import (busy_shares, dispatch_overhead, split_advice, stor
                               window_stats)
 from digenrl.sim.measured import measured_profile
 from digenrl.config import EvalConfig, stored_section
-from digenrl.store import EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE, open_run
+from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE, open_run,
+                           evaluation_reward_means, reward_column, reward_columns)
 from digenrl.vocabulary import COLOCATED, ROLLOUT
 
 __all__ = ["write_report", "summarise"]
@@ -115,6 +116,13 @@ def summarise(ds, profile: Path | None = None) -> str:
                  for v in np.unique(e.version.values)]
         lines.append("held-out evaluation (mean reward per policy version): "
                      + ", ".join(evals))
+        rows = {c: e[c].values for c in e.data_vars if c != "image"}
+        per_reward = evaluation_reward_means(rows)
+        for name in reward_columns(rows):
+            means = [f"v{v} {m[name]:.4f}" for v, m in per_reward.items() if name in m]
+            if means:
+                lines.append(f"held-out {reward_column(name)} (mean per policy version): "
+                             + ", ".join(means))
     kinds = tasks.groupby("kind").size().to_dict() if len(tasks) else {}
     lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     return "\n".join(lines)

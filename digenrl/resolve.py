@@ -6,7 +6,8 @@ config's own checks do: the model folder's family, its size (what the transforme
 patch grid and rotary or positional tables take) and what its tokenizers make of every
 prompt; the built-in prompt set and the prompt files; the reward names (registered, or
 under ``reward.remote`` / ``reward.models`` / ``reward.group``, a group reward's ranked
-reward, and the prompt groups a group reward needs); the held-out prompts an evaluation needs;
+reward, the prompt groups a group reward needs, an OCR reward's libraries and the text
+each prompt it scores names); the held-out prompts an evaluation needs;
 the LoRA target modules of the transformer; settings that ask images of a video model
 or videos of an image model; the libraries of the experiment trackers and their folder
 (:func:`check_trackers`; whether a tracker starts is known only once the runner starts
@@ -27,6 +28,8 @@ from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
                              load_prompt_file, read_source)
+from digenrl.tasks.ocr import check_installed as ocr_missing
+from digenrl.tasks.ocr import target_problem
 from digenrl.tasks.rewards import REWARDS
 from digenrl.tracking import check_trackers
 
@@ -49,6 +52,7 @@ def check_world(config: RunConfig) -> None:
     check_prompt_inputs(config)
     check_rewards(config.reward)
     _check_group_rewards(config)
+    _check_ocr_targets(config)
     check_trackers(config.tracking)
     if config.eval.on:
         _require(has_held_out_prompts(data), "eval.every",
@@ -162,6 +166,54 @@ def check_rewards(reward: RewardConfig) -> None:
     known = set(REWARDS) | set(reward.remote) | set(reward.models) | set(reward.group)
     for name in reward.components:
         _choice(name, "reward.components", known)
+    for name in _ocr_rewards(reward):
+        missing = ocr_missing()
+        if missing is not None:
+            raise ConfigError(f"{_sub_path('reward.models', name)}.kind: expected {missing}")
+
+
+def _ocr_rewards(reward: RewardConfig) -> list[str]:
+    """The OCR rewards ``reward`` scores with: those of ``reward.components``, and those a
+    group reward of the components ranks."""
+    scored = set(reward.components) | {reward.group[n].of for n in reward.components
+                                       if n in reward.group}
+    return [name for name, m in reward.models.items() if m.kind == "ocr" and name in scored]
+
+
+def _check_ocr_targets(config: RunConfig) -> None:
+    """Every prompt an OCR reward scores (the training prompts and, with an evaluation,
+    the held-out ones) names the text to render: quoted, or its line's ``text`` key."""
+    ocr = _ocr_rewards(config.reward)
+    if not ocr:
+        return
+    d = config.data
+    named: list[tuple[str, str, dict | None]] = []  # (where, prompt, a .jsonl line's keys)
+
+    def from_file(field: str, path: str) -> None:
+        f = load_prompt_file(path, field)
+        jsonl = f.path.lower().endswith(".jsonl")
+        named.extend((f"{field}: line {n} of {f.path}", prompt, meta if jsonl else None)
+                     for n, (prompt, meta) in enumerate(zip(f.prompts, f.metadata), 1))
+
+    if d.prompt_file is not None:
+        from_file("data.prompt_file", d.prompt_file)
+    elif d.prompts:
+        named.extend((f"data.prompts[{i}]", p, None) for i, p in enumerate(d.prompts))
+    else:
+        named.extend((f"data.prompt_set ({d.prompt_set!r}, prompt {i})", p, None)
+                     for i, p in enumerate(PROMPT_SETS[d.prompt_set]))
+    if config.eval.on:
+        if d.eval_prompt_file is not None:
+            from_file("data.eval_prompt_file", d.eval_prompt_file)
+        else:
+            named.extend((f"held-out prompt {i} of data.prompt_set {d.prompt_set!r}", p, None)
+                         for i, p in enumerate(held_out_prompts(d).prompts))
+    for where, prompt, meta in named:
+        problem = target_problem(prompt, meta, keyed=meta is not None)
+        if problem is not None:
+            expected, got = problem
+            raise ConfigError(f"{where}: expected {expected} for the OCR reward "
+                              f"{ocr[0]!r}, got {got}")
 
 
 def _check_group_rewards(config: RunConfig) -> None:

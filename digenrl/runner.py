@@ -34,7 +34,7 @@ from digenrl.prompts import load_prompt_file, prompt_source, source_table
 from digenrl.resolve import check_world
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
-                           RunStore, evaluation_means, frame_strip)
+                           RunStore, evaluation_means, frame_strip, reward_column)
 from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
@@ -230,7 +230,7 @@ class FlowGRPOWorkload:
             "valid": np.concatenate(valid).astype(bool),
         }
         for name, parts in components.items():
-            rows[f"reward_{name}"] = np.concatenate(parts).astype(np.float64)
+            rows[reward_column(name)] = np.concatenate(parts).astype(np.float64)
         rows["image"] = np.concatenate(images).astype(np.uint8)
         if self.sources and held_out.inputs:
             rows["source"] = self._sources_of([held_out.inputs[j] for j in index])
@@ -349,7 +349,7 @@ class IterationResults:
             "trained_version": np.full(n, self.iteration, np.int32),
         }
         for name, vals in self.components.items():
-            rows[f"reward_{name}"] = vals
+            rows[reward_column(name)] = vals
         if self.images is not None:
             rows["image"] = self.images
         if self.videos is not None:

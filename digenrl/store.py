@@ -32,13 +32,27 @@ from zarr.core.sync import sync as zarr_sync
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
            "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES",
-           "evaluation_means"]
+           "evaluation_means", "evaluation_reward_means", "reward_column", "reward_columns"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
 EVAL_GROUP = "eval"
 #: A sample's (``samples``) or an evaluated prompt's (``eval``) weighted reward.
 REWARD_COLUMN = "reward"
+
+
+def reward_column(name: str) -> str:
+    """The column of reward ``name``'s own score (``samples`` and ``eval``), beside the
+    weighted sum in :data:`REWARD_COLUMN`."""
+    return f"{REWARD_COLUMN}_{name}"
+
+
+def reward_columns(columns) -> dict[str, str]:
+    """Reward name -> its column, of the per-reward columns among ``columns``."""
+    prefix = reward_column("")
+    return {c[len(prefix):]: c for c in columns if c.startswith(prefix)}
+
+
 #: A sample's advantage (``samples``).
 ADVANTAGE_COLUMN = "advantage"
 #: The run attribute listing the source images of an editing run (each one's path and
@@ -521,4 +535,23 @@ def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, floa
         good = rows[REWARD_COLUMN][mine & rows["valid"]]
         out.append((int(v), float(good.mean()) if len(good) else float("nan"),
                     int(mine.sum())))
+    return out
+
+
+def evaluation_reward_means(rows: dict[str, np.ndarray] | None
+                            ) -> dict[int, dict[str, float]]:
+    """Each evaluated version's mean of each reward's own column (``reward_NAME``: an
+    OCR reward's is the held-out OCR accuracy) over its valid rows; a reward without a
+    finite score there (a group reward, left out of evaluation) is left out."""
+    if not rows or not len(rows["version"]):
+        return {}
+    out: dict[int, dict[str, float]] = {}
+    for v in np.unique(rows["version"]):
+        mine = (rows["version"] == v) & rows["valid"]
+        means = {}
+        for name, column in reward_columns(rows).items():
+            scores = np.asarray(rows[column], dtype=np.float64)[mine]
+            if np.isfinite(scores).any():
+                means[name] = float(np.nanmean(scores))
+        out[int(v)] = means
     return out

@@ -43,7 +43,8 @@ import numpy as np
 import yaml
 
 from digenrl.config import ConfigError, RunConfig, TrackingConfig, config_to_dict
-from digenrl.store import EVAL_GROUP, REWARD_COLUMN, evaluation_means, frame_strip, read_attrs
+from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, evaluation_means, evaluation_reward_means,
+                           frame_strip, read_attrs)
 
 __all__ = ["Tracker", "IterationLog", "Grid", "check_trackers", "tracking_dir",
            "BACKENDS", "ATTRIBUTE", "QUEUE_LENGTH"]
@@ -62,6 +63,9 @@ CLOSE_TIMEOUT = 120.0
 #: evaluation (its x: the evaluated policy version) and the sample grids.
 METRIC_PREFIX = "metrics/"
 EVAL_REWARD = "eval/reward_mean"
+#: Each reward's own mean over a held-out evaluation (``eval/rewards/ocr``: the held-out
+#: OCR accuracy), at the same step.
+EVAL_REWARD_OF = "eval/rewards/{}"
 EVAL_VERSION = "eval/version"
 ITERATION = "iteration"
 SAMPLES = "samples"
@@ -108,6 +112,13 @@ class Evaluation:
     reward_mean: float
     prompts: int
     grid: Grid | None = None
+    #: Each reward's own mean over the evaluation (its ``reward_NAME`` column).
+    rewards: dict[str, float] = field(default_factory=dict)
+
+    def scalars(self) -> dict[str, float]:
+        """The evaluation's tracked values: the weighted reward's mean and each reward's."""
+        return {EVAL_REWARD: self.reward_mean,
+                **{EVAL_REWARD_OF.format(n): m for n, m in self.rewards.items()}}
 
 
 @dataclass
@@ -128,9 +139,10 @@ class IterationLog:
         metrics = {name: float(v) for name, v in groups.get("metrics", {}).items()
                    if math.isfinite(float(v))}
         rows = groups.get(EVAL_GROUP)
+        per_reward = evaluation_reward_means(rows)
         evaluations = [Evaluation(v, mean, count,
                                   _eval_grid(rows, v, tracking.images)
-                                  if tracking.image_every > 0 else None)
+                                  if tracking.image_every > 0 else None, per_reward[v])
                        for v, mean, count in evaluation_means(rows)]
         samples = (_sample_grid(i, groups.get("samples") or {}, tracking.images)
                    if tracking.logs_images(i) else None)
@@ -251,7 +263,8 @@ class TensorBoard(Backend):
         for name, value in entry.metrics.items():
             w.add_scalar(METRIC_PREFIX + name, value, i)
         for e in entry.evaluations:
-            w.add_scalar(EVAL_REWARD, e.reward_mean, e.version)
+            for name, value in e.scalars().items():
+                w.add_scalar(name, value, e.version)
             if e.grid is not None:
                 w.add_image(EVAL_SAMPLES, e.grid.picture(), e.version, dataformats="HWC")
         if entry.samples is not None:
@@ -304,7 +317,7 @@ class WandB(Backend):
             row[SAMPLES] = _wandb_images(wandb, entry.samples)
         self.run.log(row)
         for e in entry.evaluations:
-            row = {EVAL_VERSION: e.version, EVAL_REWARD: e.reward_mean}
+            row = {EVAL_VERSION: e.version, **e.scalars()}
             if e.grid is not None:
                 row[EVAL_SAMPLES] = _wandb_images(wandb, e.grid)
             self.run.log(row)
@@ -375,8 +388,8 @@ class MLflow(Backend):
         now = int(time.time() * 1000)
         metrics = [Metric(METRIC_PREFIX + k, v, now, entry.iteration)
                    for k, v in entry.metrics.items()]
-        metrics += [Metric(EVAL_REWARD, e.reward_mean, now, e.version)
-                    for e in entry.evaluations]
+        metrics += [Metric(name, value, now, e.version)
+                    for e in entry.evaluations for name, value in e.scalars().items()]
         self.client.log_batch(self.run_id, metrics=metrics)
         if entry.samples is not None:
             self.client.log_image(self.run_id, entry.samples.picture(), key=SAMPLES,

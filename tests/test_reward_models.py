@@ -177,7 +177,8 @@ def _settings(folder, **kw):
     (lambda f, h: {"dtype": "float8"},
      "reward.models.pick.dtype: expected one of ['bfloat16', 'float16', 'float32'], got 'float8'"),
     (lambda f, h: {"kind": "pickscore"},
-     "reward.models.pick.kind: expected one of ['aesthetic', 'clip', 'clip_consistency'], got 'pickscore'"),
+     "reward.models.pick.kind: expected one of ['aesthetic', 'clip', 'clip_consistency', 'ocr'], "
+     "got 'pickscore'"),
     (lambda f, h: {"batch_size": 0},
      "reward.models.pick.batch_size: expected an integer >= 1, got 0"),
     (lambda f, h: {"head": str(h["pth"])},

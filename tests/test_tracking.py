@@ -362,6 +362,8 @@ def test_what_the_trackers_show_of_an_iteration():
         "eval": {"version": np.array([3, 3, 3, 3], np.int32),
                  "prompt_index": np.array([2, 0, 3, 1], np.int32),
                  "prompt": np.array(["c", "a", "d", "b"]), "reward": np.array([1., 2., 3., 4.]),
+                 "reward_ocr": np.array([0.5, 1., 0., 0.25]),
+                 "reward_ranked": np.full(4, np.nan),  # a group reward: not evaluated
                  "valid": np.array([True, True, False, True]),
                  "image": np.zeros((4, h, w, 3), np.uint8)},
     }
@@ -374,6 +376,9 @@ def test_what_the_trackers_show_of_an_iteration():
                                "prompt 3\n(no reward)"]
     (e,) = log.evaluations
     assert (e.version, e.reward_mean, e.prompts) == (3, pytest.approx(7 / 3), 4)
+    # Each reward's own mean over the valid rows (an OCR reward's: held-out accuracy).
+    assert e.scalars() == {"eval/reward_mean": pytest.approx(7 / 3),
+                           "eval/rewards/ocr": pytest.approx(1.75 / 3)}
     assert e.grid.prompts == ["a", "b", "c"]   # the first held-out prompts, by index
     picture = e.grid.picture()
     assert picture.dtype == np.uint8 and picture.ndim == 3 and picture.shape[2] == 3

@@ -9,6 +9,7 @@
     python workflows/microbench.py imports    # a driver's imports; a forked worker's first model build
     python workflows/microbench.py commit     # a store commit: its arrays written at once vs in turn
     python workflows/microbench.py checkpoint # a checkpoint: chunk by chunk vs one zarr write
+    python workflows/microbench.py ocr        # the OCR reward's seconds per image
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -50,7 +51,19 @@ after another, alternating, and prints CPU-seconds per commit. ``checkpoint`` wr
 default model's trainer state (its weights and two AdamW moments, 56 MB) as checkpoints
 to a fresh store, with :func:`digenrl.checkpoints.write_checkpoint` and as one zarr
 write of the whole array with zarr's default settings (the attributes set after it),
-alternating, and prints the user and system CPU-seconds per checkpoint.
+alternating, and prints the user and system CPU-seconds per checkpoint. ``ocr`` scores
+text rendered with PIL (the ocr prompt set's texts, DejaVu Sans, dark on light) with the
+OCR reward (``reward.models`` kind ``ocr``) in this process, with one torch (and so
+onnxruntime) thread as a worker has, at 256 and 512 pixels in calls of 1 and 8 images,
+and prints the first call's seconds (the models loaded) and the wall seconds per image
+of the later calls (median of the rounds), and, for calls of 8, those of the detector's
+forward passes stacked into one (what the reward does on a GPU) against one per image;
+then the CPU-seconds per image spent in the detector's and the recogniser's
+onnxruntime sessions and in the rest (pre- and post-processing, which stays on the CPU
+with a GPU provider), and the floating-point operations of each model's convolutions
+and matrix products per forward pass, counted from onnxruntime's profile of one pass
+(its nodes' input and output shapes) -- what docs/performance.md derives a GPU's
+figure from.
 """
 
 from __future__ import annotations
@@ -578,6 +591,151 @@ def checkpoint(rounds: int, writes: int = 10) -> None:
           f"{sum(medians['chunk by chunk']) / sum(medians['one zarr write']):.2f}")
 
 
+def _text_images(size: int, count: int):
+    """``count`` images of ``size`` pixels, each showing one of the ocr set's texts, and
+    their prompts."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    from digenrl.prompts import PROMPT_SETS
+
+    prompts = list(PROMPT_SETS["ocr"][::7][:count])
+    images = []
+    for prompt in prompts:
+        text = prompt.split('"')[1]
+        image = Image.new("RGB", (size, size), (235, 232, 220))
+        draw = ImageDraw.Draw(image)
+        try:
+            font = ImageFont.truetype("DejaVuSans.ttf", size // 12)
+        except OSError:
+            font = ImageFont.load_default(size=size // 12)
+        left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+        draw.text(((size - right - left) / 2, (size - bottom - top) / 2), text, font=font,
+                  fill=(20, 20, 30))
+        images.append(np.asarray(image))
+    return np.stack(images), prompts
+
+
+def ocr(rounds: int) -> None:
+    import numpy as np
+    import torch
+
+    from digenrl.config import RewardModelConfig
+    from digenrl.tasks.reward_models import model_reward, resident_reward_model
+
+    torch.set_num_threads(1)  # a worker's cluster.torch_threads
+    config = RewardModelConfig(kind="ocr", batch_size=8)
+    spec = model_reward("ocr", config)
+    images, prompts = _text_images(512, 1)
+    start = time.perf_counter()
+    spec(images, prompts)
+    print(f"first call (the models loaded, one 512-pixel image): "
+          f"{time.perf_counter() - start:.2f} s")
+    reader = resident_reward_model(config).reader
+    for size in (256, 512):
+        images, prompts = _text_images(size, 8)
+        scores = spec(images, prompts)
+        for batch in (1, 8):
+            wall, cpu = _per_image(rounds, lambda: [
+                spec(images[a:a + batch], prompts[a:a + batch]) for a in range(0, 8, batch)])
+            print(f"{size} px, calls of {batch}: {wall:.3f} s, {cpu:.3f} CPU-s per image "
+                  f"(medians of {rounds} rounds of 8 images; mean score {np.mean(scores):.2f})")
+        for stack in (False, True):
+            wall, cpu = _per_image(rounds, lambda: reader.read(images, stack=stack))
+            what = "stacked into one pass" if stack else "one pass per image"
+            print(f"{size} px, reading 8, detection {what}: {wall:.3f} s, {cpu:.3f} CPU-s "
+                  f"per image")
+
+
+    _ocr_split(reader, rounds)
+    _ocr_flops()
+
+
+def _ocr_split(reader, rounds: int) -> None:
+    """CPU-seconds per image in each session, and outside them."""
+    spent = {"detector": 0.0, "recogniser": 0.0}
+    owners = {"detector": reader.detector, "recogniser": reader.engine.text_rec}
+
+    class Timed:
+        def __init__(self, name, session):
+            self.name, self.session = name, session
+
+        def __call__(self, x):
+            start = time.process_time()
+            try:
+                return self.session(x)
+            finally:
+                spent[self.name] += time.process_time() - start
+
+    originals = {name: owner.session for name, owner in owners.items()}
+    try:
+        for name, owner in owners.items():
+            owner.session = Timed(name, originals[name])
+        for size in (256, 512):
+            images, _ = _text_images(size, 8)
+            spent.update(detector=0.0, recogniser=0.0)
+            start = time.process_time()
+            for _ in range(rounds):
+                reader.read(images)
+            n = 8 * rounds
+            total = (time.process_time() - start) / n
+            det, rec = spent["detector"] / n, spent["recogniser"] / n
+            print(f"{size} px, CPU-s per image: {total:.4f} = detector {det:.4f} + "
+                  f"recogniser {rec:.4f} + the rest {total - det - rec:.4f} ({n} images)")
+    finally:
+        for name, owner in owners.items():
+            owner.session = originals[name]
+
+
+def _ocr_flops() -> None:
+    import json
+    import tempfile
+
+    import numpy as np
+    import onnxruntime
+
+    from digenrl.tasks.ocr import model_files
+
+    det, rec = model_files()
+    for path, shape in ((det, (1, 3, 256, 256)), (det, (1, 3, 512, 512)),
+                        (rec, (1, 3, 48, 320))):
+        with tempfile.TemporaryDirectory() as folder:
+            options = onnxruntime.SessionOptions()
+            options.enable_profiling, options.intra_op_num_threads = True, 1
+            options.profile_file_prefix = f"{folder}/profile"
+            session = onnxruntime.InferenceSession(str(path), options,
+                                                   providers=["CPUExecutionProvider"])
+            session.run(None, {session.get_inputs()[0].name:
+                               np.zeros(shape, np.float32)})
+            with open(session.end_profiling()) as f:
+                events = json.load(f)
+        flops, nodes = 0, 0
+        for e in events:
+            if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+                continue
+            nodes += 1
+            a = e["args"]
+            ins = [next(iter(d.values())) for d in a.get("input_type_shape", [])]
+            out = [next(iter(d.values())) for d in a.get("output_type_shape", [])]
+            if a.get("op_name") in ("Conv", "FusedConv") and len(ins) > 1:
+                flops += 2 * int(np.prod(out[0])) * int(np.prod(ins[1][1:]))
+            elif a.get("op_name") in ("MatMul", "FusedMatMul", "Gemm") and len(ins) > 1:
+                flops += 2 * int(np.prod(out[0])) * ins[0][-1]
+        print(f"{path.name} on {shape}: {flops / 1e9:.2f} GFLOP in convolutions and matrix "
+              f"products, {nodes} nodes run")
+
+
+def _per_image(rounds: int, read_eight) -> tuple[float, float]:
+    """The median wall and CPU (this process's) seconds per image of ``read_eight``."""
+    wall, cpu = [], []
+    for _ in range(rounds):
+        w, c = time.perf_counter(), time.process_time()
+        read_eight()
+        wall.append((time.perf_counter() - w) / 8)
+        cpu.append((time.process_time() - c) / 8)
+    return statistics.median(wall), statistics.median(cpu)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
         print(_idle_cores(sys.argv[2], float(sys.argv[3])))
@@ -585,7 +743,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # The benchmarks that take only the number of rounds.
     by_rounds = {"transfer": transfer, "collector": collector, "idle": idle,
-                 "imports": imports, "commit": commit, "checkpoint": checkpoint}
+                 "imports": imports, "commit": commit, "checkpoint": checkpoint, "ocr": ocr}
     p.add_argument("what", choices=["dispatch", "malloc", "eventloop", *by_rounds])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)

@@ -1,4 +1,4 @@
-"""Rewards that own a torch model, resident in every process that scores them.
+"""Rewards that own a model, resident in every process that scores them.
 
 A model reward is named under ``reward.models`` with its settings
 (:class:`~digenrl.config.RewardModelConfig`). Its function, :class:`ModelReward`,
@@ -26,9 +26,15 @@ Kinds (``kind``):
   transformers ``CLIPModel``: how much of its source image an instruction edit keeps
   (the reward receives each sample's source image: ``sources``). A sample without a
   source image is an error naming the reward.
+* ``ocr``: Flow-GRPO's OCR reward, in [0, 1]: how well the image renders its target text
+  (its prompt's quoted text, or its prompt-file line's ``text`` key: the reward receives
+  each sample's ``metadata``), read by RapidOCR's PP-OCR models on onnxruntime
+  (:mod:`digenrl.tasks.ocr`, which says how it reads, threads and batches). Its models
+  ship inside the ``rapidocr`` wheel: nothing to point at.
 
-Every forward pass runs under ``torch.no_grad`` and holds exactly ``batch_size`` rows:
-the images are scored in slices of at most ``batch_size``, and a slice of fewer is padded
+In the CLIP kinds (``clip``, ``aesthetic``, ``clip_consistency``) every forward pass runs
+under ``torch.no_grad`` and holds exactly ``batch_size`` rows: the images are scored in
+slices of at most ``batch_size``, and a slice of fewer is padded
 with zero images (and, for ``clip``, empty prompts) whose scores are dropped. Prompts are
 tokenized to the text model's full length, never to the longest prompt of the slice. So
 every pass has the same shapes and a sample's score does not depend on which images
@@ -52,12 +58,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from digenrl.config import REWARD_MODEL_KINDS, ConfigError, RewardModelConfig
+from digenrl.config import (BUNDLED_MODEL_KINDS, REWARD_MODEL_KINDS, ConfigError,
+                            RewardModelConfig)
 from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.tasks.resident import compute_device
 from digenrl.tasks.rewards import RewardSpec
 
-__all__ = ["ModelReward", "ModelSourceReward", "ClipConsistency", "model_reward",
+__all__ = ["ModelReward", "ModelSourceReward", "ModelTextReward", "ClipConsistency",
+           "OcrModel", "model_reward",
            "resident_reward_model", "reward_model_loads",
            "ClipPreference", "AestheticPredictor", "AestheticHead", "load_head",
            "HEAD_LAYERS", "EVENT_TOPIC", "log_load_event"]
@@ -201,8 +209,41 @@ class ClipConsistency(_Clip):
         return cosine.float().cpu().numpy().astype(np.float64)
 
 
+class OcrModel:
+    """Flow-GRPO's OCR score per image (:mod:`digenrl.tasks.ocr`): the reader built
+    with as many onnxruntime threads as torch has in this process (a worker's
+    ``cluster.torch_threads``), on the CUDA provider where onnxruntime-gpu offers it and
+    the process has a GPU."""
+
+    def __init__(self, config: RewardModelConfig, device: torch.device):
+        from digenrl.tasks.ocr import OcrReader
+
+        self.config = config
+        self.reader = OcrReader(threads=torch.get_num_threads(), batch_size=config.batch_size,
+                                cuda=None if device.type == "cuda" else False)
+        self.device = self.reader.device
+
+    def score(self, images: np.ndarray, prompts: Sequence[str],
+              sources: Sequence[np.ndarray | None] = (),
+              metadata: Sequence[dict] = ()) -> np.ndarray:
+        """One float64 score in [0, 1] per image, against its target text (a sample
+        without one is an error naming it)."""
+        from digenrl.tasks.ocr import ocr_score, ocr_target
+
+        metadata = list(metadata) or [{} for _ in prompts]
+        targets = []
+        for i, (prompt, meta) in enumerate(zip(prompts, metadata)):
+            try:
+                targets.append(ocr_target(prompt, meta))
+            except ValueError as e:
+                raise ValueError(f"sample {i} of the batch: {e}") from None
+        texts = self.reader.read(images)
+        return np.asarray([ocr_score(t, g) for t, g in zip(texts, targets)],
+                          dtype=np.float64)
+
+
 _KINDS = {"clip": ClipPreference, "aesthetic": AestheticPredictor,
-          "clip_consistency": ClipConsistency}
+          "clip_consistency": ClipConsistency, "ocr": OcrModel}
 assert set(_KINDS) == set(REWARD_MODEL_KINDS), "every configurable kind is implemented"
 
 
@@ -257,12 +298,12 @@ class AestheticHead(torch.nn.Module):
 
 # ---------------------------------------------------------------- resident models
 
-_LOADED: dict[RewardModelConfig, _Clip] = {}
+_LOADED: dict[RewardModelConfig, _Clip | OcrModel] = {}
 _LOADS: collections.Counter = collections.Counter()
 _LOCK = threading.Lock()
 
 
-def resident_reward_model(config: RewardModelConfig) -> _Clip:
+def resident_reward_model(config: RewardModelConfig) -> _Clip | OcrModel:
     """This process's model for ``config``, loaded on first use and kept."""
     with _LOCK:
         model = _LOADED.get(config)
@@ -272,12 +313,13 @@ def resident_reward_model(config: RewardModelConfig) -> _Clip:
                 model = _KINDS[config.kind](config, device)
             _LOADED[config] = model
             _LOADS[config] += 1
-            _announce(config, device)
+            _announce(config, model.device)
         return model
 
 
-def _announce(config: RewardModelConfig, device: torch.device) -> None:
-    record = {"kind": config.kind, "path": config.path, "device": str(device),
+def _announce(config: RewardModelConfig, device: torch.device | str) -> None:
+    path = config.path if config.kind not in BUNDLED_MODEL_KINDS else f"the {config.kind} wheel"
+    record = {"kind": config.kind, "path": path, "device": str(device),
               "dtype": config.dtype, "loads": sum(_LOADS.values())}
     try:
         from distributed import get_worker
@@ -338,6 +380,16 @@ class ModelReward:
 
 
 @dataclass(frozen=True)
+class ModelTextReward(ModelReward):
+    """The function of a model reward that reads each sample's metadata (``ocr``: a
+    prompt-file line's ``text`` key)."""
+
+    def __call__(self, images: np.ndarray, prompts: Sequence[str],
+                 metadata: Sequence[dict] = ()) -> np.ndarray:
+        return resident_reward_model(self.config).score(images, prompts, (), metadata)
+
+
+@dataclass(frozen=True)
 class ModelSourceReward(ModelReward):
     """The function of a model reward that compares each sample with its source image."""
 
@@ -349,7 +401,17 @@ class ModelSourceReward(ModelReward):
 def model_reward(name: str, config: RewardModelConfig) -> RewardSpec:
     """The spec of the model reward ``name`` (a ``gpu`` reward). Checks now, before any
     work starts, what the config's validation could not without torch: an aesthetic
-    head's file and that its input width is the CLIP model's projection width."""
+    head's file and that its input width is the CLIP model's projection width; an OCR
+    reward's libraries (its extra) and models."""
+    if config.kind == "ocr":
+        from digenrl.tasks.ocr import check_installed
+
+        missing = check_installed()
+        if missing is not None:
+            raise ConfigError(f"reward.models.{name}.kind: expected {missing}")
+        return RewardSpec(name, ModelTextReward(name, config), "gpu",
+                          "Flow-GRPO's OCR score of the prompt's quoted text (RapidOCR's "
+                          "PP-OCR models)", takes_metadata=True)
     if config.kind == "aesthetic":
         from transformers import CLIPConfig
 

@@ -34,7 +34,9 @@ _TOKENIZERS: dict[str, object] = {}
 def _corpus() -> list[str]:
     from digenrl.prompts import PROMPT_SETS
 
-    words = [p for prompts in PROMPT_SETS.values() for p in prompts]
+    # The animal sets only: a tokenizer trained on more text splits these prompts (and
+    # so every test's) differently.
+    words = [p for name in ("simple_animals", "animal_photos") for p in PROMPT_SETS[name]]
     return words + ["a red fox in the snow", "a blue bird on a branch", "an astronaut",
                     "a photo of a cat", "a dog running in the park", "blurry, low quality"]
 
