@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.staleness import Staleness
 from collections import defaultdict
 
 from hypothesis import HealthCheck, given, settings
@@ -485,7 +486,7 @@ def test_without_tsp_a_chunk_trains_on_its_own_trainer():
     grads = [info(("g", c, t), GRAD, chunk=c, timestep=t, behaviour_version=0)
              for c in range(2) for t in range(2)]
     p.add_tasks(grads)
-    p.staleness.barrier_open.add(0)
+    p.rule(Staleness).barrier_open.add(0)
     for g in grads:
         p.task_ready(g.key)
     where = {d.key: d.worker for d in p.decide()}
@@ -666,7 +667,7 @@ def test_evaluation_takes_only_a_slot_nothing_else_wants():
     p.task_done("d", "r0")
     assert [(d.key, d.worker) for d in p.decide()] == [("e", "r0")]
     # Released while version 0 is the newest: no staleness hold for iteration 5.
-    assert p.staleness.rollout_pending.get(5) is None
+    assert p.rule(Staleness).rollout_pending.get(5) is None
 
 
 def test_evaluation_waits_for_a_grad_an_idle_rollout_worker_may_be_lent():

@@ -32,10 +32,11 @@ from typing import Any, Callable, Iterable, Mapping
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import trail as _trail
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
+from digenrl.schedulers.policy.rules import EVENTS, PASS, Rule
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.gap import Gap
-from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
-from digenrl.schedulers.policy.rules.pools import Pools, pool_problem
+from digenrl.schedulers.policy.rules.handoff import Handoff
+from digenrl.schedulers.policy.rules.pools import Pools, pool_problem, worker_pool
 from digenrl.schedulers.policy.rules.rat import Rat
 from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
@@ -45,11 +46,28 @@ from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY, RELEASED,
                                              Decision, Key, TaskInfo, WorkerInfo)
 from digenrl.schedulers.policy.trail import LOST, RETRIED, TRAIL_LENGTH, Entry
-from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, PUBLISH,
-                                RESTORE, ROLLOUT, TRAINER)
+from digenrl.vocabulary import COLOCATED, PUBLISH, ROLLOUT, TRAINER
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
-           "HELD_REASONS"]
+           "HELD_REASONS", "RULES"]
+
+#: The rules, in the order the core calls them at each event (:mod:`.rules`). Where the
+#: first answer counts the order matters: training work before rollout work before
+#: background work before lending a trainer to generation (:meth:`.Rule.take`), the
+#: hand-off before the pools (:meth:`.Rule.place`), the newly eligible before the
+#: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending.
+RULES: tuple[type[Rule], ...] = (
+    Staleness,
+    VersionChange,
+    Gap,
+    Handoff,
+    Tsp,
+    Pools,
+    Background,
+    Rebalance,
+    Tag,
+    Rat,
+)
 
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
@@ -64,22 +82,19 @@ class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now.
 
     ``trail``: how many decisions each task keeps in its trail (:mod:`.trail`; 0: none
-    are recorded), fixed when the policy is made.
+    are recorded), fixed when the policy is made. ``rules``: the rules' classes, in the
+    order they are called (:data:`RULES`).
     """
 
     __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
-                 "rejected",
-                 "queues",
-                 # the rules
-                 "pools", "staleness", "gap", "tsp", "tag", "rat", "version_change",
-                 "rebalance", "background", "handoff",
+                 "rejected", "queues", "rules", "_on",
                  # the decision round
                  "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
-                 "_seq", "_arrivals", "_copies", "_counts", "_released",
+                 "_seq", "_arrivals", "_copies", "_counts", "_released", "_turn",
                  "__weakref__")      # (the rules hold the core weakly)
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
-                 *, trail: int = TRAIL_LENGTH):
+                 *, trail: int = TRAIL_LENGTH, rules: Iterable[type[Rule]] = RULES):
         self.options = options
         self.clock = clock
         self.trail_length = trail
@@ -88,17 +103,6 @@ class SchedulingPolicy:
         self.version = -1                          # newest published policy version
         self.rejected: dict[Key, str] = {}
         self.queues = ReadyQueues()
-        # The rules, each asked where it applies (a rule may hold one made before it).
-        self.pools = Pools(self)
-        self.staleness = Staleness(self)
-        self.version_change = VersionChange(self)
-        self.gap = Gap(self)
-        self.tsp = Tsp(self)
-        self.tag = Tag(self)
-        self.rat = Rat(self)
-        self.rebalance = Rebalance(self)
-        self.background = Background(self)
-        self.handoff = Handoff(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -110,11 +114,27 @@ class SchedulingPolicy:
         self._ranked = True                        # every worker's rank is current
         self._seq = itertools.count()
         self._arrivals = itertools.count()
+        self._turn: dict[str, int] = defaultdict(int)   # the next worker in turn, by pool
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
+        # The rules, and for each event the bound methods of those defining it, in order.
+        self.rules: tuple[Rule, ...] = tuple(cls(self) for cls in rules)
+        self._on: dict[str, tuple] = {
+            event: tuple(getattr(r, event) for r in self.rules
+                         if getattr(type(r), event) is not getattr(Rule, event))
+            for event in EVENTS}
+
+    def rule(self, cls: type[Rule]) -> Rule:
+        """The policy's rule of class ``cls`` (for tests and tools; the core calls its
+        rules by event only)."""
+        for r in self.rules:
+            if type(r) is cls:
+                return r
+        raise KeyError(f"rule: expected one of {[type(r).__name__ for r in self.rules]}, "
+                       f"got {cls.__name__}")
 
     # ------------------------------------------------------------------ workers
 
@@ -123,16 +143,17 @@ class SchedulingPolicy:
         """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
         in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
         not used."""
-        pool = self.pools.worker_pool(pool)
+        pool = worker_pool(pool, self.options)
         if gpus < 1 or pool is None:
             return
-        self.workers[address] = WorkerInfo(address, name, pool, gpus,
-                                           gpus * self.options.slots_per_worker, speed)
+        w = self.workers[address] = WorkerInfo(address, name, pool, gpus,
+                                               gpus * self.options.slots_per_worker, speed)
         self.dirty.add(address)
         self.free[pool].add(address)
         self._pool_lists.clear()
         self._ranked = False
-        self.tsp.repin()
+        for told in self._on["worker_added"]:
+            told(w)
 
     def remove_worker(self, address: str) -> list[Key]:
         """A worker left. Returns the tasks that were released to it (Dask brings them
@@ -144,7 +165,6 @@ class SchedulingPolicy:
         if w is None:
             return []
         self.free[w.pool].discard(address)
-        self.handoff.worker_left(address)
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
             info = self.tasks.get(key)
@@ -152,7 +172,8 @@ class SchedulingPolicy:
                 info.where = None
                 if info.state is RELEASED:
                     info.state = ADDED
-        self.tsp.repin()
+        for told in self._on["worker_removed"]:
+            told(w)
         return lost
 
     def pool_of(self, address: str) -> str | None:
@@ -172,13 +193,23 @@ class SchedulingPolicy:
     def trainers(self) -> list[WorkerInfo]:
         return self.pool_workers(TRAINER)
 
+    def in_turn(self, pool: str) -> WorkerInfo | None:
+        """The next worker serving ``pool`` in turn (None: none serves it)."""
+        workers = self.pool_workers(pool)
+        if not workers:
+            return None
+        key = pool if self.options.pools else COLOCATED
+        i = self._turn[key] % len(workers)
+        self._turn[key] = i + 1
+        return workers[i]
+
     # -------------------------------------------------------------------- tasks
 
     def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
         tasks, arrivals, options = self.tasks, self._arrivals, self.options
-        staleness, changes, handoff = self.staleness, self.version_change, self.handoff
+        told = self._on["added"]
         for info in infos:
             key = info.key
             if tasks.setdefault(key, info) is not info:
@@ -190,9 +221,8 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
-            handoff.added(info)
-            staleness.added(info)
-            changes.added(info)
+            for added in told:
+                added(info)
         return rejected
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
@@ -213,46 +243,36 @@ class SchedulingPolicy:
         now = None
         if info.ready_since is None:
             info.ready_since = now = self.clock()
-        if not self.staleness.holds(info):
-            self.enqueue(info, now)
+        for holds in self._on["holds"]:
+            if holds(info):
+                return
+        self.enqueue(info, now)
 
     def enqueue(self, info: TaskInfo, now: float | None = None) -> None:
         """``info`` is runnable: queue it (``now``: the clock, when the caller read it).
-        GAP gives its place in the order, rebalancing where a chunk's first step waits,
-        TSP which trainer a training task waits for."""
+        A task without a GPU slot waits in the CPU queue; a GPU task in the ready heap
+        the first rule to queue it picks (:meth:`.Rule.queue`), at the place in the
+        order its rules give it (:meth:`.Rule.order`)."""
         info.state = READY
         if info.eligible_since is None:
             info.eligible_since = self.clock() if now is None else now
-        loc = info.locality or {}
         if not info.gpu:
-            self.queues.cpu[info.key] = loc
+            self.queues.cpu[info.key] = info.locality or {}
             return
-        gap = self.gap
-        entry = gap.entry(info, next(self._seq), gap.defers(info))
-        if info.kind in BACKGROUND_KINDS:
-            self.queues.background.push(entry)
-            self.new_rollout = True   # (the free rollout workers are who may take it)
-        elif info.pool == ROLLOUT:
-            if info.timestep == 0 and info.kind == DENOISE:
-                aff = self.rebalance.first_step_home(info)
-            else:
-                aff = self._affinity_of(loc)
-            info.affinity = aff
-            if aff:
-                self.queues.affine[aff].push(entry)
-                # Only steps waiting for a worker can be stolen: every worker sees the
-                # shared ones first anyway.
-                self.queues.stealable.push(entry)
-            else:
-                self.queues.shared.push(entry)
-            self.new_rollout = True
-        else:
-            pin = self.tsp.pin_of(info)
-            info.pin = pin
-            (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
-            self.new_training = True
+        entry = self._entry(info, next(self._seq), True)
+        for queue in self._on["queue"]:
+            if queue(info, entry):
+                return
+        raise AssertionError(f"no rule queues {info.key!r}")
 
-    def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
+    def _entry(self, info: TaskInfo, tie: int, queueing: bool) -> ReadyEntry:
+        for order in self._on["order"]:
+            entry = order(info, tie, queueing)
+            if entry is not None:
+                return entry
+        raise AssertionError(f"no rule orders {info.key!r}")
+
+    def affinity_of(self, loc: Mapping[str, int]) -> str | None:
         """The worker holding most of the input bytes ``loc`` (None: none, or a tie)."""
         best, best_bytes, tie = None, 0, False
         for addr, nbytes in loc.items():
@@ -265,9 +285,9 @@ class SchedulingPolicy:
         return None if tie else best
 
     def sort_key(self, key: Key) -> ReadyEntry:
-        """The order in which ready tasks without a heap are looked at (GAP's order)."""
+        """The order in which ready tasks without a heap are looked at (the rules' order)."""
         info = self.tasks[key]
-        return self.gap.entry(info, info.order)
+        return self._entry(info, info.order, False)
 
     def task_done(self, key: Key, worker: str | None = None,
                   duration: float | None = None) -> None:
@@ -279,26 +299,15 @@ class SchedulingPolicy:
     def done(self, info: TaskInfo, worker: str | None = None,
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
-        kind = info.kind
-        # What it teaches: step and grad times, where a chunk's noise is, who holds a
-        # trainer state.
-        if kind == DENOISE:
-            self.rebalance.observed(info, worker, duration)
-        elif kind == NOISE and worker is not None:
-            self.rebalance.noise_drawn(info, worker)
-        elif kind == GRAD:
-            self.rat.grad_done(info, worker, duration)
-        elif kind in MAKERS and worker is not None:
-            self.handoff.made(info, worker)
+        for done in self._on["done"]:
+            done(info, worker, duration)
         self._unrelease(info)
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
-        if info.pool == ROLLOUT:
-            self.staleness.done(info)
-        if kind == PUBLISH and info.policy_version > self.version:
+        if info.kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
-            self.staleness.published()
-            self.gap.published()
+            for published in self._on["published"]:
+                published(info)
             # The rollout workers generate with it next: they fetch it now, while the
             # chunks it lets start draw their noise, not once their first steps are
             # released.
@@ -316,8 +325,10 @@ class SchedulingPolicy:
             self._unrelease(info)
             info.state = ADDED
             self.queues.cpu.pop(key, None)
-            self.handoff.result_gone(info)
-            self.version_change.back(info)
+            for lost in self._on["lost"]:
+                lost(info)
+            for back in self._on["back"]:
+                back(info)
             info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
@@ -335,20 +346,17 @@ class SchedulingPolicy:
         if state is RELEASED:
             self._unrelease(info)
         elif state is not DONE:
-            # Held, or held once and then lost: drop it from the CPU queue (and below,
-            # the holds).
+            # Held, or held once and then lost: drop it from the CPU queue (and, in the
+            # rules, the holds).
             self.queues.cpu.pop(key, None)
-        self.staleness.forgotten(info, held=state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
-        self.handoff.forgotten(info)
-        if info.kind == NOISE:
-            self.rebalance.noise_forgotten(info)
-        else:
-            self.version_change.gone(info)
+        held = state is not RELEASED and state is not DONE
+        for forgotten in self._on["forgotten"]:
+            forgotten(info, held)
 
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
@@ -358,7 +366,8 @@ class SchedulingPolicy:
         if self.trail_length:
             self.note(info, RETRIED, "", None, "its worker vanished before the release")
         self._unrelease(info)
-        self.version_change.back(info)
+        for back in self._on["back"]:
+            back(info)
         self.enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
@@ -373,7 +382,8 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self.dirty.add(addr)
             self.free[w.pool].add(addr)
-            self.rebalance.unreleased(w, info)
+            for unreleased in self._on["unreleased"]:
+                unreleased(info, w)
             if w.pool == TRAINER and info.pool == ROLLOUT:
                 w.tag_inflight -= 1
             elif w.pool == ROLLOUT and info.pool == TRAINER:
@@ -406,11 +416,11 @@ class SchedulingPolicy:
     def expected_seconds(self, key: Key) -> float | None:
         """Expected seconds of ``key``, a released GPU task, on its worker (the
         progress watchdog's yardstick: :meth:`.Rebalance.expected_seconds`)."""
-        return self.rebalance.expected_seconds(key)
+        return self.rule(Rebalance).expected_seconds(key)
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        return self.rebalance.longest_expected()
+        return self.rule(Rebalance).longest_expected()
 
     # ---------------------------------------------------------------- decisions
 
@@ -424,10 +434,16 @@ class SchedulingPolicy:
         now = self.clock()
         out: list[Decision] = []
         if self.queues.cpu:
+            placers = self._on["place"]
             for key in sorted(self.queues.cpu, key=self.sort_key):
                 info = self.tasks[key]
-                rule = self.handoff if info.kind == RESTORE else self.pools
-                w = rule.place(info, self.queues.cpu[key])
+                loc = self.queues.cpu[key]
+                for place in placers:
+                    w = place(info, loc)
+                    if w is not PASS:
+                        break
+                else:
+                    w = None
                 if w is not None:
                     del self.queues.cpu[key]
                     out.append(self.release(info, w, now))
@@ -450,8 +466,8 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self.new_rollout = self.new_training = False
-        self.background.wake(candidates)
-        lending = self.rat.wake(candidates)
+        for wake in self._on["wake"]:
+            wake(candidates)
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -462,8 +478,7 @@ class SchedulingPolicy:
         active = sorted((w for w in map(workers.get, candidates)
                          if w is not None and len(w.inflight) < w.slots),
                         key=lambda w: (len(w.inflight), w.rank))
-        idle_rollout = ([w for w in active if w.pool == ROLLOUT and not w.inflight]
-                        if lending else [])
+        idle = [w for w in active if not w.inflight]
         while active:
             still = []
             for w in active:
@@ -473,78 +488,77 @@ class SchedulingPolicy:
                     if len(w.inflight) < w.slots:
                         still.append(w)
             active = still
-        if idle_rollout:
-            # Rollout-assisted training, once every other worker has taken its share.
-            out.extend(self.rat.lend_idle(idle_rollout, now))
+        for round_over in self._on["round_over"]:
+            out.extend(round_over(idle, now))
         return out
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
-        """What ``w`` takes in this round: its pool's work first (training for a
-        trainer, rollout for a rollout worker, a grad first when RAT says so), then
-        background work (rollout workers), or rollout work (TAG, trainers)."""
-        pools, pool = self.options.pools, w.pool
-        if not pools or pool == TRAINER:
-            info = self.tsp.take(w)
-            if info is not None:
-                if self.trail_length:
-                    self.tsp.note_taken(info, w)
-                return self.release(info, w, now)
-        if not pools or pool == ROLLOUT:
-            info, stolen = self.take_rollout(w, now)
-            if info is not None:
-                lent = self.rat.lend(w, info)
-                if lent is not None:
-                    return self.release(lent, w, now, rat=True)
-                if self.trail_length:
-                    self.note_rollout_taken(info, w, stolen, now)
-                return self.release(info, w, now, stolen=stolen)
-            info = self.background.take(w)
-            return self.release(info, w, now) if info is not None else None
-        # A trainer with no runnable training work: trainer-assisted generation.
-        return self.tag.take(w, now)
+        """What ``w`` takes in this round: the first rule's pick (:meth:`.Rule.take`),
+        unless a rule puts another task before it or keeps the slot
+        (:meth:`.Rule.ahead`)."""
+        for take in self._on["take"]:
+            pick = take(w, now)
+            if pick is not None:
+                break
+        else:
+            return None
+        for ahead in self._on["ahead"]:
+            pick = ahead(w, pick)
+            if pick is None:
+                return None
+        if self.trail_length:
+            for taken in self._on["taken"]:
+                taken(w, pick, now)
+        return self.release(pick.info, w, now, stolen=pick.stolen)
 
     def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
-        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
-        from another worker, when rebalancing lets ``w`` (then True)."""
+        """The most urgent rollout step with affinity to ``w`` or to nobody; else one
+        waiting for another worker that every rule lets ``w`` take (then True:
+        stolen, :meth:`.Rule.lets`)."""
         affine = self.queues.affine.get(w.address)
         own = affine.peek() if affine is not None else None
         pick = more_urgent(own, self.queues.shared.peek())
         if pick is not None:
             return pick.info, False
         steal = self.queues.stealable.peek()
-        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
+        if steal is None:
             return None, False
+        for lets in self._on["lets"]:
+            if not lets(w, steal.info, now):
+                return None, False
         return steal.info, True
 
-    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
-                stolen: bool = False, rat: bool = False) -> Decision:
-        """Release ``info`` to ``w`` (``tag``: a trainer generating; ``stolen``: from
-        another worker's affinity; ``rat``: a grad lent to a rollout worker)."""
+    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *,
+                stolen: bool = False) -> Decision:
+        """Release ``info`` to ``w`` (``stolen``: from another worker's affinity). A GPU
+        task of the other pool is lent: a rollout task to a trainer (TAG), a grad to a
+        rollout worker (RAT)."""
         key = info.key
         info.state = RELEASED
         if info.affinity is not None and info.affinity == w.address:
             self.queues.stealable.one_dead()   # its entry among the stealable ones
         info.where = w.address
+        tag = rat = False
         if info.gpu:
             inflight = w.inflight
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            self.version_change.released(info)
-            self.rebalance.released(w, info, now)
-            if tag:
+            for released in self._on["released"]:
+                released(info, w, now)
+            if w.pool == TRAINER and info.pool == ROLLOUT:
+                tag = True
                 w.tag_inflight += 1
-            if rat:
+                self._counts["tag_released"] += 1
+            elif w.pool == ROLLOUT and info.pool == TRAINER:
+                rat = True
                 w.rat_inflight += 1
+                self._counts["rat_released"] += 1
         else:
             w.cpu_inflight.add(key)
         self._released += 1
-        if tag:
-            self._counts["tag_released"] += 1
         if stolen:
             self._counts["stolen"] += 1
-        if rat:
-            self._counts["rat_released"] += 1
         return Decision(key, w.address, now, tag, stolen, rat, info)
 
     # ---------------------------------------------------------------- the trail
@@ -558,23 +572,6 @@ class SchedulingPolicy:
                                  Entry(self.clock(), verb, rule, w.name if w else "", reason,
                                        args),
                                  self.trail_length)
-
-    def note_rollout_taken(self, info: TaskInfo, w: WorkerInfo, stolen: bool,
-                           now: float) -> None:
-        """Note why ``w`` takes rollout task ``info``: stolen (rebalancing says why), its
-        inputs are there, or it waits for no worker in particular."""
-        if stolen:
-            self.rebalance.note_stolen(info, w, now)
-        elif info.affinity == w.address:
-            self.note(info, _trail.RELEASED, self.pools.name, w,
-                      "its inputs are on this worker ({} bytes)",
-                      (info.locality or {}).get(w.address, 0))
-        elif info.timestep == 0 and info.kind == DENOISE and self.options.rebalance:
-            self.note(info, _trail.RELEASED, self.rebalance.name, w,
-                      "a chunk's first step starts on whichever worker frees first")
-        else:
-            self.note(info, _trail.RELEASED, self.pools.name, w,
-                      "the most urgent rollout task; no single worker holds its inputs")
 
     def trail_of(self, key: Key) -> list[Entry]:
         """The decisions noted on ``key`` so far (empty when unknown or none)."""
@@ -599,16 +596,19 @@ class SchedulingPolicy:
         return counts
 
     def held(self) -> dict[str, int]:
-        """How many ready tasks wait, by reason."""
+        """How many ready tasks wait, by reason: those a rule holds back (by its
+        reason), those waiting for a slot, and those no worker may run."""
         counts = dict.fromkeys(HELD_REASONS, 0)
-        counts["staleness"], counts["barrier"] = self.staleness.counts()
+        for held in self._on["held"]:
+            for reason, n in held().items():
+                counts[reason] += n
+        lenders = self._on["lends"]
         for info in self.tasks.values():
             if info.state is not READY:
                 continue
             if (self.pool_workers(info.pool)
-                    or (self.options.tag and info.pool == ROLLOUT
-                        and self.pool_workers(TRAINER))
-                    or (self.rat.on and info.kind == GRAD and self.pool_workers(ROLLOUT))):
+                    or any(self.pool_workers(pool) for pool in (lends(info) for lends in lenders)
+                           if pool is not None)):
                 counts["slot"] += 1
             else:
                 counts["no-worker"] += 1

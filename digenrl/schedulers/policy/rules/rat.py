@@ -44,37 +44,52 @@ gradient is copied to the least loaded trainer as soon as it is computed
 
 from __future__ import annotations
 
-from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.policy.rules import Pick, Rule
 from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
+from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import DECLINED, LENT
-from digenrl.vocabulary import GRAD, ROLLOUT
+from digenrl.vocabulary import BACKGROUND_KINDS, GRAD, ROLLOUT
 
-__all__ = ["Rat"]
+__all__ = ["Rat", "lends_grads"]
+
+
+def lends_grads(options: ScheduleOptions) -> bool:
+    """Whether rollout-assisted training applies under ``options``: RAT on, with pools
+    and TSP."""
+    return options.rat and options.pools and options.tsp
 
 
 class Rat(Rule):
     """Lends idle rollout workers to training."""
 
-    __slots__ = ("on", "ref_grad", "_changes", "_round", "_kept")
+    __slots__ = ("on", "ref_grad", "_lending", "_round", "_kept")
     name = "RAT"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
-        o = self.options
         #: Whether rollout-assisted training applies: RAT on, with pools and TSP.
-        self.on = o.rat and o.pools and o.tsp
+        self.on = lends_grads(self.options)
         # Speed-1 seconds of a grad micro-step, measured.
         self.ref_grad: float | None = None
-        # What can wait for the version change, and the chunks not started yet.
-        self._changes = policy.version_change
-        # Lending to the workers idle after a round (see lend_idle): the trainers' reach
+        # Whether a grad waits that an idle rollout worker might be lent (this round).
+        self._lending = False
+        # Lending to the workers idle after a round (see round_over): the trainers' reach
         # and the owed chunks (neither changes while grads are lent), and how many idle
         # workers were kept for those chunks.
         self._round: tuple[float | None, int] | None = None
         self._kept = 0
 
     # ------------------------------------------------------------ what it learns
+
+    @property
+    def _changes(self) -> VersionChange:
+        return self.policy.rule(VersionChange)
+
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        if info.kind == GRAD:
+            self.grad_done(info, worker, duration)
 
     def grad_done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """Grad ``info`` computed for ``duration`` seconds on ``worker``: measured; when
@@ -99,15 +114,26 @@ class Rat(Rule):
 
     # ---------------------------------------------------------------- deciding
 
-    def wake(self, candidates: set[str]) -> bool:
-        """Whether a grad waits that an idle rollout worker might be lent; if so, every
-        idle rollout worker is added to the workers looked at."""
+    def wake(self, candidates: set[str]) -> None:
+        """When a grad waits that an idle rollout worker might be lent, every idle
+        rollout worker is added to the workers looked at."""
         policy = self.policy
-        if not self.on or self.queues.training.peek() is None:
-            return False
-        workers = self.workers
-        candidates |= {a for a in policy.free[ROLLOUT] if not workers[a].inflight}
-        return True
+        self._lending = self.on and self.queues.training.peek() is not None
+        if self._lending:
+            workers = self.workers
+            candidates |= {a for a in policy.free[ROLLOUT] if not workers[a].inflight}
+
+    def lends(self, info: TaskInfo) -> str | None:
+        """Rollout workers may run grads."""
+        return ROLLOUT if self.on and info.kind == GRAD else None
+
+    def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
+        """A grad a rollout worker takes before the rollout task it picked, when that
+        task can wait (:meth:`lend`)."""
+        if not self.on or w.pool != ROLLOUT or pick.info.kind in BACKGROUND_KINDS:
+            return pick
+        lent = self.lend(w, pick.info)
+        return Pick(lent, self) if lent is not None else pick
 
     def owed_chunks(self) -> int:
         """Chunks that may start now or at any moment: their first step has not been
@@ -138,7 +164,7 @@ class Rat(Rule):
         taken here (see the module's rule). ``before``: the rollout task ``w`` would take
         next (the grad goes first only when that task can wait and no chunk is owed);
         None: ``w`` is idle after the round, and each owed chunk keeps one idle worker
-        (in the order :meth:`lend_idle` asks)."""
+        (in the order :meth:`round_over` asks)."""
         if not self.on:
             return None
         policy = self.policy
@@ -197,14 +223,16 @@ class Rat(Rule):
         if top is not None and top.info.kind == GRAD:
             self.policy.note(top.info, DECLINED, self.name, w, reason, *args)
 
-    def lend_idle(self, idle: list[WorkerInfo], now: float) -> list[Decision]:
+    def round_over(self, idle: list[WorkerInfo], now: float) -> list[Decision]:
         """Once every other worker has taken its share of the round: the grads lent to
         the rollout workers of ``idle`` (idle when the round began) still idle."""
+        if not self._lending:
+            return []
         self._round, self._kept = None, 0
         out = []
         for w in idle:
-            if not w.inflight:
+            if w.pool == ROLLOUT and not w.inflight:
                 info = self.lend(w)
                 if info is not None:
-                    out.append(self.policy.release(info, w, now, rat=True))
+                    out.append(self.policy.release(info, w, now))
         return out

@@ -24,10 +24,11 @@ speed (data-parallel generation).
 
 from __future__ import annotations
 
-from digenrl.schedulers.policy.rules import Rule
-from digenrl.schedulers.policy.state import Key, TaskInfo, WorkerInfo
-from digenrl.schedulers.policy.trail import KEPT, STOLEN
-from digenrl.vocabulary import DENOISE, ROLLOUT
+from digenrl.schedulers.policy.queues import ReadyEntry
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.state import Key, TaskInfo, WorkerInfo, first_step
+from digenrl.schedulers.policy.trail import KEPT, RELEASED, STOLEN
+from digenrl.vocabulary import BACKGROUND_KINDS, DENOISE, NOISE, ROLLOUT, TRAINER
 
 __all__ = ["Rebalance", "STEP_EWMA"]
 
@@ -51,6 +52,17 @@ class Rebalance(Rule):
         self._clock = policy.clock
 
     # ------------------------------------------------------------------ measuring
+
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        """What a finished task teaches: a step's time, where a chunk's noise is."""
+        if info.kind == DENOISE:
+            self.observed(info, worker, duration)
+        elif info.kind == NOISE and worker is not None:
+            self.noise_drawn(info, worker)
+
+    def forgotten(self, info: TaskInfo, held: bool) -> None:
+        if info.kind == NOISE:
+            self.noise_forgotten(info)
 
     def observed(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """Denoise step ``info`` computed for ``duration`` seconds on ``worker``."""
@@ -100,7 +112,7 @@ class Rebalance(Rule):
 
     # ------------------------------------------------------- released work per worker
 
-    def released(self, w: WorkerInfo, info: TaskInfo, now: float) -> None:
+    def released(self, info: TaskInfo, w: WorkerInfo, now: float) -> None:
         """GPU task ``info`` was released to ``w``: its work ends later."""
         if info.kind == DENOISE:
             w.step_samples += info.sample_steps
@@ -108,7 +120,7 @@ class Rebalance(Rule):
             # (Only denoise steps are expected to take time.)
             w.busy_until = max(now, w.busy_until) + self.expected(w, info)
 
-    def unreleased(self, w: WorkerInfo, info: TaskInfo) -> None:
+    def unreleased(self, info: TaskInfo, w: WorkerInfo) -> None:
         """GPU task ``info`` left ``w`` (finished, lost or forgotten)."""
         if info.kind == DENOISE:
             w.step_samples -= info.sample_steps
@@ -132,6 +144,27 @@ class Rebalance(Rule):
     def noise_forgotten(self, info: TaskInfo) -> None:
         self.chunk_home.pop((info.iteration, info.chunk), None)
 
+    def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
+        """A ready rollout task waits for the worker holding most of its inputs (a
+        chunk's first step: see :meth:`first_step_home`), or for any worker."""
+        if info.pool != ROLLOUT or info.kind in BACKGROUND_KINDS:
+            return False
+        queues = self.queues
+        if info.timestep == 0 and info.kind == DENOISE:
+            aff = self.first_step_home(info)
+        else:
+            aff = self.policy.affinity_of(info.locality or {})
+        info.affinity = aff
+        if aff:
+            queues.affine[aff].push(entry)
+            # Only steps waiting for a worker can be stolen: every worker sees the
+            # shared ones first anyway.
+            queues.stealable.push(entry)
+        else:
+            queues.shared.push(entry)
+        self.policy.new_rollout = True
+        return True
+
     def first_step_home(self, info: TaskInfo) -> str | None:
         """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
         on whichever worker frees first, so faster workers start more chunks. Without,
@@ -141,6 +174,9 @@ class Rebalance(Rule):
             return None
         home = self.chunk_home.get((info.iteration, info.chunk))
         return home if home in self.workers else None
+
+    def lets(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
+        return self.may_steal(w, info, now)
 
     def may_steal(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
         """Whether ``w`` may take ``info``, a step waiting for another worker."""
@@ -170,6 +206,16 @@ class Rebalance(Rule):
                         self.finish_time(owner, info, now) - now, owner.name,
                         self.options.slots_per_worker)
         return False
+
+    def taken(self, w: WorkerInfo, pick: Pick, now: float) -> None:
+        """Note a stolen step, and a chunk's first step a worker of its pool takes."""
+        info = pick.info
+        if pick.stolen:
+            self.note_stolen(info, w, now)
+        elif (self.options.rebalance and first_step(info) and info.affinity != w.address
+              and w.pool != TRAINER):
+            self.policy.note(info, RELEASED, self.name, w,
+                             "a chunk's first step starts on whichever worker frees first")
 
     def note_stolen(self, info: TaskInfo, w: WorkerInfo, now: float) -> None:
         """Note why ``w`` takes ``info``, a step waiting for another worker (before its

@@ -33,14 +33,14 @@ __all__ = ["VersionChange"]
 class VersionChange(Rule):
     """Which work of each iteration is yet to be released, and what can wait."""
 
-    __slots__ = ("unreleased", "unstarted", "grads_from")
+    __slots__ = ("waiting", "unstarted", "grads_from")
     name = "version change"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
         # Denoise steps and grads not released yet, by (kind, iteration): whether an
         # iteration's generation has steps left to run, and its training grads.
-        self.unreleased: dict[tuple[str, int], set] = defaultdict(set)
+        self.waiting: dict[tuple[str, int], set] = defaultdict(set)
         # The first steps of chunks not released yet, by (iteration, version read).
         self.unstarted: dict[tuple[int, int], set] = defaultdict(set)
         # The newest iteration a grad has been released of (None before the first).
@@ -49,31 +49,34 @@ class VersionChange(Rule):
     def added(self, info: TaskInfo) -> None:
         self.back(info)
 
-    def released(self, info: TaskInfo) -> None:
+    def released(self, info: TaskInfo, w, now: float) -> None:
         """GPU task ``info`` was released."""
         if info.kind == GRAD:
             if self.grads_from is None or info.iteration > self.grads_from:
                 self.grads_from = info.iteration
         self.gone(info)
 
+    def forgotten(self, info: TaskInfo, held: bool) -> None:
+        self.gone(info)
+
     def gone(self, info: TaskInfo) -> None:
         """``info`` no longer waits to be released (released, or forgotten)."""
         if tracked(info):
-            discard(self.unreleased, (info.kind, info.iteration), info.key)
+            discard(self.waiting, (info.kind, info.iteration), info.key)
             if info.timestep == 0 and info.kind == DENOISE:     # a chunk's first step
                 discard(self.unstarted, (info.iteration, info.policy_version), info.key)
 
     def back(self, info: TaskInfo) -> None:
         """``info`` waits to be released (added, lost, or its release failed)."""
         if tracked(info):
-            self.unreleased[info.kind, info.iteration].add(info.key)
+            self.waiting[info.kind, info.iteration].add(info.key)
             if info.timestep == 0 and info.kind == DENOISE:     # a chunk's first step
                 self.unstarted[info.iteration, info.policy_version].add(info.key)
 
     def left(self, kind: str, iteration: int) -> bool:
         """Whether a ``kind`` task (``denoise`` or ``grad``) of ``iteration`` is yet to
         be released."""
-        return (kind, iteration) in self.unreleased
+        return (kind, iteration) in self.waiting
 
     def can_wait(self, info: TaskInfo) -> bool:
         """Whether rollout task ``info`` can wait for the next version change: it
@@ -84,10 +87,10 @@ class VersionChange(Rule):
         wait goes after them, and fills the wait for the new version's weights."""
         return (info.pool == ROLLOUT and info.kind != DENOISE
                 and info.iteration > self.policy.version
-                and (DENOISE, info.iteration) not in self.unreleased)
+                and (DENOISE, info.iteration) not in self.waiting)
 
     def grads_all_released(self) -> bool:
         """Whether every grad of the iteration being trained (the one reading the
         newest version) has been released: its reduction and optimizer step come next."""
         v = self.policy.version
-        return self.grads_from == v and (GRAD, v) not in self.unreleased
+        return self.grads_from == v and (GRAD, v) not in self.waiting
