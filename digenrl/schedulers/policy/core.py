@@ -3,10 +3,12 @@
 The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
 added, become ready, finish or are lost -- and asks it for decisions: which ready task to
 release to which worker. The core keeps what every rule reads (the tasks and their
-state, the workers and what is released to each, the ready queues, the newest published
-version) and asks each rule (:mod:`digenrl.schedulers.policy.rules`) for its say where
-the rule applies: whether a ready task is held, where it waits and in which order,
-which worker takes what, and what each finished task teaches.
+state, the workers and what is released to each, the ready queues, the facts several
+rules read: :class:`~.state.Facts`) and, at each event, calls the rules of
+:data:`RULES` that define it (:mod:`digenrl.schedulers.policy.rules`), in order: whether
+a ready task is held, where it waits and in which order, which worker takes what, and
+what each finished task teaches. It names no rule: a rule is added by its module and
+one entry in :data:`RULES`.
 
 A ready GPU task waits in a heap, most urgent first: rollout work with *affinity* to
 the worker holding most of its input bytes (a chain's previous step), or to nobody;
@@ -42,9 +44,8 @@ from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.rules.tag import Tag
 from digenrl.schedulers.policy.rules.tsp import Tsp
-from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY, RELEASED,
-                                             Decision, Key, TaskInfo, WorkerInfo)
+                                             Decision, Facts, Key, TaskInfo, WorkerInfo)
 from digenrl.schedulers.policy.trail import LOST, RETRIED, TRAIL_LENGTH, Entry
 from digenrl.vocabulary import COLOCATED, PUBLISH, ROLLOUT, TRAINER
 
@@ -58,7 +59,6 @@ __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_t
 #: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending.
 RULES: tuple[type[Rule], ...] = (
     Staleness,
-    VersionChange,
     Gap,
     Handoff,
     Tsp,
@@ -86,7 +86,7 @@ class SchedulingPolicy:
     order they are called (:data:`RULES`).
     """
 
-    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
+    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "facts",
                  "rejected", "queues", "rules", "_on",
                  # the decision round
                  "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
@@ -100,7 +100,9 @@ class SchedulingPolicy:
         self.trail_length = trail
         self.tasks: dict[Key, TaskInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
-        self.version = -1                          # newest published policy version
+        # What several rules read, kept here (and the newest published version).
+        self.facts = Facts(self.tasks, self.workers, options.transfer_bandwidth, clock,
+                           busy=options.rebalance)
         self.rejected: dict[Key, str] = {}
         self.queues = ReadyQueues()
         # Which workers decide() must look at: those whose slots changed, and the free
@@ -126,6 +128,15 @@ class SchedulingPolicy:
             event: tuple(getattr(r, event) for r in self.rules
                          if getattr(type(r), event) is not getattr(Rule, event))
             for event in EVENTS}
+
+    @property
+    def version(self) -> int:
+        """The newest published policy version (-1: none yet)."""
+        return self.facts.version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.facts.version = v
 
     def rule(self, cls: type[Rule]) -> Rule:
         """The policy's rule of class ``cls`` (for tests and tools; the core calls its
@@ -209,7 +220,7 @@ class SchedulingPolicy:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
         tasks, arrivals, options = self.tasks, self._arrivals, self.options
-        told = self._on["added"]
+        told, back = self._on["added"], self.facts.back
         for info in infos:
             key = info.key
             if tasks.setdefault(key, info) is not info:
@@ -221,6 +232,7 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
+            back(info)
             for added in told:
                 added(info)
         return rejected
@@ -299,6 +311,7 @@ class SchedulingPolicy:
     def done(self, info: TaskInfo, worker: str | None = None,
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
+        self.facts.done(info, worker, duration)
         for done in self._on["done"]:
             done(info, worker, duration)
         self._unrelease(info)
@@ -327,6 +340,7 @@ class SchedulingPolicy:
             self.queues.cpu.pop(key, None)
             for lost in self._on["lost"]:
                 lost(info)
+            self.facts.back(info)
             for back in self._on["back"]:
                 back(info)
             info.locality = info.ready_since = info.eligible_since = None
@@ -355,6 +369,7 @@ class SchedulingPolicy:
         if self.rejected:
             self.rejected.pop(key, None)
         held = state is not RELEASED and state is not DONE
+        self.facts.gone(info)
         for forgotten in self._on["forgotten"]:
             forgotten(info, held)
 
@@ -366,6 +381,7 @@ class SchedulingPolicy:
         if self.trail_length:
             self.note(info, RETRIED, "", None, "its worker vanished before the release")
         self._unrelease(info)
+        self.facts.back(info)
         for back in self._on["back"]:
             back(info)
         self.enqueue(info)
@@ -382,12 +398,11 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self.dirty.add(addr)
             self.free[w.pool].add(addr)
+            self.facts.unreleased(info, w)
             for unreleased in self._on["unreleased"]:
                 unreleased(info, w)
-            if w.pool == TRAINER and info.pool == ROLLOUT:
-                w.tag_inflight -= 1
-            elif w.pool == ROLLOUT and info.pool == TRAINER:
-                w.rat_inflight -= 1
+            if self._lent(info, w):
+                w.lent -= 1
         else:
             w.cpu_inflight.discard(info.key)
 
@@ -408,19 +423,14 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------ expectations
 
-    def transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
-        """Seconds to move the input bytes of ``info`` that ``w`` lacks."""
-        loc = info.locality or {}
-        return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
-
     def expected_seconds(self, key: Key) -> float | None:
         """Expected seconds of ``key``, a released GPU task, on its worker (the
-        progress watchdog's yardstick: :meth:`.Rebalance.expected_seconds`)."""
-        return self.rule(Rebalance).expected_seconds(key)
+        progress watchdog's yardstick: :meth:`.Facts.expected_seconds`)."""
+        return self.facts.expected_seconds(key)
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        return self.rule(Rebalance).longest_expected()
+        return self.facts.longest_expected()
 
     # ---------------------------------------------------------------- decisions
 
@@ -544,22 +554,24 @@ class SchedulingPolicy:
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
+            self.facts.released(info, w, now)
             for released in self._on["released"]:
                 released(info, w, now)
-            if w.pool == TRAINER and info.pool == ROLLOUT:
-                tag = True
-                w.tag_inflight += 1
-                self._counts["tag_released"] += 1
-            elif w.pool == ROLLOUT and info.pool == TRAINER:
-                rat = True
-                w.rat_inflight += 1
-                self._counts["rat_released"] += 1
+            if self._lent(info, w):
+                w.lent += 1
+                tag, rat = w.pool == TRAINER, w.pool == ROLLOUT
+                self._counts["tag_released" if tag else "rat_released"] += 1
         else:
             w.cpu_inflight.add(key)
         self._released += 1
         if stolen:
             self._counts["stolen"] += 1
         return Decision(key, w.address, now, tag, stolen, rat, info)
+
+    @staticmethod
+    def _lent(info: TaskInfo, w: WorkerInfo) -> bool:
+        """Whether GPU task ``info`` on ``w`` is lent: of the other pool (with pools)."""
+        return w.pool != info.pool and w.pool != COLOCATED
 
     # ---------------------------------------------------------------- the trail
 
@@ -631,16 +643,17 @@ class SchedulingPolicy:
             p["workers"] += 1
             p["slots"] += w.slots
             p["busy"] += min(len(w.inflight), 1)
-            p["tag"] += min(w.tag_inflight, 1)
-            p["rat"] += min(w.rat_inflight, 1)
+            p["tag"] += min(w.lent, 1) if w.pool == TRAINER else 0
+            p["rat"] += min(w.lent, 1) if w.pool == ROLLOUT else 0
         return {
             "options": self.options.as_dict(),
             "policy_version": self.version,
             "pools": pools,
             "workers": {w.address: {"name": w.name, "pool": w.pool,
                                     "inflight": len(w.inflight),
-                                    "tag": w.tag_inflight,
-                                    "rat": w.rat_inflight} for w in self.workers.values()},
+                                    "tag": w.lent if w.pool == TRAINER else 0,
+                                    "rat": w.lent if w.pool == ROLLOUT else 0}
+                         for w in self.workers.values()},
             "held": self.held(),
             "rejected": {repr(k): v for k, v in self.rejected.items()},
             "counters": dict(self.counters),

@@ -4,7 +4,6 @@ idle rollout worker and ahead of work that can wait; the reasons noted."""
 from __future__ import annotations
 
 from digenrl.schedulers.policy.rules.rat import Rat
-from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.vocabulary import DECODE, DENOISE
 
 from rule_helpers import grads, info, opts, policy_with, said, steps
@@ -77,7 +76,7 @@ def test_a_grad_goes_ahead_of_work_that_can_wait():
     p.decide()
     _busy_trainer(p)
     p.task_ready(dec.key)
-    assert p.rule(VersionChange).can_wait(dec)
+    assert p.facts.can_wait(dec)
     [lent] = [d for d in p.decide() if d.worker == "r0"]
     assert lent.rat and lent.key != dec.key
     [s] = steps(p, lent.key)
@@ -100,4 +99,4 @@ def test_a_lent_grads_gradient_is_copied_to_the_least_loaded_trainer():
     assert p.take_copies() == []
     p.task_done(lent.key, "r0", 1.0)
     assert p.take_copies() == [(lent.key, "t0")]
-    assert p.rule(Rat).ref_grad == 1.0
+    assert p.facts.ref_grad == 1.0

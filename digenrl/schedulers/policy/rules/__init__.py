@@ -65,12 +65,13 @@ class Rule:
     its tasks are freed by reference counting as soon as its owner drops it (the
     simulator makes and drops millions of tasks with the cyclic collector off). What
     the rules read at every decision (the options, the tasks, the workers, the ready
-    queues, whether decisions are noted on a trail) they hold directly.
+    queues, the facts several rules read, whether decisions are noted on a trail) they
+    hold directly.
 
     Every event method below is a no-op (or the neutral answer) here; a rule defines
     those it concerns, and the core calls only the rules that define an event."""
 
-    __slots__ = ("policy", "options", "tasks", "workers", "queues", "noting")
+    __slots__ = ("policy", "options", "tasks", "workers", "queues", "facts", "noting")
 
     #: The rule's name, as the decision trail and docs/scheduling.md give it.
     name = ""
@@ -81,6 +82,8 @@ class Rule:
         self.tasks = policy.tasks
         self.workers = policy.workers
         self.queues = policy.queues
+        #: What several rules read (:class:`~digenrl.schedulers.policy.state.Facts`).
+        self.facts = policy.facts
         #: Whether the rule notes its decisions (:meth:`SchedulingPolicy.note`).
         self.noting = policy.trail_length > 0
 

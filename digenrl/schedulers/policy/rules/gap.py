@@ -11,7 +11,7 @@ all its rollout work is done (the barrier: :mod:`.staleness`).
 rollout workers score can be trained before the next version), a decode whose training
 reads a version not yet published goes after every denoise step of its generation
 instead of at its chunk's place: it can wait for the version change
-(:mod:`.version_change`). The generation's last steps then come first, the grads lent
+(:meth:`.Facts.can_wait`). The generation's last steps then come first, the grads lent
 next (:mod:`.rat`), and the decodes fill the wait for the new version's optimizer step
 and weights. Once that version is published it takes its chunk's place again. A
 decode that became ready while no grad waited (the trainers keep up) keeps its chunk's

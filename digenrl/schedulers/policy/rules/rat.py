@@ -11,7 +11,7 @@ grad is lent) in two cases:
   it may steal) -- it would otherwise idle, typically because the staleness bound holds
   the next iteration's generation back -- takes one grad at a time;
 * **ahead of work that can wait**: a rollout worker whose next rollout task can wait
-  for the version change (:mod:`.version_change`) takes a grad before it, counting the
+  for the version change (:meth:`.Facts.can_wait`) takes a grad before it, counting the
   GPU tasks already released to it (each as a grad), so the version change those grads
   lead to comes sooner and the finishing work fills the wait for its weights.
 
@@ -30,7 +30,8 @@ worker is expected to finish it no later than the first trainer to free would: t
 transfer of the inputs it lacks (at ``transfer_bandwidth``; the trained version's
 weights count when the worker does not hold them) plus its released tasks and the grad
 at its speed, against the trainer's released GPU tasks plus the grad at its speed. The
-grad seconds are measured (a moving average over finished grads, at speed 1); before
+grad seconds are measured (a moving average over finished grads, at speed 1, in the
+policy's facts); before
 the first grad finishes nothing is lent. A grad left to the trainers is counted as
 ``rat_declined``.
 
@@ -39,15 +40,13 @@ published version, so they belong to the iteration whose optimizer step publishe
 next one, and every generation the staleness bound still holds back waits at least for
 that version. Reductions, optimizer steps and the rest stay on trainers: a lent grad's
 gradient is copied to the least loaded trainer as soon as it is computed
-(:meth:`Rat.grad_done`), so the reduction summing it does not wait for that transfer.
+(:meth:`Rat.done`), so the reduction summing it does not wait for that transfer.
 """
 
 from __future__ import annotations
 
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy.rules import Pick, Rule
-from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
-from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import DECLINED, LENT
 from digenrl.vocabulary import BACKGROUND_KINDS, GRAD, ROLLOUT
@@ -64,15 +63,13 @@ def lends_grads(options: ScheduleOptions) -> bool:
 class Rat(Rule):
     """Lends idle rollout workers to training."""
 
-    __slots__ = ("on", "ref_grad", "_lending", "_round", "_kept")
+    __slots__ = ("on", "_lending", "_round", "_kept")
     name = "RAT"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
         #: Whether rollout-assisted training applies: RAT on, with pools and TSP.
         self.on = lends_grads(self.options)
-        # Speed-1 seconds of a grad micro-step, measured.
-        self.ref_grad: float | None = None
         # Whether a grad waits that an idle rollout worker might be lent (this round).
         self._lending = False
         # Lending to the workers idle after a round (see round_over): the trainers' reach
@@ -83,28 +80,17 @@ class Rat(Rule):
 
     # ------------------------------------------------------------ what it learns
 
-    @property
-    def _changes(self) -> VersionChange:
-        return self.policy.rule(VersionChange)
-
     def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
-        if info.kind == GRAD:
-            self.grad_done(info, worker, duration)
-
-    def grad_done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
-        """Grad ``info`` computed for ``duration`` seconds on ``worker``: measured; when
+        """Grad ``info`` computed on ``worker`` (its time measured in the facts): when
         it was lent, a trainer (the least loaded) copies its gradient now, while the
         trainers still compute, rather than when the reduction that sums it becomes
         ready (which a trainer runs)."""
-        if duration is None or duration <= 0 or worker is None:
+        if info.kind != GRAD or duration is None or duration <= 0 or worker is None:
             return
         policy = self.policy
         w = self.workers.get(worker)
         if w is None:
             return
-        ref = duration * w.speed
-        a = STEP_EWMA
-        self.ref_grad = ref if self.ref_grad is None else (1 - a) * self.ref_grad + a * ref
         if w.pool == ROLLOUT and self.options.pools:
             trainers = policy.trainers()
             if trainers:
@@ -143,17 +129,14 @@ class Rat(Rule):
         after the publish that let them start, so a rollout worker idle now is not idle
         for long. (A chunk waiting for a version not yet published is not owed: the
         trainers publish it only after the grads they have queued.)"""
-        policy = self.policy
-        version, limit = policy.version, policy.version + self.options.max_staleness
-        return sum(len(keys) for (it, read), keys in self._changes.unstarted.items()
-                   if it <= limit and read <= version)
+        return self.facts.unstarted_chunks(self.facts.version + self.options.max_staleness)
 
     def trainers_reach(self) -> float | None:
         """Seconds until a trainer would have finished the most urgent grad if it were
         queued there now: once the GPU tasks released to it have run (each counted as a
         grad), then the grad (measured seconds). None while a trainer has no GPU task
         (it takes the grad itself) or no grad has been measured."""
-        grad_s = self.ref_grad
+        grad_s = self.facts.ref_grad
         trainers = self.policy.trainers()
         if grad_s is None or not trainers or any(not t.inflight for t in trainers):
             return None
@@ -169,7 +152,7 @@ class Rat(Rule):
             return None
         policy = self.policy
         if before is not None:
-            if not self._changes.can_wait(before):
+            if not self.facts.can_wait(before):
                 return None
             owed = self.owed_chunks()
             if owed:
@@ -196,8 +179,8 @@ class Rat(Rule):
         top = self.queues.training.peek()
         if top is None or top.info.kind != GRAD:
             return None
-        mine = (policy.transfer_seconds(w, top.info)
-                + (len(w.inflight) + 1) * self.ref_grad / w.speed)
+        mine = (self.facts.transfer_seconds(w, top.info)
+                + (len(w.inflight) + 1) * self.facts.ref_grad / w.speed)
         if mine > theirs:
             policy.count("rat_declined")
             if self.noting:

@@ -4,7 +4,7 @@ A trainer with no runnable training work and nothing in flight takes one rollout
 at a time, as a rollout worker would (a step waiting for another worker only when
 rebalancing lets it: :mod:`.rebalance`). Once training work is runnable no rollout task
 is released to a trainer. An idle trainer does not take work that can wait for the
-version change (:mod:`.version_change`) once every grad of the iteration being trained
+version change (:class:`~digenrl.schedulers.policy.state.Facts`) once every grad of the iteration being trained
 has been released and no other trainer is idle: the reduction and the optimizer step
 come next, and on a trainer busy with a decode the optimizer step would queue behind
 it, and with it the version change both pools wait for. A denoise step is still taken:
@@ -15,7 +15,6 @@ it is, and a trainer kept idle for it costs throughput).
 from __future__ import annotations
 
 from digenrl.schedulers.policy.rules import Pick, Rule
-from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import KEPT, RELEASED
 from digenrl.vocabulary import ROLLOUT, TRAINER
@@ -61,7 +60,6 @@ class Tag(Rule):
         than take ``info``: ``info`` can wait, every grad of the iteration being trained
         has been released, so its reduction and optimizer step come next, and no other
         trainer is idle to take them."""
-        policy = self.policy
-        changes = policy.rule(VersionChange)
-        return (changes.can_wait(info) and changes.grads_all_released()
-                and not any(t is not w and not t.inflight for t in policy.trainers()))
+        facts = self.facts
+        return (facts.can_wait(info) and facts.grads_all_released()
+                and not any(t is not w and not t.inflight for t in self.policy.trainers()))
