@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Mapping
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import trail as _trail
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
-from digenrl.schedulers.policy.rules import EVENTS, PASS, Rule
+from digenrl.schedulers.policy.rules import EVENTS, PASS, Pick, Rule
 from digenrl.schedulers.policy.rules.background import Background
 from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.schedulers.policy.rules.handoff import Handoff
@@ -90,7 +90,8 @@ class SchedulingPolicy:
                  "rejected", "queues", "rules", "_on",
                  # the decision round
                  "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
-                 "_seq", "_arrivals", "_copies", "_counts", "_released", "_turn",
+                 "_seq", "_arrivals", "_copies", "_withdrawn", "_counts", "_released",
+                 "_turn",
                  "__weakref__")      # (the rules hold the core weakly)
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
@@ -119,6 +120,8 @@ class SchedulingPolicy:
         self._turn: dict[str, int] = defaultdict(int)   # the next worker in turn, by pool
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
+        # Releases the rules took back (see take_withdrawn).
+        self._withdrawn: list[Key] = []
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
@@ -333,17 +336,34 @@ class SchedulingPolicy:
         was lost): it is not runnable until it is ready again."""
         info = self.tasks.get(key)
         if info is not None:
-            if self.trail_length:
-                self.note(info, LOST, "", None, "its worker left or an input was lost")
-            self._unrelease(info)
-            info.state = ADDED
-            self.queues.cpu.pop(key, None)
-            for lost in self._on["lost"]:
-                lost(info)
-            self.facts.back(info)
-            for back in self._on["back"]:
-                back(info)
-            info.locality = info.ready_since = info.eligible_since = None
+            self._lose(info, "", "its worker left or an input was lost")
+
+    def withdraw(self, info: TaskInfo, rule: str, reason: str, *args: Any) -> None:
+        """Rule ``rule`` takes back ``info``, released or done, because
+        ``reason.format(*args)``: it waits to be ready again, as if lost, and the
+        adapter puts it back (:meth:`take_withdrawn`)."""
+        self._lose(info, rule, reason, *args)
+        self._withdrawn.append(info.key)
+
+    def take_withdrawn(self) -> list[Key]:
+        """The tasks the rules took back (:meth:`withdraw`), handed over: the caller
+        stops each where it runs, or drops its result, so that it is ready again."""
+        out, self._withdrawn = self._withdrawn, []
+        return out
+
+    def _lose(self, info: TaskInfo, rule: str, reason: str, *args: Any) -> None:
+        """``info`` goes back to waiting: not runnable until it is ready again."""
+        if self.trail_length:
+            self.note(info, LOST, rule, None, reason, *args)
+        self._unrelease(info)
+        info.state = ADDED
+        self.queues.cpu.pop(info.key, None)
+        for lost in self._on["lost"]:
+            lost(info)
+        self.facts.back(info)
+        for back in self._on["back"]:
+            back(info)
+        info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
         info = self.tasks.get(key)
@@ -509,9 +529,12 @@ class SchedulingPolicy:
         for take in self._on["take"]:
             pick = take(w, now)
             if pick is not None:
-                break
-        else:
-            return None
+                return self.offer(w, pick, now)
+        return None
+
+    def offer(self, w: WorkerInfo, pick: Pick, now: float) -> Decision | None:
+        """Release ``pick`` to ``w`` unless a rule puts another task before it or keeps
+        the slot (:meth:`.Rule.ahead`); every pick goes through here."""
         for ahead in self._on["ahead"]:
             pick = ahead(w, pick)
             if pick is None:

@@ -116,7 +116,8 @@ class Rat(Rule):
     def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
         """A grad a rollout worker takes before the rollout task it picked, when that
         task can wait (:meth:`lend`)."""
-        if not self.on or w.pool != ROLLOUT or pick.info.kind in BACKGROUND_KINDS:
+        if (not self.on or pick.by is self or w.pool != ROLLOUT
+                or pick.info.kind in BACKGROUND_KINDS):
             return pick
         lent = self.lend(w, pick.info)
         return Pick(lent, self) if lent is not None else pick
@@ -217,5 +218,7 @@ class Rat(Rule):
             if w.pool == ROLLOUT and not w.inflight:
                 info = self.lend(w)
                 if info is not None:
-                    out.append(self.policy.release(info, w, now))
+                    d = self.policy.offer(w, Pick(info, self), now)
+                    if d is not None:
+                        out.append(d)
         return out
