@@ -14,6 +14,7 @@ at each event, and holds none by name:
 rule                          module
 ============================  ===================================================
 bounded staleness, barrier    :mod:`.rules.staleness`
+gangs (collective steps)      :mod:`.rules.gang`
 GAP (order, deferred decodes) :mod:`.rules.gap`
 hand-off of the trainer state :mod:`.rules.handoff`
 TSP                           :mod:`.rules.tsp`

@@ -36,6 +36,7 @@ from digenrl.schedulers.policy import trail as _trail
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
 from digenrl.schedulers.policy.rules import EVENTS, PASS, Pick, Rule
 from digenrl.schedulers.policy.rules.background import Background
+from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.schedulers.policy.rules.handoff import Handoff
 from digenrl.schedulers.policy.rules.pools import Pools, pool_problem, worker_pool
@@ -59,6 +60,7 @@ __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_t
 #: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending.
 RULES: tuple[type[Rule], ...] = (
     Staleness,
+    Gang,
     Gap,
     Handoff,
     Tsp,

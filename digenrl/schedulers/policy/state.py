@@ -48,6 +48,9 @@ class TaskInfo:
     group: int | None = None
     behaviour_version: int | None = None
     samples: int = 0
+    #: (gang id, member index, size) of a member's part of a collective step, or None
+    #: (:mod:`.rules.gang`).
+    gang: tuple[int, int, int] | None = None
     # The policy's state of the task (not part of the annotation): kept on the task
     # itself rather than in a dict per field, since every event reads several of them.
     state: str = field(default=ADDED, compare=False, repr=False)
@@ -74,7 +77,8 @@ class TaskInfo:
                    policy_version=int(meta["policy_version"]), gpu=bool(meta["gpu"]),
                    timestep=meta.get("timestep"), chunk=meta.get("chunk"),
                    group=meta.get("group"), behaviour_version=meta.get("behaviour_version"),
-                   samples=int(meta.get("samples") or 0))
+                   samples=int(meta.get("samples") or 0),
+                   gang=tuple(meta["gang"]) if meta.get("gang") is not None else None)
 
 
 @dataclass(slots=True)
