@@ -25,12 +25,8 @@ __all__ = ["Background"]
 class Background(Rule):
     """Gives idle rollout workers the background work nothing else wants."""
 
-    __slots__ = ("_lending",)
+    __slots__ = ()
     name = "background"
-
-    def __init__(self, policy) -> None:
-        super().__init__(policy)
-        self._lending = lends_grads(self.options)   # rollout-assisted training comes first
 
     def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
         """Background work waits apart."""
@@ -55,7 +51,7 @@ class Background(Rule):
         policy = self.policy
         if ((self.options.pools and w.pool != ROLLOUT) or w.inflight
                 or self.queues.stealable.peek() is not None
-                or (self._lending and w.pool == ROLLOUT
+                or (w.pool == ROLLOUT and lends_grads(self.options)   # (RAT first)
                     and self.queues.training.peek() is not None)):
             return None
         top = self.queues.background.peek()
