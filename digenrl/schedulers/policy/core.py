@@ -57,7 +57,8 @@ __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_t
 #: first answer counts the order matters: training work before rollout work before
 #: background work before lending a trainer to generation (:meth:`.Rule.take`), the
 #: hand-off before the pools (:meth:`.Rule.place`), the newly eligible before the
-#: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending.
+#: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending, a
+#: gang's members claimed before any other rule queues them (:meth:`.Rule.queue`).
 RULES: tuple[type[Rule], ...] = (
     Staleness,
     Gang,
@@ -133,6 +134,11 @@ class SchedulingPolicy:
             event: tuple(getattr(r, event) for r in self.rules
                          if getattr(type(r), event) is not getattr(Rule, event))
             for event in EVENTS}
+        for r in self.rules:
+            for event in EVENTS:
+                if not callable(getattr(r, event)):
+                    raise TypeError(f"{type(r).__name__}.{event}: expected the event's "
+                                    f"method, got a {type(getattr(r, event)).__name__}")
 
     @property
     def version(self) -> int:
