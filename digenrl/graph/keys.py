@@ -117,12 +117,21 @@ def eval_reward_key(version: int, chunk: int) -> Key:
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,
               timestep: int | None = None, chunk: int | None = None,
               group: int | None = None, behaviour_version: int | None = None,
-              samples: int = 0, sde: bool | None = None) -> dict[str, Any]:
+              samples: int = 0, sde: bool | None = None,
+              gang: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """The annotation of one task (plain data: it travels to the scheduler). ``sde``: of
     a ``denoise`` step, whether it is an SDE step (recording a log-probability) or an
-    ODE step (None for every other kind)."""
+    ODE step (None for every other kind). ``gang``: ``(gang id, member index, size)``
+    of a task that is one member's part of a collective step: the scheduler releases a
+    gang's ``size`` members together, member ``i`` to the ``i``-th worker of its pool
+    (docs/scheduling.md, "Gangs")."""
     if kind not in KIND_POOL:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
+    if gang is not None and not (
+            isinstance(gang, (tuple, list)) and len(gang) == 3
+            and all(type(x) is int for x in gang) and 0 <= gang[1] < gang[2]):
+        raise ValueError(f"gang: expected (gang id, member index, size) as integers with "
+                         f"0 <= member index < size, got {gang!r}")
     return {
         "kind": kind,
         "pool": KIND_POOL[kind],
@@ -135,4 +144,5 @@ def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | Non
         "behaviour_version": behaviour_version,
         "samples": samples,
         "sde": sde,
+        "gang": None if gang is None else tuple(gang),
     }

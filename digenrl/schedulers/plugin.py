@@ -293,6 +293,12 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 failed.append(key)
         for key in failed:
             self.policy.release_failed(key)
+        # Releases (or results) the policy took back: each goes back to waiting, and is
+        # reported ready again once its inputs exist.
+        back = {key: "released" for key in self.policy.take_withdrawn()
+                if key in s.tasks and s.tasks[key].state in ("processing", "memory")}
+        if back:
+            s.transitions(back, stimulus_id)
         for key, address in self.policy.take_copies():
             ts, ws = s.tasks.get(key), s.workers.get(address)
             if ts is not None and ts.state == "memory" and ws is not None \

@@ -107,6 +107,8 @@ class IterationTemplate:
             if (x.kind, x.pool, x.gpu, x.timestep, x.chunk, x.group, x.samples) != \
                     (y.kind, y.pool, y.gpu, y.timestep, y.chunk, y.group, y.samples):
                 return None
+            if x.gang is not None or y.gang is not None:
+                return None       # (gangs are built per iteration: a template has none)
             it, pv, bv = (_moves(x.iteration, y.iteration, delta),
                           _moves(x.policy_version, y.policy_version, delta),
                           _moves(x.behaviour_version, y.behaviour_version, delta))

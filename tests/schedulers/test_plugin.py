@@ -157,3 +157,40 @@ def test_the_preload_starts_the_plugin_once():
         plugin_module.DigenRLSchedulerPlugin.start = original
     assert starts == [installed]
     assert s.handlers["digenrl_state"] == installed.state
+
+
+def name_after_event(name):
+    from distributed import Event, get_worker
+
+    Event(name).wait()
+    return get_worker().name
+
+
+@pooled_cluster(POOLED + [("127.0.0.1", 2, TRAINER)] * 2)
+async def test_a_gang_member_lost_with_its_worker_takes_the_other_back_and_the_gang_reruns(
+        c, s, r, t1, t2, t3):
+    """A gang of two runs on the first two trainers (by name); the first dies while
+    both run: the plugin sends the other member back to waiting (the policy took it
+    back), and both run again together, on the second and the third trainer."""
+    await install(s)
+    keys = [("grad", 0, j, 0) for j in range(2)]
+    tasks = {k: (name_after_event, ("gang-go",),
+                 task_meta("grad", 0, 0, chunk=j, timestep=0, behaviour_version=0,
+                           gang=(0, j, 2)))
+             for j, k in enumerate(keys)}
+    futs = c.get(annotated(tasks), keys, sync=False)
+
+    def running_on():
+        states = [s.tasks.get(k) for k in keys]
+        if all(ts is not None and ts.state == "processing" for ts in states):
+            return [ts.processing_on.address for ts in states]
+        return None
+
+    await async_poll_for(lambda: running_on() == [t1.address, t2.address], timeout=20)
+    await s.remove_worker(t1.address, stimulus_id="test-gang-loss")   # as if it died
+    await async_poll_for(lambda: running_on() == [t2.address, t3.address], timeout=20)
+    await Event("gang-go").set()
+    assert await c.gather(futs) == [t2.name, t3.name]
+    recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
+    withdrawn = [rec["key"] for rec in recs if "\tlost\tgang\t" in rec["decisions"]]
+    assert withdrawn == [str(keys[1])]

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 from digenrl.graph.structure import GraphLayout, init_nodes, iteration_nodes
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo, validate_task
+from digenrl.schedulers.policy.core import RULES
+from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.rules.staleness import Staleness
 from digenrl.seeding import stable_seed
 from digenrl.sim.engine import SimWorker, Simulator, uniform_plans
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, EVAL, GPU_KINDS, GRAD,
@@ -485,7 +488,7 @@ def test_without_tsp_a_chunk_trains_on_its_own_trainer():
     grads = [info(("g", c, t), GRAD, chunk=c, timestep=t, behaviour_version=0)
              for c in range(2) for t in range(2)]
     p.add_tasks(grads)
-    p.staleness.barrier_open.add(0)
+    p.rule(Staleness).barrier_open.add(0)
     for g in grads:
         p.task_ready(g.key)
     where = {d.key: d.worker for d in p.decide()}
@@ -666,7 +669,7 @@ def test_evaluation_takes_only_a_slot_nothing_else_wants():
     p.task_done("d", "r0")
     assert [(d.key, d.worker) for d in p.decide()] == [("e", "r0")]
     # Released while version 0 is the newest: no staleness hold for iteration 5.
-    assert p.staleness.rollout_pending.get(5) is None
+    assert p.rule(Staleness).rollout_pending.get(5) is None
 
 
 def test_evaluation_waits_for_a_grad_an_idle_rollout_worker_may_be_lent():
@@ -684,3 +687,46 @@ def test_evaluation_waits_for_a_grad_an_idle_rollout_worker_may_be_lent():
     assert [(d.key, d.worker) for d in p.decide()] == [("g", "t0")]
     # No grad waits any more: the idle rollout worker is looked at again.
     assert [(d.key, d.worker) for d in p.decide()] == [("e", "r0")]
+
+
+# ------------------------------------------------------------- the rule interface
+
+def test_a_rule_is_called_only_for_the_events_it_defines_and_in_the_lists_order():
+    calls = []
+
+    class Holds(Rule):
+        """Holds back every decode (a rule of one event)."""
+
+        __slots__ = ()
+
+        def holds(self, info):
+            calls.append(info.key)
+            return info.kind == DECODE
+
+    p = SchedulingPolicy(opts(), rules=(Holds,) + RULES)
+    p.add_worker("r0", "rollout-0", ROLLOUT, 1)
+    p.version = 0
+    p.add_tasks([info("dec", DECODE, chunk=0), info("step", DENOISE, chunk=0, timestep=1)])
+    p.task_ready("dec")
+    p.task_ready("step")
+    assert calls == ["dec", "step"]
+    assert [d.key for d in p.decide()] == ["step"]           # the decode stays held
+    assert [type(r) for r in p.rules] == [Holds, *RULES]
+    assert p._on["holds"][0].__self__ is p.rules[0]           # asked first
+    assert all(type(m.__self__).holds is not Rule.holds for m in p._on["holds"])
+
+
+def test_a_rule_whose_attribute_hides_an_event_is_refused():
+    class Hides(Rule):
+        __slots__ = ("done",)
+
+        def __init__(self, policy):
+            super().__init__(policy)
+            self.done = {}
+
+    try:
+        SchedulingPolicy(opts(), rules=RULES + (Hides,))
+    except TypeError as e:
+        assert str(e) == "Hides.done: expected the event's method, got a dict"
+    else:
+        raise AssertionError("accepted")

@@ -74,7 +74,7 @@ def test_step_times_are_learned_from_finished_denoise_steps():
     assert p.workers["r1"].step_time == pytest.approx(1.0)
     # A worker without measurements is estimated from its declared speed.
     p.add_worker("r2", "rollout-2", "rollout", 1, 0.5)
-    ref = p.rebalance.step_time(p.workers["r2"]) * 0.5
+    ref = p.facts.step_time(p.workers["r2"]) * 0.5
     assert 0.1 < ref < 1.0
 
 

@@ -3,10 +3,12 @@
 The plugin (or the simulator) feeds it events -- workers join and leave, tasks are
 added, become ready, finish or are lost -- and asks it for decisions: which ready task to
 release to which worker. The core keeps what every rule reads (the tasks and their
-state, the workers and what is released to each, the ready queues, the newest published
-version) and asks each rule (:mod:`digenrl.schedulers.policy.rules`) for its say where
-the rule applies: whether a ready task is held, where it waits and in which order,
-which worker takes what, and what each finished task teaches.
+state, the workers and what is released to each, the ready queues, the facts several
+rules read: :class:`~.state.Facts`) and, at each event, calls the rules of
+:data:`RULES` that define it (:mod:`digenrl.schedulers.policy.rules`), in order: whether
+a ready task is held, where it waits and in which order, which worker takes what, and
+what each finished task teaches. It names no rule: a rule is added by its module and
+one entry in :data:`RULES`.
 
 A ready GPU task waits in a heap, most urgent first: rollout work with *affinity* to
 the worker holding most of its input bytes (a chain's previous step), or to nobody;
@@ -32,24 +34,43 @@ from typing import Any, Callable, Iterable, Mapping
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import trail as _trail
 from digenrl.schedulers.policy.queues import ReadyEntry, ReadyQueues, more_urgent
+from digenrl.schedulers.policy.rules import EVENTS, PASS, Pick, Rule
 from digenrl.schedulers.policy.rules.background import Background
+from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.policy.rules.gap import Gap
-from digenrl.schedulers.policy.rules.handoff import MAKERS, Handoff
-from digenrl.schedulers.policy.rules.pools import Pools, pool_problem
+from digenrl.schedulers.policy.rules.handoff import Handoff
+from digenrl.schedulers.policy.rules.pools import Pools, pool_problem, worker_pool
 from digenrl.schedulers.policy.rules.rat import Rat
 from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.schedulers.policy.rules.staleness import Staleness, stale_training
 from digenrl.schedulers.policy.rules.tag import Tag
 from digenrl.schedulers.policy.rules.tsp import Tsp
-from digenrl.schedulers.policy.rules.version_change import VersionChange
 from digenrl.schedulers.policy.state import (ADDED, DONE, FORGOTTEN, QUEUED, READY, RELEASED,
-                                             Decision, Key, TaskInfo, WorkerInfo)
+                                             Decision, Facts, Key, TaskInfo, WorkerInfo)
 from digenrl.schedulers.policy.trail import LOST, RETRIED, TRAIL_LENGTH, Entry
-from digenrl.vocabulary import (BACKGROUND_KINDS, COLOCATED, DENOISE, GRAD, NOISE, PUBLISH,
-                                RESTORE, ROLLOUT, TRAINER)
+from digenrl.vocabulary import COLOCATED, PUBLISH, ROLLOUT, TRAINER
 
 __all__ = ["TaskInfo", "WorkerInfo", "Decision", "SchedulingPolicy", "validate_task",
-           "HELD_REASONS"]
+           "HELD_REASONS", "RULES"]
+
+#: The rules, in the order the core calls them at each event (:mod:`.rules`). Where the
+#: first answer counts the order matters: training work before rollout work before
+#: background work before lending a trainer to generation (:meth:`.Rule.take`), the
+#: hand-off before the pools (:meth:`.Rule.place`), the newly eligible before the
+#: requeued (:meth:`.Rule.published`), a steal noted before a trainer's lending, a
+#: gang's members claimed before any other rule queues them (:meth:`.Rule.queue`).
+RULES: tuple[type[Rule], ...] = (
+    Staleness,
+    Gang,
+    Gap,
+    Handoff,
+    Tsp,
+    Pools,
+    Background,
+    Rebalance,
+    Tag,
+    Rat,
+)
 
 #: Why a ready task is not running yet (telemetry).
 HELD_REASONS = ("staleness", "barrier", "slot", "no-worker")
@@ -64,41 +85,30 @@ class SchedulingPolicy:
     """Feed it events; call :meth:`decide` for the releases to make now.
 
     ``trail``: how many decisions each task keeps in its trail (:mod:`.trail`; 0: none
-    are recorded), fixed when the policy is made.
+    are recorded), fixed when the policy is made. ``rules``: the rules' classes, in the
+    order they are called (:data:`RULES`).
     """
 
-    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "version",
-                 "rejected",
-                 "queues",
-                 # the rules
-                 "pools", "staleness", "gap", "tsp", "tag", "rat", "version_change",
-                 "rebalance", "background", "handoff",
+    __slots__ = ("options", "clock", "trail_length", "tasks", "workers", "facts",
+                 "rejected", "queues", "rules", "_on",
                  # the decision round
                  "dirty", "free", "new_rollout", "new_training", "_pool_lists", "_ranked",
-                 "_seq", "_arrivals", "_copies", "_counts", "_released",
+                 "_seq", "_arrivals", "_copies", "_withdrawn", "_counts", "_released",
+                 "_turn",
                  "__weakref__")      # (the rules hold the core weakly)
 
     def __init__(self, options: ScheduleOptions, clock: Callable[[], float] = time.time,
-                 *, trail: int = TRAIL_LENGTH):
+                 *, trail: int = TRAIL_LENGTH, rules: Iterable[type[Rule]] = RULES):
         self.options = options
         self.clock = clock
         self.trail_length = trail
         self.tasks: dict[Key, TaskInfo] = {}
         self.workers: dict[str, WorkerInfo] = {}
-        self.version = -1                          # newest published policy version
+        # What several rules read, kept here (and the newest published version).
+        self.facts = Facts(self.tasks, self.workers, options.transfer_bandwidth, clock,
+                           busy=options.rebalance)
         self.rejected: dict[Key, str] = {}
         self.queues = ReadyQueues()
-        # The rules, each asked where it applies (a rule may hold one made before it).
-        self.pools = Pools(self)
-        self.staleness = Staleness(self)
-        self.version_change = VersionChange(self)
-        self.gap = Gap(self)
-        self.tsp = Tsp(self)
-        self.tag = Tag(self)
-        self.rat = Rat(self)
-        self.rebalance = Rebalance(self)
-        self.background = Background(self)
-        self.handoff = Handoff(self)
         # Which workers decide() must look at: those whose slots changed, and the free
         # workers of a kind of work that has new ready tasks.
         self.dirty: set[str] = set()
@@ -110,11 +120,43 @@ class SchedulingPolicy:
         self._ranked = True                        # every worker's rank is current
         self._seq = itertools.count()
         self._arrivals = itertools.count()
+        self._turn: dict[str, int] = defaultdict(int)   # the next worker in turn, by pool
         # Results to copy to a worker ahead of need (see take_copies).
         self._copies: list[tuple[Key, str]] = []
+        # Releases the rules took back (see take_withdrawn).
+        self._withdrawn: list[Key] = []
         # Telemetry (releases are counted apart: one is counted per task).
         self._counts: dict[str, int] = defaultdict(int)
         self._released = 0
+        # The rules, and for each event the bound methods of those defining it, in order.
+        self.rules: tuple[Rule, ...] = tuple(cls(self) for cls in rules)
+        self._on: dict[str, tuple] = {
+            event: tuple(getattr(r, event) for r in self.rules
+                         if getattr(type(r), event) is not getattr(Rule, event))
+            for event in EVENTS}
+        for r in self.rules:
+            for event in EVENTS:
+                if not callable(getattr(r, event)):
+                    raise TypeError(f"{type(r).__name__}.{event}: expected the event's "
+                                    f"method, got a {type(getattr(r, event)).__name__}")
+
+    @property
+    def version(self) -> int:
+        """The newest published policy version (-1: none yet)."""
+        return self.facts.version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self.facts.version = v
+
+    def rule(self, cls: type[Rule]) -> Rule:
+        """The policy's rule of class ``cls`` (for tests and tools; the core calls its
+        rules by event only)."""
+        for r in self.rules:
+            if type(r) is cls:
+                return r
+        raise KeyError(f"rule: expected one of {[type(r).__name__ for r in self.rules]}, "
+                       f"got {cls.__name__}")
 
     # ------------------------------------------------------------------ workers
 
@@ -123,16 +165,17 @@ class SchedulingPolicy:
         """A worker joined. ``pool`` is its tag; with pools off every GPU worker is
         in the ``colocated`` pool. Untagged workers (or ones without GPU slots) are
         not used."""
-        pool = self.pools.worker_pool(pool)
+        pool = worker_pool(pool, self.options)
         if gpus < 1 or pool is None:
             return
-        self.workers[address] = WorkerInfo(address, name, pool, gpus,
-                                           gpus * self.options.slots_per_worker, speed)
+        w = self.workers[address] = WorkerInfo(address, name, pool, gpus,
+                                               gpus * self.options.slots_per_worker, speed)
         self.dirty.add(address)
         self.free[pool].add(address)
         self._pool_lists.clear()
         self._ranked = False
-        self.tsp.repin()
+        for told in self._on["worker_added"]:
+            told(w)
 
     def remove_worker(self, address: str) -> list[Key]:
         """A worker left. Returns the tasks that were released to it (Dask brings them
@@ -144,7 +187,6 @@ class SchedulingPolicy:
         if w is None:
             return []
         self.free[w.pool].discard(address)
-        self.handoff.worker_left(address)
         lost = list(w.inflight | w.cpu_inflight)
         for key in lost:
             info = self.tasks.get(key)
@@ -152,7 +194,8 @@ class SchedulingPolicy:
                 info.where = None
                 if info.state is RELEASED:
                     info.state = ADDED
-        self.tsp.repin()
+        for told in self._on["worker_removed"]:
+            told(w)
         return lost
 
     def pool_of(self, address: str) -> str | None:
@@ -172,13 +215,23 @@ class SchedulingPolicy:
     def trainers(self) -> list[WorkerInfo]:
         return self.pool_workers(TRAINER)
 
+    def in_turn(self, pool: str) -> WorkerInfo | None:
+        """The next worker serving ``pool`` in turn (None: none serves it)."""
+        workers = self.pool_workers(pool)
+        if not workers:
+            return None
+        key = pool if self.options.pools else COLOCATED
+        i = self._turn[key] % len(workers)
+        self._turn[key] = i + 1
+        return workers[i]
+
     # -------------------------------------------------------------------- tasks
 
     def add_tasks(self, infos: Iterable[TaskInfo]) -> dict[Key, str]:
         """Tasks entered the scheduler. Returns the rejected ones with the reason."""
         rejected = {}
         tasks, arrivals, options = self.tasks, self._arrivals, self.options
-        staleness, changes, handoff = self.staleness, self.version_change, self.handoff
+        told, back = self._on["added"], self.facts.back
         for info in infos:
             key = info.key
             if tasks.setdefault(key, info) is not info:
@@ -190,9 +243,9 @@ class SchedulingPolicy:
                 self.rejected[key] = why
                 rejected[key] = why
                 continue
-            handoff.added(info)
-            staleness.added(info)
-            changes.added(info)
+            back(info)
+            for added in told:
+                added(info)
         return rejected
 
     def task_ready(self, key: Key, locality: Mapping[str, int] | None = None) -> None:
@@ -213,46 +266,36 @@ class SchedulingPolicy:
         now = None
         if info.ready_since is None:
             info.ready_since = now = self.clock()
-        if not self.staleness.holds(info):
-            self.enqueue(info, now)
+        for holds in self._on["holds"]:
+            if holds(info):
+                return
+        self.enqueue(info, now)
 
     def enqueue(self, info: TaskInfo, now: float | None = None) -> None:
         """``info`` is runnable: queue it (``now``: the clock, when the caller read it).
-        GAP gives its place in the order, rebalancing where a chunk's first step waits,
-        TSP which trainer a training task waits for."""
+        A task without a GPU slot waits in the CPU queue; a GPU task in the ready heap
+        the first rule to queue it picks (:meth:`.Rule.queue`), at the place in the
+        order its rules give it (:meth:`.Rule.order`)."""
         info.state = READY
         if info.eligible_since is None:
             info.eligible_since = self.clock() if now is None else now
-        loc = info.locality or {}
         if not info.gpu:
-            self.queues.cpu[info.key] = loc
+            self.queues.cpu[info.key] = info.locality or {}
             return
-        gap = self.gap
-        entry = gap.entry(info, next(self._seq), gap.defers(info))
-        if info.kind in BACKGROUND_KINDS:
-            self.queues.background.push(entry)
-            self.new_rollout = True   # (the free rollout workers are who may take it)
-        elif info.pool == ROLLOUT:
-            if info.timestep == 0 and info.kind == DENOISE:
-                aff = self.rebalance.first_step_home(info)
-            else:
-                aff = self._affinity_of(loc)
-            info.affinity = aff
-            if aff:
-                self.queues.affine[aff].push(entry)
-                # Only steps waiting for a worker can be stolen: every worker sees the
-                # shared ones first anyway.
-                self.queues.stealable.push(entry)
-            else:
-                self.queues.shared.push(entry)
-            self.new_rollout = True
-        else:
-            pin = self.tsp.pin_of(info)
-            info.pin = pin
-            (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
-            self.new_training = True
+        entry = self._entry(info, next(self._seq), True)
+        for queue in self._on["queue"]:
+            if queue(info, entry):
+                return
+        raise AssertionError(f"no rule queues {info.key!r}")
 
-    def _affinity_of(self, loc: Mapping[str, int]) -> str | None:
+    def _entry(self, info: TaskInfo, tie: int, queueing: bool) -> ReadyEntry:
+        for order in self._on["order"]:
+            entry = order(info, tie, queueing)
+            if entry is not None:
+                return entry
+        raise AssertionError(f"no rule orders {info.key!r}")
+
+    def affinity_of(self, loc: Mapping[str, int]) -> str | None:
         """The worker holding most of the input bytes ``loc`` (None: none, or a tie)."""
         best, best_bytes, tie = None, 0, False
         for addr, nbytes in loc.items():
@@ -265,9 +308,9 @@ class SchedulingPolicy:
         return None if tie else best
 
     def sort_key(self, key: Key) -> ReadyEntry:
-        """The order in which ready tasks without a heap are looked at (GAP's order)."""
+        """The order in which ready tasks without a heap are looked at (the rules' order)."""
         info = self.tasks[key]
-        return self.gap.entry(info, info.order)
+        return self._entry(info, info.order, False)
 
     def task_done(self, key: Key, worker: str | None = None,
                   duration: float | None = None) -> None:
@@ -279,26 +322,16 @@ class SchedulingPolicy:
     def done(self, info: TaskInfo, worker: str | None = None,
              duration: float | None = None) -> None:
         """:meth:`task_done` for a caller that holds the task (see :meth:`ready`)."""
-        kind = info.kind
-        # What it teaches: step and grad times, where a chunk's noise is, who holds a
-        # trainer state.
-        if kind == DENOISE:
-            self.rebalance.observed(info, worker, duration)
-        elif kind == NOISE and worker is not None:
-            self.rebalance.noise_drawn(info, worker)
-        elif kind == GRAD:
-            self.rat.grad_done(info, worker, duration)
-        elif kind in MAKERS and worker is not None:
-            self.handoff.made(info, worker)
+        self.facts.done(info, worker, duration)
+        for done in self._on["done"]:
+            done(info, worker, duration)
         self._unrelease(info)
         info.state = DONE
         info.locality = info.ready_since = info.eligible_since = None
-        if info.pool == ROLLOUT:
-            self.staleness.done(info)
-        if kind == PUBLISH and info.policy_version > self.version:
+        if info.kind == PUBLISH and info.policy_version > self.version:
             self.version = info.policy_version
-            self.staleness.published()
-            self.gap.published()
+            for published in self._on["published"]:
+                published(info)
             # The rollout workers generate with it next: they fetch it now, while the
             # chunks it lets start draw their noise, not once their first steps are
             # released.
@@ -311,14 +344,34 @@ class SchedulingPolicy:
         was lost): it is not runnable until it is ready again."""
         info = self.tasks.get(key)
         if info is not None:
-            if self.trail_length:
-                self.note(info, LOST, "", None, "its worker left or an input was lost")
-            self._unrelease(info)
-            info.state = ADDED
-            self.queues.cpu.pop(key, None)
-            self.handoff.result_gone(info)
-            self.version_change.back(info)
-            info.locality = info.ready_since = info.eligible_since = None
+            self._lose(info, "", "its worker left or an input was lost")
+
+    def withdraw(self, info: TaskInfo, rule: str, reason: str, *args: Any) -> None:
+        """Rule ``rule`` takes back ``info``, released or done, because
+        ``reason.format(*args)``: it waits to be ready again, as if lost, and the
+        adapter puts it back (:meth:`take_withdrawn`)."""
+        self._lose(info, rule, reason, *args)
+        self._withdrawn.append(info.key)
+
+    def take_withdrawn(self) -> list[Key]:
+        """The tasks the rules took back (:meth:`withdraw`), handed over: the caller
+        stops each where it runs, or drops its result, so that it is ready again."""
+        out, self._withdrawn = self._withdrawn, []
+        return out
+
+    def _lose(self, info: TaskInfo, rule: str, reason: str, *args: Any) -> None:
+        """``info`` goes back to waiting: not runnable until it is ready again."""
+        if self.trail_length:
+            self.note(info, LOST, rule, None, reason, *args)
+        self._unrelease(info)
+        info.state = ADDED
+        self.queues.cpu.pop(info.key, None)
+        for lost in self._on["lost"]:
+            lost(info)
+        self.facts.back(info)
+        for back in self._on["back"]:
+            back(info)
+        info.locality = info.ready_since = info.eligible_since = None
 
     def task_failed(self, key: Key) -> None:
         info = self.tasks.get(key)
@@ -335,20 +388,18 @@ class SchedulingPolicy:
         if state is RELEASED:
             self._unrelease(info)
         elif state is not DONE:
-            # Held, or held once and then lost: drop it from the CPU queue (and below,
-            # the holds).
+            # Held, or held once and then lost: drop it from the CPU queue (and, in the
+            # rules, the holds).
             self.queues.cpu.pop(key, None)
-        self.staleness.forgotten(info, held=state is not RELEASED and state is not DONE)
         # Queued heap entries of a forgotten task are dead: its state is no longer READY.
         info.state = FORGOTTEN
         info.locality = None
         if self.rejected:
             self.rejected.pop(key, None)
-        self.handoff.forgotten(info)
-        if info.kind == NOISE:
-            self.rebalance.noise_forgotten(info)
-        else:
-            self.version_change.gone(info)
+        held = state is not RELEASED and state is not DONE
+        self.facts.gone(info)
+        for forgotten in self._on["forgotten"]:
+            forgotten(info, held)
 
     def release_failed(self, key: Key) -> None:
         """The adapter could not place a released task (its worker vanished): retry."""
@@ -358,7 +409,9 @@ class SchedulingPolicy:
         if self.trail_length:
             self.note(info, RETRIED, "", None, "its worker vanished before the release")
         self._unrelease(info)
-        self.version_change.back(info)
+        self.facts.back(info)
+        for back in self._on["back"]:
+            back(info)
         self.enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
@@ -373,11 +426,11 @@ class SchedulingPolicy:
             w.inflight.discard(info.key)
             self.dirty.add(addr)
             self.free[w.pool].add(addr)
-            self.rebalance.unreleased(w, info)
-            if w.pool == TRAINER and info.pool == ROLLOUT:
-                w.tag_inflight -= 1
-            elif w.pool == ROLLOUT and info.pool == TRAINER:
-                w.rat_inflight -= 1
+            self.facts.unreleased(info, w)
+            for unreleased in self._on["unreleased"]:
+                unreleased(info, w)
+            if self._lent(info, w):
+                w.lent -= 1
         else:
             w.cpu_inflight.discard(info.key)
 
@@ -398,19 +451,14 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------ expectations
 
-    def transfer_seconds(self, w: WorkerInfo, info: TaskInfo) -> float:
-        """Seconds to move the input bytes of ``info`` that ``w`` lacks."""
-        loc = info.locality or {}
-        return (sum(loc.values()) - loc.get(w.address, 0)) / self.options.transfer_bandwidth
-
     def expected_seconds(self, key: Key) -> float | None:
         """Expected seconds of ``key``, a released GPU task, on its worker (the
-        progress watchdog's yardstick: :meth:`.Rebalance.expected_seconds`)."""
-        return self.rebalance.expected_seconds(key)
+        progress watchdog's yardstick: :meth:`.Facts.expected_seconds`)."""
+        return self.facts.expected_seconds(key)
 
     def longest_expected(self) -> float | None:
         """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        return self.rebalance.longest_expected()
+        return self.facts.longest_expected()
 
     # ---------------------------------------------------------------- decisions
 
@@ -424,10 +472,16 @@ class SchedulingPolicy:
         now = self.clock()
         out: list[Decision] = []
         if self.queues.cpu:
+            placers = self._on["place"]
             for key in sorted(self.queues.cpu, key=self.sort_key):
                 info = self.tasks[key]
-                rule = self.handoff if info.kind == RESTORE else self.pools
-                w = rule.place(info, self.queues.cpu[key])
+                loc = self.queues.cpu[key]
+                for place in placers:
+                    w = place(info, loc)
+                    if w is not PASS:
+                        break
+                else:
+                    w = None
                 if w is not None:
                     del self.queues.cpu[key]
                     out.append(self.release(info, w, now))
@@ -450,8 +504,8 @@ class SchedulingPolicy:
                 elif self.options.tag:
                     candidates.update(a for a in free[TRAINER] if not workers[a].inflight)
             self.new_rollout = self.new_training = False
-        self.background.wake(candidates)
-        lending = self.rat.wake(candidates)
+        for wake in self._on["wake"]:
+            wake(candidates)
         # The least loaded first, by name (ranks are unique: workers are never compared
         # themselves).
         if not self._ranked:
@@ -462,8 +516,7 @@ class SchedulingPolicy:
         active = sorted((w for w in map(workers.get, candidates)
                          if w is not None and len(w.inflight) < w.slots),
                         key=lambda w: (len(w.inflight), w.rank))
-        idle_rollout = ([w for w in active if w.pool == ROLLOUT and not w.inflight]
-                        if lending else [])
+        idle = [w for w in active if not w.inflight]
         while active:
             still = []
             for w in active:
@@ -473,79 +526,83 @@ class SchedulingPolicy:
                     if len(w.inflight) < w.slots:
                         still.append(w)
             active = still
-        if idle_rollout:
-            # Rollout-assisted training, once every other worker has taken its share.
-            out.extend(self.rat.lend_idle(idle_rollout, now))
+        for round_over in self._on["round_over"]:
+            out.extend(round_over(idle, now))
         return out
 
     def _decide_one(self, w: WorkerInfo, now: float) -> Decision | None:
-        """What ``w`` takes in this round: its pool's work first (training for a
-        trainer, rollout for a rollout worker, a grad first when RAT says so), then
-        background work (rollout workers), or rollout work (TAG, trainers)."""
-        pools, pool = self.options.pools, w.pool
-        if not pools or pool == TRAINER:
-            info = self.tsp.take(w)
-            if info is not None:
-                if self.trail_length:
-                    self.tsp.note_taken(info, w)
-                return self.release(info, w, now)
-        if not pools or pool == ROLLOUT:
-            info, stolen = self.take_rollout(w, now)
-            if info is not None:
-                lent = self.rat.lend(w, info)
-                if lent is not None:
-                    return self.release(lent, w, now, rat=True)
-                if self.trail_length:
-                    self.note_rollout_taken(info, w, stolen, now)
-                return self.release(info, w, now, stolen=stolen)
-            info = self.background.take(w)
-            return self.release(info, w, now) if info is not None else None
-        # A trainer with no runnable training work: trainer-assisted generation.
-        return self.tag.take(w, now)
+        """What ``w`` takes in this round: the first rule's pick (:meth:`.Rule.take`),
+        unless a rule puts another task before it or keeps the slot
+        (:meth:`.Rule.ahead`)."""
+        for take in self._on["take"]:
+            pick = take(w, now)
+            if pick is not None:
+                return self.offer(w, pick, now)
+        return None
+
+    def offer(self, w: WorkerInfo, pick: Pick, now: float) -> Decision | None:
+        """Release ``pick`` to ``w`` unless a rule puts another task before it or keeps
+        the slot (:meth:`.Rule.ahead`); every pick goes through here."""
+        for ahead in self._on["ahead"]:
+            pick = ahead(w, pick)
+            if pick is None:
+                return None
+        if self.trail_length:
+            for taken in self._on["taken"]:
+                taken(w, pick, now)
+        return self.release(pick.info, w, now, stolen=pick.stolen)
 
     def take_rollout(self, w: WorkerInfo, now: float) -> tuple[TaskInfo | None, bool]:
-        """The most urgent step with affinity to ``w`` or to nobody; else one to steal
-        from another worker, when rebalancing lets ``w`` (then True)."""
+        """The most urgent rollout step with affinity to ``w`` or to nobody; else one
+        waiting for another worker that every rule lets ``w`` take (then True:
+        stolen, :meth:`.Rule.lets`)."""
         affine = self.queues.affine.get(w.address)
         own = affine.peek() if affine is not None else None
         pick = more_urgent(own, self.queues.shared.peek())
         if pick is not None:
             return pick.info, False
         steal = self.queues.stealable.peek()
-        if steal is None or not self.rebalance.may_steal(w, steal.info, now):
+        if steal is None:
             return None, False
+        for lets in self._on["lets"]:
+            if not lets(w, steal.info, now):
+                return None, False
         return steal.info, True
 
-    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *, tag: bool = False,
-                stolen: bool = False, rat: bool = False) -> Decision:
-        """Release ``info`` to ``w`` (``tag``: a trainer generating; ``stolen``: from
-        another worker's affinity; ``rat``: a grad lent to a rollout worker)."""
+    def release(self, info: TaskInfo, w: WorkerInfo, now: float, *,
+                stolen: bool = False) -> Decision:
+        """Release ``info`` to ``w`` (``stolen``: from another worker's affinity). A GPU
+        task of the other pool is lent: a rollout task to a trainer (TAG), a grad to a
+        rollout worker (RAT)."""
         key = info.key
         info.state = RELEASED
         if info.affinity is not None and info.affinity == w.address:
             self.queues.stealable.one_dead()   # its entry among the stealable ones
         info.where = w.address
+        tag = rat = False
         if info.gpu:
             inflight = w.inflight
             inflight.add(key)
             if len(inflight) >= w.slots:
                 self.free[w.pool].discard(w.address)
-            self.version_change.released(info)
-            self.rebalance.released(w, info, now)
-            if tag:
-                w.tag_inflight += 1
-            if rat:
-                w.rat_inflight += 1
+            self.facts.released(info, w, now)
+            for released in self._on["released"]:
+                released(info, w, now)
+            if self._lent(info, w):
+                w.lent += 1
+                tag, rat = w.pool == TRAINER, w.pool == ROLLOUT
+                self._counts["tag_released" if tag else "rat_released"] += 1
         else:
             w.cpu_inflight.add(key)
         self._released += 1
-        if tag:
-            self._counts["tag_released"] += 1
         if stolen:
             self._counts["stolen"] += 1
-        if rat:
-            self._counts["rat_released"] += 1
         return Decision(key, w.address, now, tag, stolen, rat, info)
+
+    @staticmethod
+    def _lent(info: TaskInfo, w: WorkerInfo) -> bool:
+        """Whether GPU task ``info`` on ``w`` is lent: of the other pool (with pools)."""
+        return w.pool != info.pool and w.pool != COLOCATED
 
     # ---------------------------------------------------------------- the trail
 
@@ -558,23 +615,6 @@ class SchedulingPolicy:
                                  Entry(self.clock(), verb, rule, w.name if w else "", reason,
                                        args),
                                  self.trail_length)
-
-    def note_rollout_taken(self, info: TaskInfo, w: WorkerInfo, stolen: bool,
-                           now: float) -> None:
-        """Note why ``w`` takes rollout task ``info``: stolen (rebalancing says why), its
-        inputs are there, or it waits for no worker in particular."""
-        if stolen:
-            self.rebalance.note_stolen(info, w, now)
-        elif info.affinity == w.address:
-            self.note(info, _trail.RELEASED, self.pools.name, w,
-                      "its inputs are on this worker ({} bytes)",
-                      (info.locality or {}).get(w.address, 0))
-        elif info.timestep == 0 and info.kind == DENOISE and self.options.rebalance:
-            self.note(info, _trail.RELEASED, self.rebalance.name, w,
-                      "a chunk's first step starts on whichever worker frees first")
-        else:
-            self.note(info, _trail.RELEASED, self.pools.name, w,
-                      "the most urgent rollout task; no single worker holds its inputs")
 
     def trail_of(self, key: Key) -> list[Entry]:
         """The decisions noted on ``key`` so far (empty when unknown or none)."""
@@ -599,16 +639,19 @@ class SchedulingPolicy:
         return counts
 
     def held(self) -> dict[str, int]:
-        """How many ready tasks wait, by reason."""
+        """How many ready tasks wait, by reason: those a rule holds back (by its
+        reason), those waiting for a slot, and those no worker may run."""
         counts = dict.fromkeys(HELD_REASONS, 0)
-        counts["staleness"], counts["barrier"] = self.staleness.counts()
+        for held in self._on["held"]:
+            for reason, n in held().items():
+                counts[reason] += n
+        lenders = self._on["lends"]
         for info in self.tasks.values():
             if info.state is not READY:
                 continue
             if (self.pool_workers(info.pool)
-                    or (self.options.tag and info.pool == ROLLOUT
-                        and self.pool_workers(TRAINER))
-                    or (self.rat.on and info.kind == GRAD and self.pool_workers(ROLLOUT))):
+                    or any(self.pool_workers(pool) for pool in (lends(info) for lends in lenders)
+                           if pool is not None)):
                 counts["slot"] += 1
             else:
                 counts["no-worker"] += 1
@@ -631,16 +674,17 @@ class SchedulingPolicy:
             p["workers"] += 1
             p["slots"] += w.slots
             p["busy"] += min(len(w.inflight), 1)
-            p["tag"] += min(w.tag_inflight, 1)
-            p["rat"] += min(w.rat_inflight, 1)
+            p["tag"] += min(w.lent, 1) if w.pool == TRAINER else 0
+            p["rat"] += min(w.lent, 1) if w.pool == ROLLOUT else 0
         return {
             "options": self.options.as_dict(),
             "policy_version": self.version,
             "pools": pools,
             "workers": {w.address: {"name": w.name, "pool": w.pool,
                                     "inflight": len(w.inflight),
-                                    "tag": w.tag_inflight,
-                                    "rat": w.rat_inflight} for w in self.workers.values()},
+                                    "tag": w.lent if w.pool == TRAINER else 0,
+                                    "rat": w.lent if w.pool == ROLLOUT else 0}
+                         for w in self.workers.values()},
             "held": self.held(),
             "rejected": {repr(k): v for k, v in self.rejected.items()},
             "counters": dict(self.counters),

@@ -92,3 +92,9 @@ class ReadyQueues:
         self.background = ReadyHeap()
         # Tasks needing no GPU slot, with their input locality.
         self.cpu: dict[Key, Mapping[str, int]] = {}
+
+    def training_for(self, address: str) -> ReadyEntry | None:
+        """The most urgent training task trainer ``address`` may run (None: none)."""
+        pinned = self.pinned.get(address)
+        return more_urgent(pinned.peek() if pinned is not None else None,
+                           self.training.peek())

@@ -3,6 +3,7 @@ for the version change while grads wait; the reasons noted."""
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.gap import Gap
 from digenrl.vocabulary import DECODE, DENOISE, PUBLISH
 
 from rule_helpers import grads, info, opts, policy_with, said, steps
@@ -24,13 +25,13 @@ def test_with_gap_a_chunk_finishes_before_the_next_one_starts():
     p, dec, step = _decode_then_step(opts("digenrl", tag=False, rat=False,
                                           slots_per_worker=1))
     assert [d.key for d in p.decide()] == [dec.key]
-    assert p.gap.entry(dec, 0) < p.gap.entry(step, 0)
+    assert p.rule(Gap).entry(dec, 0) < p.rule(Gap).entry(step, 0)
 
 
 def test_without_gap_rollout_goes_breadth_first():
     p, dec, step = _decode_then_step(opts("disaggregated", slots_per_worker=1))
     assert [d.key for d in p.decide()] == [step.key]
-    assert p.gap.entry(step, 0) < p.gap.entry(dec, 0)
+    assert p.rule(Gap).entry(step, 0) < p.rule(Gap).entry(dec, 0)
 
 
 def test_a_decode_waits_for_the_version_change_while_grads_wait():
@@ -54,11 +55,11 @@ def test_a_decode_waits_for_the_version_change_while_grads_wait():
     assert (deferred.verb, deferred.rule) == ("deferred", "GAP")
     assert deferred.reason == ("a decode kept for the version change while grads wait (its "
                                "training reads version 1, published: 0)")
-    assert list(p.gap.deferred) == [1]
+    assert list(p.rule(Gap).deferred) == [1]
     p.task_ready(publish.key)
     p.decide()
     p.task_done(publish.key, "t0")
-    assert not p.gap.deferred
+    assert not p.rule(Gap).deferred
     p.task_done(later[0].key, "r0", 0.1)
     p.task_ready(later[1].key)
     assert [d.key for d in p.decide()] == [dec.key]

@@ -3,6 +3,7 @@ worker holding its state, else waits for its checkpoint; the reasons noted."""
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.handoff import Handoff
 from digenrl.schedulers.policy.rules.handoff import MAKERS
 from digenrl.vocabulary import CHECKPOINT, INIT, OPTIMIZE, RESTORE
 
@@ -30,7 +31,7 @@ def test_the_state_is_read_back_on_its_maker_and_it_says_why():
     p.task_ready(made.key)
     [d] = p.decide()
     p.task_done(made.key, d.worker, 0.1)
-    assert p.handoff.made_on == {1: d.worker}
+    assert p.rule(Handoff).made_on == {1: d.worker}
     assert [(x.key, x.worker) for x in p.decide()] == [(read.key, d.worker)]
     maker = p.workers[d.worker].name
     assert said(p, read.key)[-1] == ("placed", "hand-off", maker)
@@ -44,7 +45,7 @@ def test_with_the_maker_gone_the_checkpoint_is_read_once_written():
     [d] = p.decide()
     p.task_done(made.key, d.worker, 0.1)
     p.remove_worker(d.worker)
-    assert p.handoff.made_on == {}
+    assert p.rule(Handoff).made_on == {}
     p.task_ready(ckpt.key, {})
     [w] = p.decide()
     assert w.key == ckpt.key

@@ -4,7 +4,7 @@ task without a GPU goes, and the reasons noted."""
 from __future__ import annotations
 
 from digenrl.schedulers.policy import SchedulingPolicy
-from digenrl.schedulers.policy.rules.pools import pool_problem
+from digenrl.schedulers.policy.rules.pools import pool_problem, worker_pool
 from digenrl.vocabulary import COLOCATED, DENOISE, GRAD, NOISE, REWARD, ROLLOUT, TRAINER
 
 from rule_helpers import info, opts, policy_with, said, steps
@@ -12,12 +12,11 @@ from rule_helpers import info, opts, policy_with, said, steps
 
 def test_a_worker_serves_its_tagged_pool_and_untagged_ones_none():
     p = SchedulingPolicy(opts("digenrl"))
-    assert p.pools.worker_pool(ROLLOUT) == ROLLOUT
-    assert p.pools.worker_pool(None) is None and p.pools.worker_pool("gpu") is None
+    assert worker_pool(ROLLOUT, p.options) == ROLLOUT
+    assert worker_pool(None, p.options) is None and worker_pool("gpu", p.options) is None
     p.add_worker("x", "untagged", None, 1)
     assert p.workers == {}
-    colocated = SchedulingPolicy(opts("colocated"))
-    assert colocated.pools.worker_pool(TRAINER) == COLOCATED
+    assert worker_pool(TRAINER, opts("colocated")) == COLOCATED
 
 
 def test_a_task_of_no_pool_can_never_run():

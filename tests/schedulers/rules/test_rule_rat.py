@@ -3,6 +3,7 @@ idle rollout worker and ahead of work that can wait; the reasons noted."""
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.rat import Rat
 from digenrl.vocabulary import DECODE, DENOISE
 
 from rule_helpers import grads, info, opts, policy_with, said, steps
@@ -22,9 +23,9 @@ def _busy_trainer(p, n=6, loc=None):
 
 
 def test_rat_applies_with_pools_and_tsp_only():
-    assert policy_with(opts("digenrl")).rat.on
-    assert not policy_with(opts("digenrl", tsp=False)).rat.on
-    assert not policy_with(opts("colocated", rat=True)).rat.on
+    assert policy_with(opts("digenrl")).rule(Rat).on
+    assert not policy_with(opts("digenrl", tsp=False)).rule(Rat).on
+    assert not policy_with(opts("colocated", rat=True)).rule(Rat).on
 
 
 def test_an_idle_rollout_worker_is_lent_a_grad_and_it_says_why():
@@ -55,7 +56,7 @@ def test_an_idle_rollout_worker_is_kept_for_a_chunk_that_may_start():
     owed = info(("d", 1, 0, 0), DENOISE, iteration=1, version=0, chunk=0, timestep=0)
     p.add_tasks([owed])
     _busy_trainer(p)
-    assert p.rat.owed_chunks() == 1
+    assert p.rule(Rat).owed_chunks() == 1
     assert [d.worker for d in p.decide()] == ["t0"]
     top = p.queues.training.peek().info
     [s] = [s for s in steps(p, top.key) if s.verb == "declined"]
@@ -75,7 +76,7 @@ def test_a_grad_goes_ahead_of_work_that_can_wait():
     p.decide()
     _busy_trainer(p)
     p.task_ready(dec.key)
-    assert p.version_change.can_wait(dec)
+    assert p.facts.can_wait(dec)
     [lent] = [d for d in p.decide() if d.worker == "r0"]
     assert lent.rat and lent.key != dec.key
     [s] = steps(p, lent.key)
@@ -83,7 +84,7 @@ def test_a_grad_goes_ahead_of_work_that_can_wait():
     assert s.reason.startswith("ahead of ('decode', 1, 0), which can wait for the version "
                                "change; it finishes the grad in")
     # Nothing goes ahead of a denoise step: generation cannot wait.
-    assert p.rat.lend(p.workers["r0"], last) is None
+    assert p.rule(Rat).lend(p.workers["r0"], last) is None
 
 
 def test_a_lent_grads_gradient_is_copied_to_the_least_loaded_trainer():
@@ -98,4 +99,4 @@ def test_a_lent_grads_gradient_is_copied_to_the_least_loaded_trainer():
     assert p.take_copies() == []
     p.task_done(lent.key, "r0", 1.0)
     assert p.take_copies() == [(lent.key, "t0")]
-    assert p.rat.ref_grad == 1.0
+    assert p.facts.ref_grad == 1.0

@@ -4,6 +4,7 @@ tests/schedulers/test_rebalance.py.)"""
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.rebalance import Rebalance
 from digenrl.vocabulary import DENOISE, NOISE
 
 from rule_helpers import Clock, info, opts, policy_with, steps
@@ -66,8 +67,8 @@ def test_a_chunks_first_step_starts_on_whichever_worker_frees_first():
     p.task_ready(noise.key, {})
     p.decide()
     p.task_done(noise.key, "r1")
-    assert p.rebalance.chunk_home == {(0, 7): "r1"}
-    assert p.rebalance.first_step_home(first) is None        # with rebalancing: nowhere
+    assert p.rule(Rebalance).chunk_home == {(0, 7): "r1"}
+    assert p.rule(Rebalance).first_step_home(first) is None        # with rebalancing: nowhere
     p.task_ready(first.key, {"r1": 10})
     assert [(d.key, d.worker) for d in p.decide()] == [(first.key, "r0")]
     [s] = steps(p, first.key)

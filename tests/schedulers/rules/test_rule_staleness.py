@@ -3,6 +3,7 @@ training held behind the barrier without GAP, stale training rejected; the reaso
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.staleness import Staleness
 from digenrl.schedulers.policy.rules.staleness import stale_training
 from digenrl.vocabulary import ADVANTAGE, DENOISE, EVAL, GRAD, PUBLISH
 
@@ -20,7 +21,7 @@ def test_a_denoise_step_past_the_bound_is_held_until_its_version_is_published():
     # Iteration 3 reading version 0 (a faulty graph): the bound needs version 2.
     p.add_tasks([info("d", DENOISE, iteration=3, version=0, chunk=0, timestep=0)])
     p.task_ready("d")
-    assert p.decide() == [] and p.staleness.counts() == (1, 0)
+    assert p.decide() == [] and p.rule(Staleness).held() == {"staleness": 1, "barrier": 0}
     [held] = steps(p, "d")
     assert (held.verb, held.rule, held.worker) == ("held", "staleness", "")
     assert held.reason == "iteration 3 waits for version 2 (published: 0)"
@@ -31,7 +32,7 @@ def test_a_denoise_step_past_the_bound_is_held_until_its_version_is_published():
     assert said(p, "d") == [("held", "staleness", ""), ("eligible", "staleness", ""),
                             ("released", "rebalance", "rollout-0")]
     assert steps(p, "d")[1].reason == "version 2 published"
-    assert p.staleness.counts() == (0, 0)
+    assert p.rule(Staleness).held() == {"staleness": 0, "barrier": 0}
 
 
 def test_background_work_is_never_held():
@@ -49,7 +50,7 @@ def test_without_gap_training_waits_behind_the_barrier():
     for key in ("d0", "d1", "a"):
         p.task_ready(key)
     assert [d.key for d in p.decide()] == ["d0"]
-    assert p.held()["barrier"] == 1 == p.staleness.counts()[1]
+    assert p.held()["barrier"] == 1 == p.rule(Staleness).held()["barrier"]
     [held] = steps(p, "a")
     assert (held.verb, held.rule) == ("held", "barrier")
     assert held.reason == "without GAP iteration 0's training waits for its rollout work " \

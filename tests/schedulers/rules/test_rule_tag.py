@@ -3,6 +3,7 @@ training is runnable, but keeps its slot for the optimizer step; the reasons not
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.tag import Tag
 from digenrl.vocabulary import DECODE, DENOISE, GRAD
 
 from rule_helpers import grads, info, opts, policy_with, said, steps
@@ -52,4 +53,4 @@ def test_the_last_idle_trainer_keeps_its_slot_for_the_optimizer_step_and_says_so
     assert kept and all((s.rule, s.worker) == ("TAG", idle.name) for s in kept)
     assert kept[0].reason.startswith("the trainer keeps its slot for the optimizer step: "
                                      "every grad of iteration 0 is released")
-    assert p.tag.keeps_for_optimizer(idle, decodes[1])
+    assert p.rule(Tag).keeps_for_optimizer(idle, decodes[1])

@@ -3,6 +3,7 @@ without TSP a chunk trains on its own trainer; the reasons noted."""
 
 from __future__ import annotations
 
+from digenrl.schedulers.policy.rules.tsp import Tsp
 from digenrl.vocabulary import GRAD
 
 from rule_helpers import info, opts, policy_with, said, steps
@@ -35,9 +36,9 @@ def test_without_tsp_waiting_micro_steps_follow_the_trainers_that_remain():
         p.task_ready(g.key)
     first = {d.key: d.worker for d in p.decide()}
     assert first == {("g", 0, 0): "t0", ("g", 1, 0): "t1"}
-    assert p.tsp.pin_of(micro[3]) == "t1"
+    assert p.rule(Tsp).pin_of(micro[3]) == "t1"
     p.remove_worker("t1")
-    assert p.tsp.pin_of(micro[3]) == "t0"
+    assert p.rule(Tsp).pin_of(micro[3]) == "t0"
     p.task_done(("g", 0, 0), "t0")
     assert [d.key for d in p.decide()] == [("g", 0, 1)]
     p.task_done(("g", 0, 1), "t0")

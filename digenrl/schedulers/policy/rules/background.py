@@ -12,10 +12,12 @@ and never counted in an iteration's rollout work (:mod:`.staleness`).
 
 from __future__ import annotations
 
-from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.queues import ReadyEntry
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.rules.rat import lends_grads
 from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import RELEASED
-from digenrl.vocabulary import COLOCATED, ROLLOUT
+from digenrl.vocabulary import BACKGROUND_KINDS, COLOCATED, ROLLOUT
 
 __all__ = ["Background"]
 
@@ -23,12 +25,16 @@ __all__ = ["Background"]
 class Background(Rule):
     """Gives idle rollout workers the background work nothing else wants."""
 
-    __slots__ = ("_rat",)
+    __slots__ = ()
     name = "background"
 
-    def __init__(self, policy) -> None:
-        super().__init__(policy)
-        self._rat = policy.rat         # rollout-assisted training comes first
+    def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
+        """Background work waits apart."""
+        if info.kind not in BACKGROUND_KINDS:
+            return False
+        self.queues.background.push(entry)
+        self.policy.new_rollout = True   # (the free rollout workers are who may take it)
+        return True
 
     def wake(self, candidates: set[str]) -> None:
         """While background work waits, add every idle worker that may take it to the
@@ -39,12 +45,13 @@ class Background(Rule):
             workers = self.workers
             candidates |= {a for a in policy.free[pool] if not workers[a].inflight}
 
-    def take(self, w: WorkerInfo) -> TaskInfo | None:
+    def take(self, w: WorkerInfo, now: float) -> Pick | None:
         """The most urgent background task for ``w``, which has nothing else to take,
         or None (see the module's rule)."""
         policy = self.policy
-        if (w.inflight or self.queues.stealable.peek() is not None
-                or (self._rat.on and w.pool == ROLLOUT
+        if ((self.options.pools and w.pool != ROLLOUT) or w.inflight
+                or self.queues.stealable.peek() is not None
+                or (w.pool == ROLLOUT and lends_grads(self.options)   # (RAT first)
                     and self.queues.training.peek() is not None)):
             return None
         top = self.queues.background.peek()
@@ -54,4 +61,4 @@ class Background(Rule):
             policy.note(top.info, RELEASED, self.name, w,
                         "nothing else for this idle worker: no rollout step is ready and no "
                         "grad waits to be lent")
-        return top.info
+        return Pick(top.info, self)

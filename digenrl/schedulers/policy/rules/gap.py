@@ -11,7 +11,7 @@ all its rollout work is done (the barrier: :mod:`.staleness`).
 rollout workers score can be trained before the next version), a decode whose training
 reads a version not yet published goes after every denoise step of its generation
 instead of at its chunk's place: it can wait for the version change
-(:mod:`.version_change`). The generation's last steps then come first, the grads lent
+(:meth:`.Facts.can_wait`). The generation's last steps then come first, the grads lent
 next (:mod:`.rat`), and the decodes fill the wait for the new version's optimizer step
 and weights. Once that version is published it takes its chunk's place again. A
 decode that became ready while no grad waited (the trainers keep up) keeps its chunk's
@@ -46,6 +46,11 @@ class Gap(Rule):
         # Decodes queued after their generation's steps (see defers), by iteration.
         self.deferred: dict[int, list[TaskInfo]] = defaultdict(list)
 
+    def order(self, info: TaskInfo, tie: int, queueing: bool) -> ReadyEntry:
+        """``info``'s entry in a ready heap, ``tie`` breaking ties of priority (being
+        queued, a decode may be deferred: :meth:`defers`)."""
+        return self.entry(info, tie, queueing and self.defers(info))
+
     def entry(self, info: TaskInfo, tie: int, deferred: bool = False) -> ReadyEntry:
         """``info``'s entry in a ready heap, ``tie`` breaking ties of priority
         (``deferred``: see :meth:`defers`)."""
@@ -76,7 +81,7 @@ class Gap(Rule):
             return True
         return False
 
-    def published(self) -> None:
+    def published(self, info: TaskInfo) -> None:
         """A version was published: the deferred decodes whose training reads it, still
         waiting, are queued again at their chunk's place (an entry of a task is live
         while the task waits, so the first of its two entries taken releases it)."""

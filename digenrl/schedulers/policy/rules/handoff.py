@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.rules import PASS, Rule
 from digenrl.schedulers.policy.state import DONE, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import PLACED, WAITS
-from digenrl.vocabulary import CHECKPOINT, INIT, OPTIMIZE
+from digenrl.vocabulary import CHECKPOINT, INIT, OPTIMIZE, RESTORE
 
 __all__ = ["Handoff", "MAKERS"]
 
@@ -44,9 +44,14 @@ class Handoff(Rule):
         if info.kind == CHECKPOINT:
             self.checkpoints[info.policy_version] = info
 
-    def made(self, info: TaskInfo, worker: str) -> None:
-        """``info``, a maker (:data:`MAKERS`), finished on ``worker``."""
-        self.made_on[info.iteration + 1] = worker
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        """``info`` finished on ``worker``: if a maker (:data:`MAKERS`), that worker
+        holds the state it made."""
+        if info.kind in MAKERS and worker is not None:
+            self.made_on[info.iteration + 1] = worker
+
+    def lost(self, info: TaskInfo) -> None:
+        self.result_gone(info)
 
     def result_gone(self, info: TaskInfo) -> None:
         """``info``'s result is gone (lost or forgotten): if it made a trainer state, no
@@ -54,22 +59,25 @@ class Handoff(Rule):
         if info.kind in MAKERS:
             self.made_on.pop(info.iteration + 1, None)
 
-    def forgotten(self, info: TaskInfo) -> None:
+    def forgotten(self, info: TaskInfo, held: bool) -> None:
         self.result_gone(info)
         if info.kind == CHECKPOINT and self.checkpoints.get(info.policy_version) is info:
             del self.checkpoints[info.policy_version]
 
-    def worker_left(self, address: str) -> None:
-        for v in [v for v, a in self.made_on.items() if a == address]:
+    def worker_removed(self, w: WorkerInfo) -> None:
+        for v in [v for v, a in self.made_on.items() if a == w.address]:
             del self.made_on[v]
 
-    def place(self, info: TaskInfo, loc: Mapping[str, int] | None = None) -> WorkerInfo | None:
+    def place(self, info: TaskInfo, loc: Mapping[str, int] | None = None):
         """Where the read-back ``info`` of a version's trainer state goes: to the worker
         that made the state, whose memory holds it (the task takes it from there); with
         that worker gone or unknown, to any worker of the pool once the version's
         checkpoint is written (or when no checkpoint task is known: a resumed run reads
         one written before), and nowhere yet while it is being written. (``loc`` is not
-        read: its only possible input is the maker's result, whose worker it picks.)"""
+        read: its only possible input is the maker's result, whose worker it picks.)
+        Other tasks are not its to place (:data:`PASS`)."""
+        if info.kind != RESTORE:
+            return PASS
         policy = self.policy
         v = info.policy_version
         maker = self.workers.get(self.made_on.get(v, ""))
@@ -85,7 +93,7 @@ class Handoff(Rule):
                             "no worker holds version {}'s state (not made yet, or its "
                             "maker is gone) and its checkpoint is not written yet", v)
             return None
-        w = policy.pools.pick(info, {})
+        w = policy.in_turn(info.pool)
         if self.noting and w is not None:
             policy.note(info, PLACED, self.name, w,
                         "no worker holds version {}'s state: it reads the checkpoint", v)

@@ -16,15 +16,15 @@ and a chunk's ``noise`` always, to the next worker of the pool in turn.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Mapping
 
-from digenrl.schedulers.policy.rules import Rule
-from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo
-from digenrl.schedulers.policy.trail import PLACED, WAITS
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo, first_step
+from digenrl.schedulers.policy.trail import PLACED, RELEASED, WAITS
 from digenrl.vocabulary import COLOCATED, NOISE, POOLS, ROLLOUT, TRAINER
 
-__all__ = ["Pools", "pool_problem"]
+__all__ = ["Pools", "pool_problem", "worker_pool"]
 
 
 def pool_problem(info: TaskInfo) -> str | None:
@@ -34,21 +34,18 @@ def pool_problem(info: TaskInfo) -> str | None:
     return None
 
 
+def worker_pool(tag: str | None, options: ScheduleOptions) -> str | None:
+    """The pool a worker tagged ``tag`` serves under ``options`` (None: it is not used)."""
+    if not options.pools:
+        return COLOCATED
+    return tag if tag in POOLS else None
+
+
 class Pools(Rule):
-    """Which pool a worker serves, and where tasks without a GPU go."""
+    """Where tasks without a GPU go, and what a rollout worker takes."""
 
-    __slots__ = ("_round_robin",)
+    __slots__ = ()
     name = "pools"
-
-    def __init__(self, policy) -> None:
-        super().__init__(policy)
-        self._round_robin: dict[str, int] = defaultdict(int)
-
-    def worker_pool(self, tag: str | None) -> str | None:
-        """The pool a worker tagged ``tag`` serves (None: it is not used)."""
-        if not self.options.pools:
-            return COLOCATED
-        return tag if tag in POOLS else None
 
     def pick(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """The pool worker holding most input bytes of ``info`` (``loc``: worker -> bytes
@@ -56,10 +53,6 @@ class Pools(Rule):
         chunk's ``noise`` is always dealt in turn: it starts the chunk, which without
         rebalancing stays where it starts, so each worker gets an equal share of the
         chunks (its input, its groups' conditioning, is small and moves to it)."""
-        policy = self.policy
-        pool = policy.pool_workers(info.pool)
-        if not pool:
-            return None
         if info.kind == NOISE:
             loc = {}
         # Most bytes first, then the least loaded, then by name.
@@ -74,10 +67,7 @@ class Pools(Rule):
                 best, best_rank = w, rank
         if best is not None:
             return best
-        key = info.pool if pools else COLOCATED
-        i = self._round_robin[key] % len(pool)
-        self._round_robin[key] = i + 1
-        return pool[i]
+        return self.policy.in_turn(info.pool)
 
     def place(self, info: TaskInfo, loc: Mapping[str, int]) -> WorkerInfo | None:
         """Where ``info``, a task without a GPU slot, goes now (:meth:`pick`), noted."""
@@ -97,3 +87,27 @@ class Pools(Rule):
                 policy.note(info, PLACED, self.name, w,
                             "no input on the pool: the next worker in turn")
         return w
+
+    def take(self, w: WorkerInfo, now: float) -> Pick | None:
+        """A rollout (or co-located) worker takes the most urgent rollout step it may
+        (:meth:`SchedulingPolicy.take_rollout`)."""
+        if self.options.pools and w.pool != ROLLOUT:
+            return None
+        info, stolen = self.policy.take_rollout(w, now)
+        return Pick(info, self, stolen) if info is not None else None
+
+    def taken(self, w: WorkerInfo, pick: Pick, now: float) -> None:
+        """Note why ``w`` takes the rollout task it picked: its inputs are there, or it
+        waits for no worker in particular (a stolen step and a chunk's first step under
+        rebalancing are rebalancing's to note)."""
+        info = pick.info
+        if pick.by is not self or pick.stolen:
+            return
+        if info.affinity == w.address:
+            self.policy.note(info, RELEASED, self.name, w,
+                             "its inputs are on this worker ({} bytes)",
+                             (info.locality or {}).get(w.address, 0))
+        elif not (first_step(info) and self.options.rebalance):
+            self.policy.note(info, RELEASED, self.name, w,
+                             "the most urgent rollout task; no single worker holds its "
+                             "inputs")

@@ -11,7 +11,7 @@ grad is lent) in two cases:
   it may steal) -- it would otherwise idle, typically because the staleness bound holds
   the next iteration's generation back -- takes one grad at a time;
 * **ahead of work that can wait**: a rollout worker whose next rollout task can wait
-  for the version change (:mod:`.version_change`) takes a grad before it, counting the
+  for the version change (:meth:`.Facts.can_wait`) takes a grad before it, counting the
   GPU tasks already released to it (each as a grad), so the version change those grads
   lead to comes sooner and the finishing work fills the wait for its weights.
 
@@ -30,7 +30,8 @@ worker is expected to finish it no later than the first trainer to free would: t
 transfer of the inputs it lacks (at ``transfer_bandwidth``; the trained version's
 weights count when the worker does not hold them) plus its released tasks and the grad
 at its speed, against the trainer's released GPU tasks plus the grad at its speed. The
-grad seconds are measured (a moving average over finished grads, at speed 1); before
+grad seconds are measured (a moving average over finished grads, at speed 1, in the
+policy's facts); before
 the first grad finishes nothing is lent. A grad left to the trainers is counted as
 ``rat_declined``.
 
@@ -39,36 +40,39 @@ published version, so they belong to the iteration whose optimizer step publishe
 next one, and every generation the staleness bound still holds back waits at least for
 that version. Reductions, optimizer steps and the rest stay on trainers: a lent grad's
 gradient is copied to the least loaded trainer as soon as it is computed
-(:meth:`Rat.grad_done`), so the reduction summing it does not wait for that transfer.
+(:meth:`Rat.done`), so the reduction summing it does not wait for that transfer.
 """
 
 from __future__ import annotations
 
-from digenrl.schedulers.policy.rules import Rule
-from digenrl.schedulers.policy.rules.rebalance import STEP_EWMA
+from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.policy.rules import Pick, Rule
 from digenrl.schedulers.policy.state import Decision, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import DECLINED, LENT
-from digenrl.vocabulary import GRAD, ROLLOUT
+from digenrl.vocabulary import BACKGROUND_KINDS, GRAD, ROLLOUT
 
-__all__ = ["Rat"]
+__all__ = ["Rat", "lends_grads"]
+
+
+def lends_grads(options: ScheduleOptions) -> bool:
+    """Whether rollout-assisted training applies under ``options``: RAT on, with pools
+    and TSP."""
+    return options.rat and options.pools and options.tsp
 
 
 class Rat(Rule):
     """Lends idle rollout workers to training."""
 
-    __slots__ = ("on", "ref_grad", "_changes", "_round", "_kept")
+    __slots__ = ("on", "_lending", "_round", "_kept")
     name = "RAT"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
-        o = self.options
         #: Whether rollout-assisted training applies: RAT on, with pools and TSP.
-        self.on = o.rat and o.pools and o.tsp
-        # Speed-1 seconds of a grad micro-step, measured.
-        self.ref_grad: float | None = None
-        # What can wait for the version change, and the chunks not started yet.
-        self._changes = policy.version_change
-        # Lending to the workers idle after a round (see lend_idle): the trainers' reach
+        self.on = lends_grads(self.options)
+        # Whether a grad waits that an idle rollout worker might be lent (this round).
+        self._lending = False
+        # Lending to the workers idle after a round (see round_over): the trainers' reach
         # and the owed chunks (neither changes while grads are lent), and how many idle
         # workers were kept for those chunks.
         self._round: tuple[float | None, int] | None = None
@@ -76,20 +80,17 @@ class Rat(Rule):
 
     # ------------------------------------------------------------ what it learns
 
-    def grad_done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
-        """Grad ``info`` computed for ``duration`` seconds on ``worker``: measured; when
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        """Grad ``info`` computed on ``worker`` (its time measured in the facts): when
         it was lent, a trainer (the least loaded) copies its gradient now, while the
         trainers still compute, rather than when the reduction that sums it becomes
         ready (which a trainer runs)."""
-        if duration is None or duration <= 0 or worker is None:
+        if info.kind != GRAD or duration is None or duration <= 0 or worker is None:
             return
         policy = self.policy
         w = self.workers.get(worker)
         if w is None:
             return
-        ref = duration * w.speed
-        a = STEP_EWMA
-        self.ref_grad = ref if self.ref_grad is None else (1 - a) * self.ref_grad + a * ref
         if w.pool == ROLLOUT and self.options.pools:
             trainers = policy.trainers()
             if trainers:
@@ -99,15 +100,27 @@ class Rat(Rule):
 
     # ---------------------------------------------------------------- deciding
 
-    def wake(self, candidates: set[str]) -> bool:
-        """Whether a grad waits that an idle rollout worker might be lent; if so, every
-        idle rollout worker is added to the workers looked at."""
+    def wake(self, candidates: set[str]) -> None:
+        """When a grad waits that an idle rollout worker might be lent, every idle
+        rollout worker is added to the workers looked at."""
         policy = self.policy
-        if not self.on or self.queues.training.peek() is None:
-            return False
-        workers = self.workers
-        candidates |= {a for a in policy.free[ROLLOUT] if not workers[a].inflight}
-        return True
+        self._lending = self.on and self.queues.training.peek() is not None
+        if self._lending:
+            workers = self.workers
+            candidates |= {a for a in policy.free[ROLLOUT] if not workers[a].inflight}
+
+    def lends(self, info: TaskInfo) -> str | None:
+        """Rollout workers may run grads."""
+        return ROLLOUT if self.on and info.kind == GRAD else None
+
+    def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
+        """A grad a rollout worker takes before the rollout task it picked, when that
+        task can wait (:meth:`lend`)."""
+        if (not self.on or pick.by is self or w.pool != ROLLOUT
+                or pick.info.kind in BACKGROUND_KINDS):
+            return pick
+        lent = self.lend(w, pick.info)
+        return Pick(lent, self) if lent is not None else pick
 
     def owed_chunks(self) -> int:
         """Chunks that may start now or at any moment: their first step has not been
@@ -117,17 +130,14 @@ class Rat(Rule):
         after the publish that let them start, so a rollout worker idle now is not idle
         for long. (A chunk waiting for a version not yet published is not owed: the
         trainers publish it only after the grads they have queued.)"""
-        policy = self.policy
-        version, limit = policy.version, policy.version + self.options.max_staleness
-        return sum(len(keys) for (it, read), keys in self._changes.unstarted.items()
-                   if it <= limit and read <= version)
+        return self.facts.unstarted_chunks(self.facts.version + self.options.max_staleness)
 
     def trainers_reach(self) -> float | None:
         """Seconds until a trainer would have finished the most urgent grad if it were
         queued there now: once the GPU tasks released to it have run (each counted as a
         grad), then the grad (measured seconds). None while a trainer has no GPU task
         (it takes the grad itself) or no grad has been measured."""
-        grad_s = self.ref_grad
+        grad_s = self.facts.ref_grad
         trainers = self.policy.trainers()
         if grad_s is None or not trainers or any(not t.inflight for t in trainers):
             return None
@@ -138,12 +148,12 @@ class Rat(Rule):
         taken here (see the module's rule). ``before``: the rollout task ``w`` would take
         next (the grad goes first only when that task can wait and no chunk is owed);
         None: ``w`` is idle after the round, and each owed chunk keeps one idle worker
-        (in the order :meth:`lend_idle` asks)."""
+        (in the order :meth:`round_over` asks)."""
         if not self.on:
             return None
         policy = self.policy
         if before is not None:
-            if not self._changes.can_wait(before):
+            if not self.facts.can_wait(before):
                 return None
             owed = self.owed_chunks()
             if owed:
@@ -170,8 +180,8 @@ class Rat(Rule):
         top = self.queues.training.peek()
         if top is None or top.info.kind != GRAD:
             return None
-        mine = (policy.transfer_seconds(w, top.info)
-                + (len(w.inflight) + 1) * self.ref_grad / w.speed)
+        mine = (self.facts.transfer_seconds(w, top.info)
+                + (len(w.inflight) + 1) * self.facts.ref_grad / w.speed)
         if mine > theirs:
             policy.count("rat_declined")
             if self.noting:
@@ -197,14 +207,18 @@ class Rat(Rule):
         if top is not None and top.info.kind == GRAD:
             self.policy.note(top.info, DECLINED, self.name, w, reason, *args)
 
-    def lend_idle(self, idle: list[WorkerInfo], now: float) -> list[Decision]:
+    def round_over(self, idle: list[WorkerInfo], now: float) -> list[Decision]:
         """Once every other worker has taken its share of the round: the grads lent to
         the rollout workers of ``idle`` (idle when the round began) still idle."""
+        if not self._lending:
+            return []
         self._round, self._kept = None, 0
         out = []
         for w in idle:
-            if not w.inflight:
+            if w.pool == ROLLOUT and not w.inflight:
                 info = self.lend(w)
                 if info is not None:
-                    out.append(self.policy.release(info, w, now, rat=True))
+                    d = self.policy.offer(w, Pick(info, self), now)
+                    if d is not None:
+                        out.append(d)
         return out

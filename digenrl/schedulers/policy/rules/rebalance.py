@@ -24,104 +24,34 @@ speed (data-parallel generation).
 
 from __future__ import annotations
 
-from digenrl.schedulers.policy.rules import Rule
-from digenrl.schedulers.policy.state import Key, TaskInfo, WorkerInfo
-from digenrl.schedulers.policy.trail import KEPT, STOLEN
-from digenrl.vocabulary import DENOISE, ROLLOUT
+from digenrl.schedulers.policy.queues import ReadyEntry
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.state import TaskInfo, WorkerInfo, first_step
+from digenrl.schedulers.policy.trail import KEPT, RELEASED, STOLEN
+from digenrl.vocabulary import BACKGROUND_KINDS, DENOISE, NOISE, ROLLOUT, TRAINER
 
-__all__ = ["Rebalance", "STEP_EWMA"]
-
-#: Weight of the newest measurement in a worker's step time: a slowdown shows within a
-#: few steps.
-STEP_EWMA = 0.5
+__all__ = ["Rebalance"]
 
 
 class Rebalance(Rule):
     """Measures step times and decides whether an idle worker may steal a step."""
 
-    __slots__ = ("ref_step", "chunk_home", "_clock")
+    __slots__ = ("chunk_home",)
     name = "rebalance"
 
     def __init__(self, policy) -> None:
         super().__init__(policy)
-        # Speed-1 seconds per sample-step, averaged over every worker.
-        self.ref_step: float | None = None
         # (iteration, chunk) -> the worker that drew the chunk's noise.
         self.chunk_home: dict[tuple, str] = {}
-        self._clock = policy.clock
 
-    # ------------------------------------------------------------------ measuring
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        """A chunk's noise was drawn on ``worker`` (its step times are in the facts)."""
+        if info.kind == NOISE and worker is not None:
+            self.noise_drawn(info, worker)
 
-    def observed(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
-        """Denoise step ``info`` computed for ``duration`` seconds on ``worker``."""
-        if duration is not None and duration > 0 and worker is not None:
-            w = self.workers.get(worker)
-            if w is not None:
-                per_sample = duration / info.sample_steps
-                a = STEP_EWMA
-                w.step_time = (per_sample if w.step_time is None
-                               else (1 - a) * w.step_time + a * per_sample)
-                ref = per_sample * w.speed
-                self.ref_step = ref if self.ref_step is None else 0.9 * self.ref_step + 0.1 * ref
-
-    def step_time(self, w: WorkerInfo) -> float | None:
-        """Expected seconds per sample-step on ``w``: measured, else from its speed."""
-        if w.step_time is not None:
-            return w.step_time
-        return self.ref_step / w.speed if self.ref_step is not None else None
-
-    def expected(self, w: WorkerInfo, info: TaskInfo) -> float:
-        """Expected seconds of ``info`` on ``w`` (denoise steps; others count 0)."""
-        if info.kind != DENOISE:
-            return 0.0
-        step = self.step_time(w)
-        return step * info.sample_steps if step is not None else 0.0
-
-    def expected_seconds(self, key: Key) -> float | None:
-        """Expected seconds of ``key``, a released GPU task, on its worker: moving the
-        input bytes it lacks there, then the worker's seconds per sample-step times the
-        task's samples (a denoise step and a training micro-step go over the same
-        samples). None before any measurement."""
-        policy = self.policy
-        info = self.tasks.get(key)
-        w = self.workers.get(info.where) if info is not None and info.where else None
-        step = self.step_time(w) if w is not None and info.gpu else None
-        if step is None:
-            return None
-        return policy.transfer_seconds(w, info) + step * max(info.samples, 1)
-
-    def longest_expected(self) -> float | None:
-        """The longest :meth:`expected_seconds` a known task could have on any worker."""
-        steps = [s for s in map(self.step_time, self.workers.values()) if s is not None]
-        if not steps:
-            return None
-        samples = max((info.samples for info in self.tasks.values() if info.gpu), default=1)
-        return max(steps) * max(samples, 1)
-
-    # ------------------------------------------------------- released work per worker
-
-    def released(self, w: WorkerInfo, info: TaskInfo, now: float) -> None:
-        """GPU task ``info`` was released to ``w``: its work ends later."""
-        if info.kind == DENOISE:
-            w.step_samples += info.sample_steps
-        if self.options.rebalance:
-            # (Only denoise steps are expected to take time.)
-            w.busy_until = max(now, w.busy_until) + self.expected(w, info)
-
-    def unreleased(self, w: WorkerInfo, info: TaskInfo) -> None:
-        """GPU task ``info`` left ``w`` (finished, lost or forgotten)."""
-        if info.kind == DENOISE:
-            w.step_samples -= info.sample_steps
-        if self.options.rebalance:
-            n = w.step_samples
-            step = self.step_time(w) if n else None
-            w.busy_until = self._clock() + (step * n if step is not None else 0.0)
-
-    def finish_time(self, w: WorkerInfo, info: TaskInfo, now: float) -> float:
-        """When ``w`` would finish ``info`` if it took it now: after its released work,
-        the transfer of the input bytes it lacks, then the step at its pace."""
-        return (max(now, w.busy_until) + self.policy.transfer_seconds(w, info)
-                + self.expected(w, info))
+    def forgotten(self, info: TaskInfo, held: bool) -> None:
+        if info.kind == NOISE:
+            self.noise_forgotten(info)
 
     # -------------------------------------------------------------- where steps go
 
@@ -131,6 +61,27 @@ class Rebalance(Rule):
 
     def noise_forgotten(self, info: TaskInfo) -> None:
         self.chunk_home.pop((info.iteration, info.chunk), None)
+
+    def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
+        """A ready rollout task waits for the worker holding most of its inputs (a
+        chunk's first step: see :meth:`first_step_home`), or for any worker."""
+        if info.pool != ROLLOUT or info.kind in BACKGROUND_KINDS:
+            return False
+        queues = self.queues
+        if info.timestep == 0 and info.kind == DENOISE:
+            aff = self.first_step_home(info)
+        else:
+            aff = self.policy.affinity_of(info.locality or {})
+        info.affinity = aff
+        if aff:
+            queues.affine[aff].push(entry)
+            # Only steps waiting for a worker can be stolen: every worker sees the
+            # shared ones first anyway.
+            queues.stealable.push(entry)
+        else:
+            queues.shared.push(entry)
+        self.policy.new_rollout = True
+        return True
 
     def first_step_home(self, info: TaskInfo) -> str | None:
         """Where a chunk's first step waits. With rebalancing, nowhere: the chunk starts
@@ -142,39 +93,52 @@ class Rebalance(Rule):
         home = self.chunk_home.get((info.iteration, info.chunk))
         return home if home in self.workers else None
 
+    def lets(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
+        return self.may_steal(w, info, now)
+
     def may_steal(self, w: WorkerInfo, info: TaskInfo, now: float) -> bool:
         """Whether ``w`` may take ``info``, a step waiting for another worker."""
-        policy = self.policy
+        policy, facts = self.policy, self.facts
         owner = self.workers.get(info.affinity or "")
         if owner is None or owner is w:
             return True
         if not self.options.rebalance:
             # Pinned: a chunk waits for the rollout worker holding its latents.
             return owner.pool != ROLLOUT
-        if info.kind != DENOISE or self.step_time(w) is None or self.step_time(owner) is None:
+        if info.kind != DENOISE or facts.step_time(w) is None or facts.step_time(owner) is None:
             return True  # not a timestep, or nothing measured yet: any idle worker helps
-        step = self.expected(owner, info)
+        step = facts.expected(owner, info)
         # The move must cost less than the step it moves, and the step must end before
         # the owner would get through its released work, this step and the slots' worth
         # after it: an idle worker is capacity, but not at any delay to the chunk.
-        if (policy.transfer_seconds(w, info) < step and self.finish_time(w, info, now)
-                <= self.finish_time(owner, info, now) + self.options.slots_per_worker * step):
+        if (facts.transfer_seconds(w, info) < step and facts.finish_time(w, info, now)
+                <= facts.finish_time(owner, info, now) + self.options.slots_per_worker * step):
             return True
         policy.count("kept")
         if self.noting:
             policy.note(info, KEPT, self.name, w,
                         "the move costs more than it gains: moving takes {:.3g} s for a "
                         "{:.3g} s step; it would finish in {:.3g} s here, in {:.3g} s on {} "
-                        "(+ {} steps allowed)", policy.transfer_seconds(w, info), step,
-                        self.finish_time(w, info, now) - now,
-                        self.finish_time(owner, info, now) - now, owner.name,
+                        "(+ {} steps allowed)", facts.transfer_seconds(w, info), step,
+                        facts.finish_time(w, info, now) - now,
+                        facts.finish_time(owner, info, now) - now, owner.name,
                         self.options.slots_per_worker)
         return False
+
+    def taken(self, w: WorkerInfo, pick: Pick, now: float) -> None:
+        """Note a stolen step, and a chunk's first step a worker of its pool takes."""
+        info = pick.info
+        if pick.stolen:
+            self.note_stolen(info, w, now)
+        elif (self.options.rebalance and first_step(info) and info.affinity != w.address
+              and w.pool != TRAINER):
+            self.policy.note(info, RELEASED, self.name, w,
+                             "a chunk's first step starts on whichever worker frees first")
 
     def note_stolen(self, info: TaskInfo, w: WorkerInfo, now: float) -> None:
         """Note why ``w`` takes ``info``, a step waiting for another worker (before its
         release, while the finish times :meth:`may_steal` compared still hold)."""
-        policy = self.policy
+        policy, facts = self.policy, self.facts
         owner = self.workers.get(info.affinity or "")
         if owner is None:
             policy.note(info, STOLEN, self.name, w, "the worker holding its inputs is gone")
@@ -182,8 +146,8 @@ class Rebalance(Rule):
             policy.note(info, STOLEN, self.name, w,
                         "from {}, a trainer: only a rollout worker keeps its chunk's steps",
                         owner.name)
-        elif (info.kind != DENOISE or self.step_time(w) is None
-              or self.step_time(owner) is None):
+        elif (info.kind != DENOISE or facts.step_time(w) is None
+              or facts.step_time(owner) is None):
             policy.note(info, STOLEN, self.name, w,
                         "from {}: nothing to compare yet (not a timestep, or no step "
                         "measured), and an idle worker helps", owner.name)
@@ -191,7 +155,7 @@ class Rebalance(Rule):
             policy.note(info, STOLEN, self.name, w,
                         "from {}: finishes in {:.3g} s here against {:.3g} s there "
                         "(+ {} steps of {:.3g} s allowed); moving takes {:.3g} s", owner.name,
-                        self.finish_time(w, info, now) - now,
-                        self.finish_time(owner, info, now) - now,
-                        self.options.slots_per_worker, self.expected(owner, info),
-                        policy.transfer_seconds(w, info))
+                        facts.finish_time(w, info, now) - now,
+                        facts.finish_time(owner, info, now) - now,
+                        self.options.slots_per_worker, facts.expected(owner, info),
+                        facts.transfer_seconds(w, info))

@@ -93,9 +93,11 @@ class Staleness(Rule):
             self.barrier_open.add(it)
         return False
 
-    def done(self, info: TaskInfo) -> None:
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """Rollout task ``info`` finished: once its iteration has none left, the barrier
         opens."""
+        if info.pool != ROLLOUT:
+            return
         left = self.rollout_pending.get(info.iteration)
         if left is not None:
             if info.pending:
@@ -114,7 +116,7 @@ class Staleness(Rule):
             info.pending = False
             self.rollout_pending[info.iteration] -= 1
 
-    def published(self) -> None:
+    def published(self, info: TaskInfo) -> None:
         """A newer version was published: the rollout it lets start is queued."""
         policy = self.policy
         limit = policy.version + self.options.max_staleness
@@ -137,7 +139,7 @@ class Staleness(Rule):
                     policy.note(info, trail.ELIGIBLE, rule, None, reason, *args)
                 policy.enqueue(info)
 
-    def counts(self) -> tuple[int, int]:
+    def held(self) -> dict[str, int]:
         """Ready tasks held by the staleness bound and by the barrier."""
-        return (sum(len(s) for s in self.held_stale.values()),
-                sum(len(s) for s in self.held_barrier.values()))
+        return {self.name: sum(len(s) for s in self.held_stale.values()),
+                self.barrier: sum(len(s) for s in self.held_barrier.values())}

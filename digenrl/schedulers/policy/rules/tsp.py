@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from digenrl.schedulers.policy.queues import ReadyHeap, more_urgent
-from digenrl.schedulers.policy.rules import Rule
+from digenrl.schedulers.policy.queues import ReadyEntry, ReadyHeap
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.rules.pools import Pools
 from digenrl.schedulers.policy.state import READY, TaskInfo, WorkerInfo
 from digenrl.schedulers.policy.trail import RELEASED
+from digenrl.vocabulary import ROLLOUT, TRAINER
 
 __all__ = ["Tsp"]
 
@@ -35,6 +37,22 @@ class Tsp(Rule):
             return None
         return trainers[info.chunk % len(trainers)].address
 
+    def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
+        """A ready training task waits for its trainer, or for any."""
+        if info.pool == ROLLOUT:
+            return False
+        pin = self.pin_of(info)
+        info.pin = pin
+        (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
+        self.policy.new_training = True
+        return True
+
+    def worker_added(self, w: WorkerInfo) -> None:
+        self.repin()
+
+    def worker_removed(self, w: WorkerInfo) -> None:
+        self.repin()
+
     def repin(self) -> None:
         """Trainer membership changed: re-target pinned ready tasks."""
         policy = self.policy
@@ -53,25 +71,22 @@ class Tsp(Rule):
             (self.queues.pinned[pin] if pin else self.queues.training).push(entry)
         policy.new_training = True
 
-    def runnable(self, w: WorkerInfo) -> bool:
-        """Whether trainer ``w`` has training work it may run."""
-        pinned = self.queues.pinned.get(w.address)
-        return (self.queues.training.peek() is not None
-                or (pinned is not None and pinned.peek() is not None))
+    def take(self, w: WorkerInfo, now: float) -> Pick | None:
+        """A trainer (or a co-located worker) takes the most urgent training task it
+        may run."""
+        if self.options.pools and w.pool != TRAINER:
+            return None
+        top = self.queues.training_for(w.address)
+        return Pick(top.info, self) if top is not None else None
 
-    def note_taken(self, info: TaskInfo, w: WorkerInfo) -> None:
-        """Note why ``w`` takes training task ``info`` (:meth:`take`)."""
-        policy = self.policy
+    def taken(self, w: WorkerInfo, pick: Pick, now: float) -> None:
+        """Note why ``w`` takes the training task it picked."""
+        if pick.by is not self:
+            return
+        info, policy = pick.info, self.policy
         if info.pin is not None:
             policy.note(info, RELEASED, self.name, w,
                         "TSP is off: chunk {} trains on this trainer", info.chunk)
         else:
-            policy.note(info, RELEASED, policy.pools.name, w,
+            policy.note(info, RELEASED, Pools.name, w,
                         "the most urgent training task (iteration {})", info.iteration)
-
-    def take(self, w: WorkerInfo) -> TaskInfo | None:
-        """The most urgent training task ``w`` may run (None: none)."""
-        pinned = self.queues.pinned.get(w.address)
-        own = pinned.peek() if pinned is not None else None
-        pick = more_urgent(own, self.queues.training.peek())
-        return pick.info if pick is not None else None

@@ -1,4 +1,4 @@
-"""Work that can wait for the version change (policy/rules/version_change.py), what
+"""Work that can wait for the version change (the policy's facts, policy/state.py Facts), what
 the GAP, TAG and RAT rules read."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_finishing_work_of_a_released_generation_for_an_unpublished_version_can_
     dec = info(("decode", 1, 0), DECODE, iteration=1, version=0, chunk=0)
     reward = info(("reward", 1, 0), REWARD, iteration=1, version=0, chunk=0)
     p.add_tasks([step, dec, reward])
-    changes = p.version_change
+    changes = p.facts
     # A step of the generation is not released yet: its finishing work cannot wait.
     assert changes.left(DENOISE, 1) and not changes.can_wait(dec)
     p.task_ready(step.key)
@@ -34,16 +34,16 @@ def test_a_lost_step_is_left_again():
     p.add_tasks([step])
     p.task_ready(step.key)
     p.decide()
-    assert not p.version_change.left(DENOISE, 1)
+    assert not p.facts.left(DENOISE, 1)
     p.task_lost(step.key)
-    assert p.version_change.left(DENOISE, 1)
+    assert p.facts.left(DENOISE, 1)
 
 
 def test_the_grads_of_the_iteration_being_trained_are_all_released():
     p = policy_with(opts("digenrl", tag=False, rat=False, slots_per_worker=1), trainer=1)
     two = grads(2)
     p.add_tasks(two)
-    changes = p.version_change
+    changes = p.facts
     assert changes.grads_from is None and not changes.grads_all_released()
     for g in two:
         p.task_ready(g.key)

@@ -1,0 +1,209 @@
+"""Gangs: the members of a collective step are released together, or not at all.
+
+A gang is one task per member of a collective group (the task annotation's ``gang``:
+``(gang id, member index, size)``). Member ``i`` runs on the ``i``-th worker of its
+pool (by name, as the pools list them), and only there. The members wait here, in no
+ready heap, so no other rule sees them: TAG, RAT and rebalancing never move one.
+
+* **Released together**: once every member of a gang is ready (past every hold), the
+  gang *reserves* its members' workers, the oldest complete gang first, each worker for
+  one gang at a time: a reserved worker takes nothing else (:meth:`Gang.ahead` keeps
+  its slot, an idle worker is lent nothing). When every reserved worker has nothing in
+  flight, all members are released in the same round, each to its worker, where it
+  runs at once: a member never waits behind another task on its worker while the
+  others wait for it in the collective. A gang wider than its pool waits.
+* **Failing together**: a member that goes back to waiting (lost with its worker or an
+  input, or ready again after it finished: its result was lost) while the other members
+  are released or finished fails the gang's step: every other member is taken back
+  (:meth:`SchedulingPolicy.withdraw`: stopped, or its result dropped), and the whole
+  gang is released again once every member is ready again.
+
+Its entry in :data:`~digenrl.schedulers.policy.core.RULES` comes before the rules that
+queue ready work (TSP, background, rebalancing): the first rule to queue a task keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from digenrl.schedulers.policy.queues import ReadyEntry
+from digenrl.schedulers.policy.rules import Pick, Rule
+from digenrl.schedulers.policy.state import (DONE, RELEASED, Decision, Key, TaskInfo,
+                                             WorkerInfo)
+from digenrl.schedulers.policy.trail import KEPT, RELEASED as RELEASED_VERB, WAITS
+
+__all__ = ["Gang"]
+
+
+class _Members:
+    """One gang: its members by index, and which of them are ready to be released."""
+
+    __slots__ = ("size", "members", "ready", "pool")
+
+    def __init__(self, size: int, pool: str) -> None:
+        self.size = size
+        self.pool = pool
+        self.members: dict[int, TaskInfo] = {}
+        self.ready: set[int] = set()
+
+    def complete(self) -> bool:
+        return len(self.ready) == self.size
+
+
+class Gang(Rule):
+    """Releases each gang's members together, on their own workers."""
+
+    __slots__ = ("gangs", "waiting", "reserved", "_failing")
+    name = "gang"
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy)
+        self.gangs: dict[int, _Members] = {}
+        # Complete gangs not released yet, oldest first (dicts keep their order).
+        self.waiting: dict[int, None] = {}
+        # Worker address -> the gang it is kept for (set at the end of each round).
+        self.reserved: dict[str, int] = {}
+        self._failing = False      # taking a failed step's members back
+
+    # ---------------------------------------------------------------- members
+
+    def added(self, info: TaskInfo) -> None:
+        if info.gang is not None:
+            gid, index, size = info.gang
+            g = self.gangs.get(gid)
+            if g is None:
+                g = self.gangs[gid] = _Members(size, info.pool)
+            g.members[index] = info
+
+    def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
+        """A ready member waits here, for the rest of its gang."""
+        if info.gang is None:
+            return False
+        gid, index, size = info.gang
+        g = self.gangs[gid]
+        self._fail_step(g, info)
+        g.ready.add(index)
+        if self.noting:
+            self.policy.note(info, WAITS, self.name, None,
+                             "member {} of gang {}: {} of {} members ready", index, gid,
+                             len(g.ready), size)
+        if g.complete():
+            self.waiting[gid] = None
+        return True
+
+    def back(self, info: TaskInfo) -> None:
+        """A member waits to be released again (lost, or its release failed)."""
+        if info.gang is not None:
+            g = self.gangs.get(info.gang[0])
+            if g is not None:
+                self._not_ready(info.gang[0], g, info.gang[1])
+                self._fail_step(g, info)
+
+    def forgotten(self, info: TaskInfo, held: bool) -> None:
+        if info.gang is None:
+            return
+        gid, index, _ = info.gang
+        g = self.gangs.get(gid)
+        if g is None or g.members.get(index) is not info:
+            return
+        del g.members[index]
+        self._not_ready(gid, g, index)
+        if not g.members:
+            del self.gangs[gid]
+
+    def worker_removed(self, w: WorkerInfo) -> None:
+        """A worker left: the members released to it are lost (Dask reports each
+        later), which fails their gangs' steps now."""
+        self.reserved.pop(w.address, None)
+        for key in w.inflight:
+            info = self.tasks.get(key)
+            if info is not None and info.gang is not None:
+                g = self.gangs.get(info.gang[0])
+                if g is not None:
+                    self._fail_step(g, info)
+
+    def _not_ready(self, gid: int, g: _Members, index: int) -> None:
+        g.ready.discard(index)
+        if gid in self.waiting:
+            del self.waiting[gid]
+            self._unreserve(gid)
+
+    def _fail_step(self, g: _Members, info: TaskInfo) -> None:
+        """``info`` must run (again): every other member released or finished is taken
+        back, so that the gang runs again together."""
+        if self._failing:
+            return              # (a member taken back below comes back here)
+        self._failing = True
+        try:
+            for other in list(g.members.values()):
+                if other is not info and (other.state is RELEASED or other.state is DONE):
+                    self.policy.withdraw(other, self.name,
+                                         "member {} of gang {} must run again: the gang's "
+                                         "step fails, and runs again together",
+                                         info.gang[1], info.gang[0])
+        finally:
+            self._failing = False
+
+    # ---------------------------------------------------------------- the round
+
+    def member_workers(self, g: _Members) -> list[WorkerInfo] | None:
+        """The worker of each member (by index), or None when the pool is too small."""
+        pool = self.policy.pool_workers(g.pool)
+        return pool[:g.size] if len(pool) >= g.size else None
+
+    def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
+        """A worker kept for a gang takes nothing else."""
+        gid = self.reserved.get(w.address)
+        if gid is None:
+            return pick
+        if self.noting:
+            self.policy.note(pick.info, KEPT, self.name, w,
+                             "the worker is kept for gang {}, released once its members' "
+                             "workers are all free", gid)
+        return None
+
+    def round_over(self, idle: list[WorkerInfo], now: float) -> Iterable[Decision]:
+        """Release every complete gang whose members' workers have nothing in flight,
+        and keep the workers of the others (the oldest gang first, each worker for one
+        gang; kept again from scratch at every round, so an older gang always comes
+        first and no two gangs wait for each other)."""
+        out: list[Decision] = []
+        reserved: dict[str, int] = {}
+        policy = self.policy
+        for gid in list(self.waiting):
+            g = self.gangs[gid]
+            workers = self.member_workers(g)
+            if workers is None:
+                if self.noting:
+                    for info in g.members.values():
+                        policy.note(info, WAITS, self.name, None,
+                                    "gang {} needs {} workers of its pool: {} serve it", gid,
+                                    g.size, len(policy.pool_workers(g.pool)))
+                continue
+            if any(w.address in reserved for w in workers):
+                continue            # an older gang keeps one of its workers
+            if any(w.inflight for w in workers):
+                for w in workers:   # the workers drain first
+                    reserved[w.address] = gid
+                continue
+            del self.waiting[gid]
+            g.ready.clear()
+            for index, w in enumerate(workers):
+                info = g.members[index]
+                if self.noting:
+                    policy.note(info, RELEASED_VERB, self.name, w,
+                                "all {} members of gang {} can take their part: released "
+                                "together, member {} to worker {} of its pool", g.size,
+                                gid, index, index)
+                out.append(policy.release(info, w, now))
+        self.reserved = reserved
+        return out
+
+    def _unreserve(self, gid: int) -> None:
+        for a in [a for a, g in self.reserved.items() if g == gid]:
+            del self.reserved[a]
+
+    def members_of(self, gid: int) -> dict[int, Key]:
+        """The known members of gang ``gid``: index -> key (for tests and tools)."""
+        g = self.gangs.get(gid)
+        return {i: info.key for i, info in g.members.items()} if g is not None else {}

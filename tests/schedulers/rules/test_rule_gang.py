@@ -1,0 +1,229 @@
+"""The gang rule alone (policy/rules/gang.py): a gang's members are released together,
+each on its own worker, never moved by TAG, RAT or rebalancing, and taken back together
+when one is lost; the reasons noted. Plus a property: a gang is never partly released."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from digenrl.graph.keys import task_meta
+from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.policy.rules.gang import Gang
+from digenrl.schedulers.policy.state import DONE, RELEASED
+from digenrl.vocabulary import DENOISE, GRAD, ROLLOUT, TRAINER
+
+from rule_helpers import grads, info, opts, policy_with, said, steps
+
+
+def gang(gid, size, kind=GRAD, iteration=0):
+    """The members of gang ``gid``: one ``kind`` task per member."""
+    extra = {"behaviour_version": iteration} if kind == GRAD else {"timestep": 1}
+    return [info(("m", gid, j), kind, iteration=iteration, version=iteration, chunk=j,
+                 gang=(gid, j, size), **extra) for j in range(size)]
+
+
+def test_the_annotation_carries_the_gang_and_a_bad_one_is_refused_in_one_line():
+    meta = task_meta(GRAD, 0, 0, gang=(7, 1, 2))
+    assert TaskInfo.from_meta("k", {**meta, "gang": [7, 1, 2]}).gang == (7, 1, 2)
+    assert TaskInfo.from_meta("k", task_meta(GRAD, 0, 0)).gang is None
+    with pytest.raises(ValueError, match=r"^gang: expected \(gang id, member index, size\) "
+                                         r"as integers with 0 <= member index < size, "
+                                         r"got \(7, 2, 2\)$"):
+        task_meta(GRAD, 0, 0, gang=(7, 2, 2))
+
+
+def test_members_wait_until_every_one_is_ready_then_go_together_each_to_its_worker():
+    p = policy_with(opts("digenrl"), rollout=1, trainer=2)
+    members = gang(0, 2)
+    p.add_tasks(members)
+    p.task_ready(members[1].key)
+    assert p.decide() == []                              # one of two: nothing moves
+    assert said(p, members[1].key) == [("waits", "gang", "")]
+    assert steps(p, members[1].key)[0].reason == "member 1 of gang 0: 1 of 2 members ready"
+    p.task_ready(members[0].key)
+    out = p.decide()
+    assert sorted((d.key, d.worker) for d in out) == [(members[0].key, "t0"),
+                                                      (members[1].key, "t1")]
+    assert not any(d.tag or d.rat or d.stolen for d in out)
+    assert said(p, members[0].key)[-1] == ("released", "gang", "trainer-0")
+    assert steps(p, members[0].key)[-1].reason == (
+        "all 2 members of gang 0 can take their part: released together, member 0 to "
+        "worker 0 of its pool")
+
+
+def test_a_busy_member_worker_is_drained_and_the_other_kept_free_for_the_gang():
+    p = policy_with(opts("digenrl", slots_per_worker=2), rollout=0, trainer=2)
+    busy, other = grads(2)
+    members = gang(1, 2)
+    p.add_tasks([busy, other] + members)
+    p.task_ready(busy.key)
+    [first] = p.decide()
+    for m in members:
+        p.task_ready(m.key)
+    assert p.decide() == []            # a member's worker is busy: the gang waits
+    p.task_ready(other.key)
+    # Both trainers are kept for the gang: the free slots take no other grad.
+    assert p.decide() == []
+    kept = [s for s in steps(p, other.key) if s.verb == "kept"]
+    assert kept and kept[0].rule == "gang"
+    assert kept[0].reason == ("the worker is kept for gang 1, released once its members' "
+                              "workers are all free")
+    p.task_done(first.key, first.worker, 1.0)
+    out = p.decide()
+    assert sorted(d.key for d in out[:2]) == sorted(m.key for m in members)
+    assert {d.worker for d in out[:2]} == {"t0", "t1"}
+
+
+def test_no_rule_moves_a_member_an_idle_worker_of_another_pool_never_takes_one():
+    # RAT and TAG on, every worker idle: the trainers' gang is too wide for its pool
+    # (one trainer); neither the rollout worker nor anybody else runs a member.
+    p = policy_with(opts("digenrl"), rollout=2, trainer=1)
+    members = gang(2, 2) + gang(3, 3, kind=DENOISE)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    assert p.decide() == []
+    assert steps(p, members[0].key)[-1].reason == ("gang 2 needs 2 workers of its pool: 1 "
+                                                   "serve it")
+    assert steps(p, members[2].key)[-1].reason == ("gang 3 needs 3 workers of its pool: 2 "
+                                                   "serve it")
+    # One more rollout worker: the rollout gang goes, each member to its worker.
+    p.add_worker("r2", "rollout-2", ROLLOUT, 1)
+    out = p.decide()
+    assert sorted((d.key[2], d.worker) for d in out) == [(0, "r0"), (1, "r1"), (2, "r2")]
+
+
+def test_a_member_lost_mid_gang_takes_the_others_back_and_the_gang_runs_again_whole():
+    p = policy_with(opts("digenrl"), rollout=0, trainer=3)
+    members = gang(4, 3)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    assert len(p.decide()) == 3
+    p.task_done(members[0].key, "t0", 1.0)
+    p.task_lost(members[1].key)
+    # The finished member and the running one are taken back: the step runs again.
+    assert sorted(p.take_withdrawn()) == [members[0].key, members[2].key]
+    assert all(m.state is not RELEASED and m.state is not DONE for m in members)
+    lost = steps(p, members[2].key)[-1]
+    assert (lost.verb, lost.rule) == ("lost", "gang")
+    assert lost.reason == ("member 1 of gang 4 must run again: the gang's step fails, and "
+                           "runs again together")
+    for m in members[:2]:
+        p.task_ready(m.key)
+    assert p.decide() == []                              # two of three ready
+    p.task_ready(members[2].key)
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members)
+
+
+def test_a_member_worker_leaving_fails_the_step_at_once():
+    p = policy_with(opts("digenrl"), rollout=0, trainer=2)
+    members = gang(5, 2)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    p.decide()
+    assert p.remove_worker("t1") == [members[1].key]
+    assert p.take_withdrawn() == [members[0].key]
+    assert members[0].state is not RELEASED and not p.workers["t0"].inflight
+
+
+# ------------------------------------------------------------------ the property
+
+def _member_worker(p: SchedulingPolicy, m: TaskInfo) -> str:
+    return p.pool_workers(m.pool)[m.gang[1]].address
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rollout=st.integers(1, 3), trainer=st.integers(1, 3),
+       slots=st.integers(1, 2), tag=st.booleans(), rat=st.booleans(),
+       sizes=st.lists(st.tuples(st.sampled_from([ROLLOUT, TRAINER]), st.integers(1, 3)),
+                      min_size=1, max_size=3),
+       plain=st.integers(0, 4),
+       actions=st.lists(st.tuples(st.sampled_from(["ready", "ready all", "done", "lose",
+                                                   "recompute", "leave", "join"]),
+                                  st.integers(0, 50)), max_size=40))
+def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, sizes, plain,
+                                         actions):
+    """Random pools, gangs and plain work, tasks lost, recomputed and finished, workers
+    leaving and joining, TAG and RAT lending: after every event no gang is partly
+    released; each release puts every member on its own worker at once, never lent or
+    stolen; and once every task is ready and every worker there, all of them finish."""
+    p = policy_with(opts("digenrl", slots_per_worker=slots, tag=tag, rat=rat),
+                    rollout=rollout, trainer=trainer)
+    gangs = [gang(g, size, kind=GRAD if pool == TRAINER else DENOISE)
+             for g, (pool, size) in enumerate(sizes)]
+    members = [m for g in gangs for m in g]
+    others = grads(plain) + [info(("d", j), DENOISE, chunk=j, timestep=1) for j in range(plain)]
+    tasks = members + others
+    p.add_tasks(tasks)
+    names = {f"r{j}": (f"rollout-{j}", ROLLOUT) for j in range(rollout)}
+    names.update({f"t{j}": (f"trainer-{j}", TRAINER) for j in range(trainer)})
+    addresses = sorted(names)
+
+    def settle():
+        out = p.decide()
+        by_gang: dict[int, set] = {}
+        for d in out:
+            m = d.info
+            if m.gang is not None:
+                assert not (d.tag or d.rat or d.stolen)
+                assert d.worker == _member_worker(p, m)
+                by_gang.setdefault(m.gang[0], set()).add(m.gang[1])
+        for gid, released in by_gang.items():
+            assert released == set(range(len(gangs[gid])))      # every member at once
+        for key in p.take_withdrawn():
+            p.task_lost(key)                                     # as Dask reports it
+        for g in gangs:
+            states = [m.state for m in g]
+            if RELEASED in states:
+                assert all(s is RELEASED or s is DONE for s in states), states
+        return out
+
+    for action, n in actions:
+        t = tasks[n % len(tasks)]
+        running = [r for r in tasks if r.state is RELEASED]
+        finished = [r for r in tasks if r.state is DONE]
+        if action == "ready":
+            p.task_ready(t.key, {})
+        elif action == "ready all":
+            for r in tasks:
+                if r.state is not DONE:
+                    p.task_ready(r.key, {})
+        elif action == "done" and running:
+            r = running[n % len(running)]
+            p.task_done(r.key, r.where, 1.0)
+        elif action == "lose" and running:
+            p.task_lost(running[n % len(running)].key)
+        elif action == "recompute" and finished:
+            p.task_ready(finished[n % len(finished)].key, {})   # its result lost: again
+        elif action == "leave":
+            a = addresses[n % len(addresses)]
+            for key in p.remove_worker(a):
+                p.task_lost(key)
+        elif action == "join":
+            a = addresses[n % len(addresses)]
+            if a not in p.workers:
+                name, pool = names[a]
+                p.add_worker(a, name, pool, 1)
+        settle()
+    # Every worker back, every task ready: everything finishes (no gang waits forever).
+    for a in addresses:
+        if a not in p.workers:
+            name, pool = names[a]
+            p.add_worker(a, name, pool, 1)
+    for t in tasks:
+        if t.state is not DONE:
+            p.task_ready(t.key, {})
+    for _ in range(4 * len(tasks) + 4):
+        settle()
+        running = [t for t in tasks if t.state is RELEASED]
+        if not running:
+            break
+        for t in running:
+            p.task_done(t.key, t.where, 1.0)
+    fit = [m for g in gangs if len(p.pool_workers(g[0].pool)) >= len(g) for m in g]
+    assert [t.key for t in others + fit if t.state is not DONE] == []
+    assert not p.rule(Gang).reserved                     # nothing kept once all is done
