@@ -21,12 +21,12 @@ version they are. (Stores written before this layout kept one array per tensor i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 import zarr
 
-from digenrl.store import StoreError, write_all
+from digenrl.store import StoreError, subgroup, write_all
 
 __all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_checkpoints",
            "write_weights", "read_weights"]
@@ -34,9 +34,9 @@ __all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_
 _CHECKPOINT_CHUNK = 1 << 24
 
 
-def _checkpoint_group(path: str, mode: str = "r"):
+def _checkpoint_group(path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
     root = zarr.open_group(str(path), mode=mode, use_consolidated=False)
-    return root.require_group("checkpoints") if mode != "r" else root["checkpoints"]
+    return root.require_group("checkpoints") if mode != "r" else subgroup(root, "checkpoints")
 
 
 def _flatten(parts: dict[str, dict[str, np.ndarray]]) -> tuple[np.ndarray, dict]:
@@ -86,8 +86,8 @@ def _write_flat(grp: zarr.Group, name: str, flat: np.ndarray, attrs: dict) -> za
 
 def _unflatten(z: zarr.Array) -> dict[str, dict[str, np.ndarray]]:
     """The parts :func:`_flatten` made the array ``z`` of."""
-    flat = z[...]
-    attrs = z.attrs
+    flat = np.asarray(z[...])
+    attrs: Mapping[str, Any] = z.attrs
     parts = {}
     for row, part in enumerate(attrs["parts"]):
         offset, arrays = 0, {}
@@ -116,13 +116,20 @@ def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, 
     z.attrs["complete"] = True
 
 
+def _version(z: zarr.Array) -> int:
+    """The policy version whose state the checkpoint array ``z`` holds."""
+    attrs: Mapping[str, Any] = z.attrs
+    return int(attrs["version"])
+
+
 def read_checkpoint(path: str | Path, version: int) -> tuple[dict[str, dict[str, np.ndarray]], int]:
     grp = _checkpoint_group(str(path))
-    name = f"v{version}"
-    if name not in grp or not grp[name].attrs.get("complete"):
+    z = grp.get(f"v{version}")
+    if not isinstance(z, zarr.Array) or not z.attrs.get("complete"):
         raise StoreError(f"checkpoint: expected a complete checkpoint of policy version "
                          f"{version} in {str(path)!r}, found {complete_checkpoints(path)}")
-    return _unflatten(grp[name]), int(grp[name].attrs["step"])
+    attrs: Mapping[str, Any] = z.attrs
+    return _unflatten(z), int(attrs["step"])
 
 
 def write_weights(root: zarr.Group, version: int, tensors: dict[str, np.ndarray]) -> None:
@@ -146,12 +153,14 @@ def read_weights(path: str | Path) -> tuple[int | None, dict[str, np.ndarray]]:
     root = zarr.open_group(str(path), mode="r", use_consolidated=False)
     if "weights" not in root or root["weights"].attrs.get("policy_version") is None:
         return None, {}
-    grp = root["weights"]
-    version = int(grp.attrs["policy_version"])
+    grp = subgroup(root, "weights")
+    attrs: Mapping[str, Any] = grp.attrs
+    version = int(attrs["policy_version"])
     z = grp.get("params")
     if isinstance(z, zarr.Array) and "names" in z.attrs:
         return version, _unflatten(z)["params"]
-    return version, {name: arr[...] for name, arr in grp.arrays()}  # one array per tensor
+    return version, {name: np.asarray(arr[...])  # one array per tensor
+                     for name, arr in grp.arrays()}
 
 
 def complete_checkpoints(path: str | Path) -> list[int]:
@@ -159,12 +168,12 @@ def complete_checkpoints(path: str | Path) -> list[int]:
         grp = _checkpoint_group(str(path))
     except KeyError:
         return []
-    return sorted(int(a.attrs["version"]) for _, a in grp.arrays() if a.attrs.get("complete"))
+    return sorted(_version(a) for _, a in grp.arrays() if a.attrs.get("complete"))
 
 
 def drop_checkpoints(path: str | Path, drop: Callable[[int], bool]) -> None:
     """Delete the complete checkpoints whose version ``drop(version)`` says to."""
     grp = _checkpoint_group(str(path), "r+")
     for name, a in list(grp.arrays()):
-        if a.attrs.get("complete") and drop(int(a.attrs["version"])):
+        if a.attrs.get("complete") and drop(_version(a)):
             del grp[name]

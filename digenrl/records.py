@@ -2,18 +2,18 @@
 
 The scheduler plugin keeps a record per finished task (:mod:`digenrl.schedulers.telemetry`),
 the driver appends them to the store as columns (:func:`task_columns`), and the
-simulator records the columns it models (:data:`SIMULATED_COLUMNS`). Every column is
-named and typed here once.
+simulator records the columns it models (:class:`SimRecord`, whose fields are
+:data:`SIMULATED_COLUMNS`). Every column is named and typed here once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-__all__ = ["Column", "TASK_COLUMNS", "SIMULATED_COLUMNS", "task_columns"]
+__all__ = ["Column", "TASK_COLUMNS", "SimRecord", "SIMULATED_COLUMNS", "task_columns"]
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,31 @@ TASK_COLUMNS: dict[str, Column] = {
                              "them)"),
 }
 
-#: The columns the simulator records (it has no worker addresses apart from names, no
-#: clock offsets and no data sizes): a worker's name stands in its ``worker`` column.
-SIMULATED_COLUMNS = ("key", "kind", "worker", "pool", "iteration", "policy_version",
-                     "timestep", "chunk", "ready", "released", "start", "stop", "tag", "gpu",
-                     "rat", "decisions")
+class SimRecord(NamedTuple):
+    """One task as the simulator ran it: the columns it models (it has no worker
+    addresses apart from names, no clock offsets and no data sizes): a worker's name
+    stands in its ``worker`` column, and the key is the task's own, not its text."""
+
+    key: Hashable
+    kind: str
+    worker: str
+    pool: str
+    iteration: int
+    policy_version: int
+    timestep: int
+    chunk: int
+    ready: float
+    released: float
+    start: float
+    stop: float
+    tag: bool
+    gpu: bool
+    rat: bool
+    decisions: str
+
+
+#: The columns the simulator records: :class:`SimRecord`'s fields.
+SIMULATED_COLUMNS: tuple[str, ...] = SimRecord._fields
 
 
 def task_columns(records: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:

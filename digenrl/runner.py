@@ -53,7 +53,8 @@ Key = Hashable
 class FlowGRPOWorkload:
     """Post-training of the configured model with the configured algorithm."""
 
-    collected = (DECODE, REWARD, GROUP_REWARD, ADVANTAGE, STATS, EVAL, EVAL_REWARD)
+    collected: tuple[str, ...] = (DECODE, REWARD, GROUP_REWARD, ADVANTAGE, STATS, EVAL,
+                                  EVAL_REWARD)
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -99,9 +100,10 @@ class FlowGRPOWorkload:
         return self.ctx.binding(node)
 
     def attrs(self) -> dict[str, Any]:
-        attrs = {"config": config_to_dict(self.config), "derived": self.config.derived(),
-                 "workload": "flow-grpo", "algorithm": self.config.algorithm.name,
-                 "prompt_files": self._prompt_files()}
+        attrs: dict[str, Any] = {
+            "config": config_to_dict(self.config), "derived": self.config.derived(),
+            "workload": "flow-grpo", "algorithm": self.config.algorithm.name,
+            "prompt_files": self._prompt_files()}
         if self.sources:
             attrs[SOURCES_ATTRIBUTE] = [{"path": s.path, "sha256": s.sha256}
                                         for s in self.sources]
@@ -145,6 +147,7 @@ class FlowGRPOWorkload:
         self.checkpoint_spec = CheckpointSpec(os.path.abspath(store.path))
         cfg = self.config
         shape = self.layout.algorithm
+        assert shape is not None        # (the layout sets it when made)
         if shape.keeps_trajectory():
             store.set_static("steps", "sigma",
                              np.asarray(self.ctx.rollout.sigmas[:-1], np.float64), ("step",))
@@ -163,6 +166,7 @@ class FlowGRPOWorkload:
     def describe(self) -> list[str]:
         cfg, d = self.config, self.config.derived()
         shape = self.layout.algorithm
+        assert shape is not None        # (the layout sets it when made)
         if not shape.coupled:
             what = (f"{d['trained_steps']} per chunk, drawn noise levels; ODE sampling, "
                     f"{cfg.sampler.num_steps} steps")
@@ -188,7 +192,9 @@ class FlowGRPOWorkload:
         if self.sources:
             groups["samples"]["source"] = self._sources_of(
                 [plan.inputs[plan.group_of(s)] for s in range(plan.num_samples)])
-        if self.layout.algorithm.keeps_trajectory():
+        shape = self.layout.algorithm
+        assert shape is not None        # (the layout sets it when made)
+        if shape.keeps_trajectory():
             groups["steps"] = results.steps()
         metrics = results.metrics()
         evaluated = self._eval_rows(i, values)
@@ -204,10 +210,12 @@ class FlowGRPOWorkload:
     def _eval_rows(self, i: int, values: dict[Key, Any]) -> dict[str, np.ndarray] | None:
         """The ``eval`` rows of the evaluations stored with iteration ``i``: one per
         evaluated version and held-out prompt, by version then prompt."""
-        keys = sorted((k for k in values if kind_of(k) == EVAL), key=lambda k: (k[1], k[2]))
+        keys = sorted((k for k in values if isinstance(k, tuple) and kind_of(k) == EVAL),
+                      key=lambda k: (k[1], k[2]))
         if not keys:
             return None
         held_out = self.ctx.held_out
+        assert held_out is not None     # (evaluations run only with held-out prompts)
         version, index, reward, valid, images = [], [], [], [], []
         components: dict[str, list] = {name: [] for name in self.config.reward.components}
         for key in keys:

@@ -32,7 +32,8 @@ from zarr.core.sync import sync as zarr_sync
 __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_iterations",
            "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
            "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES",
-           "evaluation_means", "evaluation_reward_means", "reward_column", "reward_columns"]
+           "evaluation_means", "evaluation_reward_means", "reward_column", "reward_columns",
+           "subgroup"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
@@ -129,7 +130,7 @@ class RunStore:
         #: Every array of the groups, by (group, name), read once: this writer is the
         #: store's only one, so an array's metadata stays true (its resizes are its own).
         self._arrays: dict[tuple[str, str], zarr.Array] = {
-            (g, name): arr for g in GROUPS if g in root for name, arr in root[g].arrays()}
+            (g, name): arr for g in GROUPS if g in root for name, arr in subgroup(root, g).arrays()}
 
     # ------------------------------------------------------------------ create/open
 
@@ -162,7 +163,7 @@ class RunStore:
         for g in GROUPS:
             if g not in committed:
                 continue  # a group new to this version (created below)
-            grp = committed[g]
+            grp = subgroup(committed, g)
             for name, arr in grp.arrays():
                 shapes[(g, name)] = arr.shape
         root = zarr.open_group(str(p), mode="r+", zarr_format=3, use_consolidated=False)
@@ -180,7 +181,7 @@ class RunStore:
 
     @property
     def attrs(self) -> dict[str, Any]:
-        return dict(self.root.attrs["digenrl"])
+        return _run_attrs(self.root)
 
     def update_attrs(self, **values: Any) -> None:
         """Set run attributes, in place in the committed root metadata (one atomic
@@ -204,7 +205,7 @@ class RunStore:
 
     def set_static(self, group: str, name: str, values: np.ndarray, dims: tuple[str, ...]) -> None:
         """A variable written once (e.g. the sigma of each step)."""
-        grp = self.root[group]
+        grp = subgroup(self.root, group)
         if name in grp:
             return
         arr = grp.create_array(name, shape=values.shape, dtype=values.dtype,
@@ -460,7 +461,8 @@ def _rows(variables: Mapping[str, np.ndarray]) -> int:
 
 
 def _first_dim(arr: zarr.Array) -> str | None:
-    names = arr.metadata.dimension_names
+    meta = arr.metadata
+    names = meta.dimension_names if meta.zarr_format == 3 else None   # (v2: none)
     return names[0] if names else None
 
 
@@ -482,14 +484,29 @@ def _open_committed(path: str | Path) -> zarr.Group:
     return root
 
 
+def subgroup(root: zarr.Group, name: str) -> zarr.Group:
+    """The group ``name`` of ``root``."""
+    node = root[name]
+    if not isinstance(node, zarr.Group):
+        raise StoreError(f"store: expected {name!r} to be a group, got an array")
+    return node
+
+
+def _run_attrs(root: zarr.Group) -> dict[str, Any]:
+    """A copy of the run attributes of a store's root (a JSON object)."""
+    attrs: Mapping[str, Any] = root.attrs
+    return dict(attrs["digenrl"])
+
+
 def read_attrs(path: str | Path) -> dict[str, Any]:
     """The run attributes of a store (config, versions, cluster, ...), read-only."""
-    return dict(_open_committed(path).attrs["digenrl"])
+    return _run_attrs(_open_committed(path))
 
 
 def _committed_lengths(root: zarr.Group) -> tuple[int, int, int]:
-    evals = _length(root[EVAL_GROUP], "entry") if EVAL_GROUP in root else 0
-    return _length(root["metrics"], "iteration"), _length(root["tasks"], "task"), evals
+    evals = _length(subgroup(root, EVAL_GROUP), "entry") if EVAL_GROUP in root else 0
+    return (_length(subgroup(root, "metrics"), "iteration"),
+            _length(subgroup(root, "tasks"), "task"), evals)
 
 
 def committed_iterations(path: str | Path) -> int:

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import gc
 import heapq
-from collections import defaultdict, deque, namedtuple
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence, cast
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import optimize_key, publish_key
 from digenrl.graph.structure import GraphLayout, Node, init_nodes
-from digenrl.records import SIMULATED_COLUMNS
+from digenrl.records import SimRecord
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.policy.trail import trail_text
@@ -48,10 +48,6 @@ class SimWorker:
     speed: float = 1.0          # relative speed: durations are divided by it
 
 
-#: One task as it ran: the task-record columns the simulator models.
-SimRecord = namedtuple("SimRecord", SIMULATED_COLUMNS)
-
-
 @dataclass
 class SimResult:
     finished: list[_Task]   # the engine's tasks, in the order they finished
@@ -68,14 +64,17 @@ class SimResult:
     def records(self) -> list[SimRecord]:
         """Every task as it ran, in the order they finished (made on first use: a
         large run finishes millions of tasks and most callers need only :meth:`busy`)."""
-        return [SimRecord(
-            key=t.key, kind=t.kind, worker=t.holder, pool=t.on.pool, iteration=t.iteration,
-            policy_version=t.policy_version,
-            timestep=-1 if t.timestep is None else t.timestep,
-            chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at, released=t.released,
-            start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
-            rat=t.worker_rat, decisions=trail_text(t.trail))
-            for t in self.finished]
+        records = []
+        for t in self.finished:
+            assert t.holder is not None     # (set when it finished)
+            records.append(SimRecord(
+                key=t.key, kind=t.kind, worker=t.holder, pool=t.on.pool,
+                iteration=t.iteration, policy_version=t.policy_version,
+                timestep=-1 if t.timestep is None else t.timestep,
+                chunk=-1 if t.chunk is None else t.chunk, ready=t.ready_at,
+                released=t.released, start=t.start, stop=t.stop, tag=t.worker_tag, gpu=t.gpu,
+                rat=t.worker_rat, decisions=trail_text(t.trail)))
+        return records
 
     def busy(self, t0: float, t1: float) -> dict[str, float]:
         """GPU-seconds each worker computed within ``[t0, t1]``."""
@@ -139,6 +138,22 @@ class _Task(TaskInfo):
     __slots__ = ("deps", "dependents", "waiting", "holder", "nbytes", "fetch", "ready_at",
                  "released", "worker_tag", "worker_rat", "on", "start", "stop")
 
+    # (An empty tuple once no longer needed: a forgotten task's inputs, a finished
+    # task's dependents.)
+    deps: list[_Task] | tuple[()]
+    dependents: list[_Task] | tuple[()]
+    waiting: int                # inputs not yet computed
+    holder: str | None          # the worker holding its output (None: not finished)
+    nbytes: int                 # the output's size
+    fetch: float                # seconds to move the output to another worker
+    ready_at: float
+    released: float
+    worker_tag: bool
+    worker_rat: bool
+    on: _Worker                 # the worker it started on
+    start: float
+    stop: float
+
 
 class _Worker:
     """The engine's state of one worker."""
@@ -181,13 +196,13 @@ class Simulator:
         # Pending finishes by time: many tasks end at the same instant, so a heap of the
         # distinct times and a list per time (in the order the tasks started).
         self._times: list[float] = []
-        self._at: dict[float, list] = {}
+        self._at: dict[float, list[_Task]] = {}
         self.added = 0                           # tasks added over the whole run
         self._by_iteration: dict[int, list[_Task]] = defaultdict(list)
         # Tasks waiting for keys that were never added: key -> its waiting dependents.
         self._orphans: dict[Key, list[_Task]] = defaultdict(list)
         self.finished: list[_Task] = []
-        self._one_holder: dict[tuple, dict[str, int]] = {}   # see _ready
+        self._one_holder: dict[tuple[str | None, int], dict[str, int]] = {}   # see _ready
         for w in workers:
             self.policy.add_worker(w.name, w.name, w.pool, w.gpus, w.speed)
 
@@ -199,7 +214,7 @@ class Simulator:
     def tasks(self) -> dict[Key, _Task]:
         """The tasks added and not forgotten, by key: the policy's table, which holds
         the engine's own task objects."""
-        return self.policy.tasks
+        return cast("dict[Key, _Task]", self.policy.tasks)
 
     @property
     def workers(self) -> dict[str, SimWorker]:
@@ -216,9 +231,10 @@ class Simulator:
         entries, externals = batch
         orphans, by_iteration = self._orphans, self._by_iteration
         sizes = self._sizes
-        new = []
+        new: list[_Task] = []
         append = new.append
-        for _, t, _ in entries:
+        for _, info, _ in entries:
+            t = cast(_Task, info)   # (made by the factory _Task)
             t.dependents = []
             t.holder = None
             size = sizes.get((t.kind, t.samples))
@@ -233,23 +249,24 @@ class Simulator:
         self.added += len(new)
         self.policy.add_tasks(new)
         # Inputs from earlier batches (None: not added yet).
-        tasks = self.policy.tasks
+        tasks = self.tasks
         outside = [tasks.get(k) for k in externals]
         missing = any(d is None for d in outside)
         ready = []
         for t, (_, _, inputs) in zip(new, entries):
-            deps = [new[j] if j >= 0 else outside[~j] for j in inputs]
+            found = [new[j] if j >= 0 else outside[~j] for j in inputs]
             waiting = 0
             if missing:
                 for j in inputs:
                     if j < 0 and outside[~j] is None:
                         orphans[externals[~j]].append(t)
                         waiting += 1
-                deps = [d for d in deps if d is not None]
-            t.deps = deps
+                found = [d for d in found if d is not None]
+            t.deps = deps = cast("list[_Task]", found)   # (without the missing ones)
             for d in deps:
                 if d.holder is None:
-                    d.dependents.append(t)
+                    # (Lists until it finishes: a task waiting for d, or d, is unfinished.)
+                    cast("list[_Task]", d.dependents).append(t)
                     waiting += 1
             t.waiting = waiting
             if not waiting:
@@ -257,17 +274,20 @@ class Simulator:
             # A key added now that others were waiting for.
             if orphans and t.key in orphans:
                 for o in orphans.pop(t.key):
-                    o.deps.append(t)
-                    t.dependents.append(o)
+                    cast("list[_Task]", o.deps).append(t)
+                    cast("list[_Task]", t.dependents).append(o)
         for t in ready:
             self._ready(t)
 
     def _ready(self, t: _Task) -> None:
         """Every input of ``t`` exists: tell the policy where its bytes are."""
         t.ready_at = self.clock.now
-        holder, total, loc = None, 0, None
+        holder: str | None = None
+        total = 0
+        loc: dict[str, int] | None = None
         for d in t.deps:
             h = d.holder
+            assert h is not None        # (every input has finished)
             if loc is None:
                 if holder is None or h == holder:
                     holder = h
@@ -296,7 +316,7 @@ class Simulator:
         # charges no transfer for a reduction's inputs, so it has nothing to move.)
         self.policy.take_copies()
         for d in self.policy.decide():
-            t = d.info          # (the engine's task: the policy holds the same objects)
+            t = cast(_Task, d.info)  # (the engine's task: the policy holds the same objects)
             w = workers[d.worker]
             t.released = now
             t.worker_tag = d.tag

@@ -58,7 +58,7 @@ def measured_profile(tasks, metrics, attrs: Mapping[str, Any], name: str) -> dic
     size = max(d for d in range(1, images + 1)
                if images % d == 0 and d <= max(1, round(float(np.mean(chunk)))))
     latent = mean(nbytes, DENOISE) / max(float(np.mean(chunk)), 1.0)
-    profile = {
+    profile: dict[str, Any] = {
         "name": name,
         "description": f"measured from run {attrs.get('run')} ({len(chunk)} complete "
                        f"iterations, mode {attrs['schedule']['mode']})",

@@ -142,7 +142,8 @@ class FatTree:
     def load_seconds(self, flows: Sequence[tuple[int, int, int, int, float]]) -> float:
         """Time for concurrent flows ``(src node, src rail, dst node, dst rail, bytes)``:
         the most loaded NIC direction or leaf up/down-link over its capacity."""
-        nic, leaf = _nic_loads(flows), defaultdict(float)
+        nic = _nic_loads(flows)
+        leaf: defaultdict[tuple[str, int], float] = defaultdict(float)
         for sn, _, dn, _, b in flows:
             if self.leaf(sn) != self.leaf(dn):
                 leaf[("up", self.leaf(sn))] += b

@@ -37,7 +37,7 @@ def node_batch(nodes: Sequence[Node], factory: type[TaskInfo] = TaskInfo) -> Bat
     index = {n.key: j for j, n in enumerate(nodes)}
     externals: dict[Key, int] = {}
     from_meta = factory.from_meta
-    entries = []
+    entries: list[Entry] = []
     for n in nodes:
         inputs = []
         for d in n.deps:
