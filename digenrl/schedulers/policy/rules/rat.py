@@ -170,6 +170,7 @@ class Rat(Rule):
         top = self.queues.training.peek()
         if top is None or top.info.kind != GRAD:
             return None
+        assert self.ref_grad is not None    # (theirs is a number: a grad was measured)
         mine = (policy.transfer_seconds(w, top.info)
                 + (len(w.inflight) + 1) * self.ref_grad / w.speed)
         if mine > theirs:

@@ -84,7 +84,9 @@ class Rebalance(Rule):
         samples). None before any measurement."""
         policy = self.policy
         info = self.tasks.get(key)
-        w = self.workers.get(info.where) if info is not None and info.where else None
+        if info is None:
+            return None
+        w = self.workers.get(info.where) if info.where else None
         step = self.step_time(w) if w is not None and info.gpu else None
         if step is None:
             return None
