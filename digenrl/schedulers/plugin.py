@@ -308,7 +308,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         for key, address in self.policy.take_copies():
             ts, ws = s.tasks.get(key), s.workers.get(address)
             if ts is not None and ts.state == "memory" and ws is not None \
-                    and ws not in ts.who_has:
+                    and ws not in (ts.who_has or ()):
                 s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
 
