@@ -87,9 +87,9 @@ def final(result):
 
 def test_stale_chunks_give_the_same_bits_on_any_worker_count(cluster_1x1, cluster_2x2,
                                                               shared_runs):
-    """digenrl mode with one-version-stale groups: DiffusionNFT's micro-steps read the
-    trained weights of their version and the sampling copy of an older one, wherever they
-    run."""
+    """digenrl mode with one-version-stale groups: DiffusionNFT's micro-steps of chunks an
+    older version sampled read the trained weights and the sampling copy of their own
+    version, wherever they run."""
     cfg = small_config(**{"algorithm.name": "diffusion_nft", "iterations": 3,
                           "schedule.stale_groups": 1})
     a, b = shared_runs(cluster_1x1, cfg), shared_runs(cluster_2x2, cfg)

@@ -78,10 +78,11 @@ class Algorithm:
     dynamics_choices: ClassVar[tuple[str, ...]]
     #: A policy version keeps a sampling copy apart from the trained weights (a slowly
     #: moving average of them): the rollouts sample with the copy, a micro-step reads
-    #: both (DiffusionNFT).
+    #: the trained weights and the copy of the version it trains, whichever version
+    #: sampled its chunk (DiffusionNFT's ``v_old``, the anchor of its implicit policies).
     sampling_copy: ClassVar[bool] = False
-    #: A micro-step runs the policy that sampled the chunk too (DiffusionNFT's old
-    #: velocity; AWM's behaviour log-probability of stale samples).
+    #: A micro-step of a stale chunk runs the policy that sampled the chunk too (AWM's
+    #: behaviour log-probability).
     reads_sampler: ClassVar[bool] = False
     #: A micro-step trains pairs of samples of one prompt group (online DPO), so it
     #: reads every chunk of the group.

@@ -2,9 +2,9 @@
 
 ODE sampling with the policy's sampling copy (a slowly moving average of the trained
 weights); each micro-step noises the clean samples at noise levels drawn per sample and
-trains the implicit positive and negative policies built from the sampling copy's and
-the current velocity with ``algorithm.nft_beta``, weighted by each sample's optimality
-probability. The math: :mod:`digenrl.tasks.algorithms.diffusion_nft`.
+trains the implicit positive and negative policies built from the velocity of the copy
+of the version it trains (whichever version sampled the chunk) and the current one with
+``algorithm.nft_beta``, weighted by each sample's optimality probability. The math: :mod:`digenrl.tasks.algorithms.diffusion_nft`.
 """
 
 from __future__ import annotations
@@ -23,4 +23,3 @@ class DiffusionNFT(Algorithm):
     coupled = False
     dynamics_choices = (ODE,)
     sampling_copy = True
-    reads_sampler = True

@@ -495,15 +495,18 @@ def _decoupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
                      leaves: list[Key]) -> None:
     """A decoupled algorithm's micro-steps: draw ``j`` of a unit (a chunk, or a pairwise
     algorithm's first chunk of its groups) reads the final latents of the chunks it
-    trains and their groups' advantages; with ``reads_sampler`` also the weights that
-    sampled them, where they are not the trained weights."""
+    trains and their groups' advantages; with a sampling copy also the copy of the
+    version it trains (the anchor of its loss, whichever version sampled the chunk);
+    with ``reads_sampler`` the weights that sampled the chunk, where they are older."""
     i = plan.iteration
     alg = layout.algorithm
     final = layout.num_steps - 1
     for c, reads, groups in layout.units(plan):
         bv = min(versions[k] for k in reads)
         sampling = None
-        if alg.reads_sampler and (alg.sampling_copy or bv != i):
+        if alg.sampling_copy:
+            sampling = Dep(publish_key(i))
+        elif alg.reads_sampler and bv != i:
             sampling = Dep(publish_key(bv))
         prompts = tuple(p for k in reads for p in plan.chunk_prompts(k))
         latents = tuple(Dep(denoise_key(i, k, final)) for k in reads)

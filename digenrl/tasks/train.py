@@ -184,8 +184,9 @@ def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeigh
                   j: int, *inputs: StepOut | AdvantageOut) -> GradOut:
     """Micro-step ``j`` of a decoupled algorithm on the final latents of the chunks in
     ``inputs`` (their ``StepOut``), with their groups' advantages (the ``AdvantageOut``
-    in ``inputs``). ``weights``: the trained weights; ``sampling``: the weights the chunks
-    were sampled with, where the algorithm reads them and they are other weights;
+    in ``inputs``). ``weights``: the trained weights; ``sampling``: the other weights the
+    algorithm reads (DiffusionNFT: the sampling copy of the trained version, its loss's
+    anchor; AWM: the weights that sampled a stale chunk), or None;
     ``reference``: version 0's, where the micro-step reads a frozen reference (None with
     LoRA: the base model)."""
     finals = [p for p in inputs if isinstance(p, StepOut)]

@@ -109,8 +109,9 @@ class Policies:
         return predict_velocity(self.model_cfg, self._current, x, sigma, cond, self.guidance)
 
     def sampler(self, x: torch.Tensor, sigma, cond: Conditioning) -> torch.Tensor | None:
-        """The sampling policy's velocity; None when the samples came from the trained
-        weights themselves (on-policy, without a sampling copy)."""
+        """The velocity of the other weights the micro-step reads (DiffusionNFT: the
+        sampling copy of the trained version; AWM: the weights that sampled a stale
+        chunk); None where it reads none (AWM on-policy)."""
         if self._sampler is None:
             return None
         with torch.no_grad():

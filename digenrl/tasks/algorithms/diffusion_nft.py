@@ -5,7 +5,9 @@ For each sample, at the noise level and noise drawn for it, ``x_sigma`` and the 
 ``x0``: the optimality probability ``r = 1/2 + 1/2 clip(A / A_max, -1, 1)`` of its
 advantage (``A_max = train.advantage_clip``); the implicit positive and negative
 policies ``v+ = (1 - beta) v_old + beta v`` and ``v- = (1 + beta) v_old - beta v`` from the
-sampling policy's velocity ``v_old`` (no gradient) and the current one ``v``; and the
+velocity ``v_old`` (no gradient) of the sampling copy of the version trained (whichever
+version sampled the chunk: the anchor the implicit policies are built around) and the
+current one ``v``; and the
 loss ``(r ||x0+ - x0||^2 / d+ + (1 - r) ||x0- - x0||^2 / d-) / beta`` on their clean-sample
 predictions ``x0+- = x_sigma - sigma v+-``, each mean squared error divided by its own mean
 absolute error ``d+-`` held constant (clipped at 1e-5: the self-normalised weighting of the
