@@ -102,10 +102,10 @@ def test_a_decoupled_graph_holds_no_trajectory():
 
 def test_a_sampling_copy_publishes_the_copy_and_trains_the_weights():
     """DiffusionNFT: the rollouts sample with the published copy; a micro-step reads the
-    trained weights (the ``trained`` task of the state) and the copy of the version it
-    trains, also for a chunk an older version sampled (the anchor of its loss); AWM reads
-    the weights that sampled a stale chunk (its behaviour policy) and only the trained
-    ones on-policy."""
+    trained weights (the ``trained`` task of the state) and the copy that sampled its
+    chunk, and for a chunk an older version sampled the copy of the version it trains
+    too (the anchor of its loss); AWM reads the weights that sampled a stale chunk (its
+    behaviour policy) and only the trained ones on-policy."""
     nft = DiffusionNFT(num_steps=4, trained_steps=2)
     nodes = nodes_of(nft)
     g = nodes[("grad", 5, 0, 1)]
@@ -114,7 +114,8 @@ def test_a_sampling_copy_publishes_the_copy_and_trains_the_weights():
     assert nodes[("denoise", 5, 0, 0)].deps[0] == publish_key(5)
     stale = nodes_of(nft, version_lag=1)
     assert stale[("denoise", 5, 0, 0)].deps[0] == publish_key(4)   # sampled by version 4
-    assert stale[("grad", 5, 0, 1)].deps[:2] == [trained_key(5), publish_key(5)]
+    assert stale[("grad", 5, 0, 1)].deps[:3] == [trained_key(5), publish_key(4),
+                                                 publish_key(5)]
     assert stale[("grad", 5, 0, 1)].meta["behaviour_version"] == 4
     awm = AWM(num_steps=4, trained_steps=2)
     g = nodes_of(awm)[("grad", 5, 0, 1)]
