@@ -1282,10 +1282,12 @@ def algorithm_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
     alg = ALGORITHMS.get(name) if isinstance(name, str) else None
     out = {}
     for dotted, value in (alg.defaults if alg is not None else {}).items():
+        *sections, name = dotted.split(".")
         node: Any = data
-        for part in dotted.split("."):
+        for part in sections:
             node = node.get(part) if isinstance(node, Mapping) else None
-        if node is None:
+        # A section that is not a mapping is left for validation to name.
+        if node is None or (isinstance(node, Mapping) and node.get(name) is None):
             out[dotted] = value
     return out
 
