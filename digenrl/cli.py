@@ -310,6 +310,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool) -> int:
     """``digenrl run --check``: everything a run checks before starting a cluster."""
+    from digenrl.algorithms import ALGORITHMS
     from digenrl.config import config_to_dict
     from digenrl.driver import check_store, resume_point
     from digenrl.runner import FlowGRPOWorkload
@@ -321,6 +322,10 @@ def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool
         if resume:
             computed_from = resume_point(workload, out, start)
     sys.stdout.write(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    alg = ALGORITHMS[config.algorithm.name]
+    logger.info("%s's defaults (a config that leaves them unset gets these): %s", alg.name,
+                ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in alg.defaults.items()))
     for line in workload.describe():
         logger.info(line)
     again = (f", computing iterations {computed_from} to {start - 1} again from their "

@@ -733,7 +733,7 @@ class TrainConfig:
     """Flow-GRPO loss and the AdamW step that publishes each policy version."""
 
     learning_rate: float = 1.5e-3
-    """AdamW learning rate."""
+    """AdamW learning rate. Unset in a config: its algorithm's default (docs/algorithm.md, "Each algorithm's defaults"; digenrl run --check prints the values a run gets)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
@@ -1256,8 +1256,33 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+def algorithm_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of the algorithm ``data`` names (``algorithm.name``, else the default
+    algorithm) that ``data`` leaves unset, as dotted fields and the algorithm's values
+    (``Algorithm.defaults``). An unknown name has none (validation names it)."""
+    section = data.get("algorithm") if isinstance(data, Mapping) else None
+    name = (section or {}).get("name", DEFAULT_ALGORITHM) \
+        if isinstance(section, Mapping) or section is None else None
+    alg = ALGORITHMS.get(name) if isinstance(name, str) else None
+    out = {}
+    for dotted, value in (alg.defaults if alg is not None else {}).items():
+        *sections, name = dotted.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        # A section that is not a mapping is left for validation to name.
+        if node is None or (isinstance(node, Mapping) and node.get(name) is None):
+            out[dotted] = value
+    return out
+
+
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
-    """Build and validate a :class:`RunConfig` from nested plain data."""
+    """Build and validate a :class:`RunConfig` from nested plain data, each setting it
+    leaves unset that its algorithm has a default for taking that default
+    (:func:`algorithm_defaults`)."""
+    unset = algorithm_defaults(data)
+    if unset:
+        data = apply_overrides(dict(data), unset)
     return _build(RunConfig, data, "")
 
 

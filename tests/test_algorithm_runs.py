@@ -1,5 +1,6 @@
 """Whole runs of each algorithm on real local Dask clusters: each learns the default
-reward in one mode and gives the same bits in the others and with other worker counts;
+reward at its defaults in digenrl mode and gives the same bits in the others and with
+other worker counts;
 an SDE window with CPS records and trains only its SDE steps; decoupled runs keep no
 trajectory."""
 
@@ -7,26 +8,31 @@ import numpy as np
 import pytest
 import torch
 
-from digenrl.config import RunConfig
+from digenrl.config import RunConfig, load_config
+from digenrl.learning import learning
 
 from conftest import DETERMINISTIC_METRICS, small_config
 
-#: The decoupled algorithms and a learning rate at which six iterations of
-#: :func:`learning_config` clearly raise the reward.
-LEARNING_RATES = {"diffusion_nft": 1e-2, "awm": 1e-2, "dpo": 3e-2}
+#: Each algorithm's learning run: a seed and prompt set of its own, and its iterations:
+#: Flow-GRPO's default rate is the one steady over the 40 iterations of the default run
+#: (docs/algorithm.md, "Each algorithm's defaults") and DiffusionNFT in digenrl mode
+#: gains little in its first five or so iterations, so they show their gains over 16;
+#: AWM and DPO over 10.
+LEARNING_RUNS = {"flow_grpo": (21, "simple_animals", 16),
+                 "diffusion_nft": (22, "animal_photos", 16),
+                 "awm": (23, "simple_animals", 10), "dpo": (24, "animal_photos", 10)}
+DECOUPLED = ("diffusion_nft", "awm", "dpo")
+TINY = "workflows/configs/tiny.yaml"
 
 
 def learning_config(name: str, **overrides) -> RunConfig:
-    """The small model at 64 x 64 pixels (its JPEG sizes vary enough to learn from), four
-    prompts of four images, six iterations, on-policy (``max_staleness`` 0: the
-    DiffusionNFT loss anchors its implicit policies at the sampling copy of the chunk's
-    version, so one-version-stale chunks pull the weights back towards the older copy and
-    learn more slowly than six iterations show)."""
-    return small_config(**{"algorithm.name": name, "iterations": 6,
-                           "model.image_size": 64, "data.prompts_per_iteration": 4,
-                           "data.samples_per_prompt": 4, "rollout.chunk_size": 4,
-                           "schedule.max_staleness": 0,
-                           "train.learning_rate": LEARNING_RATES[name], **overrides})
+    """The embedded default (``workflows/configs/tiny.yaml``: digenrl mode, one-version
+    bounded staleness) with the algorithm at its defaults, its seed, prompt set and
+    iterations."""
+    seed, prompt_set, iterations = LEARNING_RUNS[name]
+    return load_config(TINY, {"algorithm.name": name, "seed": seed,
+                              "data.prompt_set": prompt_set, "iterations": iterations,
+                              "cluster.dashboard_address": None, **overrides})
 
 
 def assert_same_iterations(ds, ref, iterations: int) -> None:
@@ -52,32 +58,31 @@ def assert_no_trajectory(ds) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", LEARNING_RATES)
-def test_each_decoupled_algorithm_learns_the_reward(name, cluster_1x1, shared_runs):
-    """The bar of test_end_to_end's learning test: the mean reward of the last three
-    iterations beats the first three's by more than 0.1 and five standard errors."""
+@pytest.mark.parametrize("name", LEARNING_RUNS)
+def test_each_algorithm_learns_the_reward_at_its_defaults(name, cluster_1x1, shared_runs):
+    """The bar of the learning matrix (workflows/learning_matrix.py): the mean reward of
+    the last four iterations beats the first four's by more than three standard errors,
+    and no late iteration's spread fell below a third of the first's."""
     ds = shared_runs(cluster_1x1, learning_config(name)).ds
-    r = ds["samples"].reward.values  # (iteration, sample)
-    first, last = r[:3].ravel(), r[-3:].ravel()
-    gain = last.mean() - first.mean()
-    stderr = np.sqrt(first.var() / first.size + last.var() / last.size)
-    assert gain > 0.1 and gain > 5 * stderr, (name, gain, stderr)
-    assert_no_trajectory(ds)
+    got = learning(ds["samples"].reward.values)
+    assert got.learns, (name, got.describe())
+    if name in DECOUPLED:
+        assert_no_trajectory(ds)
     assert ds["metrics"].attrs["digenrl"]["algorithm"] == name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", LEARNING_RATES)
+@pytest.mark.parametrize("name", DECOUPLED)
 def test_a_learning_run_is_the_same_bits_colocated_on_two_plus_two(name, cluster_1x1,
                                                                     cluster_2x2,
                                                                     shared_runs):
     """What learned in digenrl mode on 1 + 1 workers is what colocated mode computes on
-    2 + 2: its first two iterations, bit for bit (the second's samples are drawn with
-    version 1, so they repeat its weights too)."""
+    2 + 2: its first iteration, bit for bit (samples, advantages, the training's
+    deterministic metrics; later iterations of digenrl mode sample with older versions)."""
     learned = shared_runs(cluster_1x1, learning_config(name)).ds
     short = shared_runs(cluster_2x2, learning_config(name, **{
-        "iterations": 2, "schedule.mode": "colocated", "schedule.max_staleness": None})).ds
-    assert_same_iterations(short, learned, 2)
+        "iterations": 1, "schedule.mode": "colocated"})).ds
+    assert_same_iterations(short, learned, 1)
     assert_no_trajectory(short)
 
 
@@ -87,9 +92,9 @@ def final(result):
 
 def test_stale_chunks_give_the_same_bits_on_any_worker_count(cluster_1x1, cluster_2x2,
                                                               shared_runs):
-    """digenrl mode with one-version-stale groups: DiffusionNFT's micro-steps read the
-    trained weights of their version and the sampling copy of an older one, wherever they
-    run."""
+    """digenrl mode with one-version-stale groups: DiffusionNFT's micro-steps of chunks an
+    older version sampled read the trained weights and the sampling copy of their own
+    version, wherever they run."""
     cfg = small_config(**{"algorithm.name": "diffusion_nft", "iterations": 3,
                           "schedule.stale_groups": 1})
     a, b = shared_runs(cluster_1x1, cfg), shared_runs(cluster_2x2, cfg)

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from digenrl.algorithms import ALGORITHMS
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config
 from digenrl.resolve import check_world
 
@@ -12,6 +13,19 @@ TINY = Path(__file__).parent.parent / "workflows" / "configs" / "tiny.yaml"
 
 def test_tiny_yaml_is_the_built_in_default():
     assert load_config(TINY) == RunConfig()
+
+
+def test_each_algorithm_fills_the_settings_a_config_leaves_unset():
+    """Its ``defaults``, where the config sets nothing; a value the config sets stays."""
+    for name, alg in ALGORITHMS.items():
+        cfg = load_config(TINY, {"algorithm.name": name})
+        for dotted, value in alg.defaults.items():
+            section, field = dotted.split(".")
+            assert getattr(getattr(cfg, section), field) == value, (name, dotted)
+        assert config_from_dict(config_to_dict(cfg)) == cfg
+    cfg = load_config(TINY, {"algorithm.name": "dpo", "train.learning_rate": 0.5})
+    assert cfg.train.learning_rate == 0.5 and cfg.algorithm.dpo_beta == 100.0
+    assert ALGORITHMS["dpo"].defaults["train.learning_rate"] != 0.5
 
 
 def test_round_trip_through_plain_data():

@@ -23,3 +23,4 @@ class AWM(Algorithm):
     coupled = False
     dynamics_choices = (ODE,)
     reads_sampler = True
+    defaults = {"train.learning_rate": 5e-3}

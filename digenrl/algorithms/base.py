@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar, Hashable
+from typing import Any, ClassVar, Hashable, Mapping
 
 from digenrl.seeding import SDE_WINDOW_DRAW, stable_seed
 
@@ -78,10 +78,11 @@ class Algorithm:
     dynamics_choices: ClassVar[tuple[str, ...]]
     #: A policy version keeps a sampling copy apart from the trained weights (a slowly
     #: moving average of them): the rollouts sample with the copy, a micro-step reads
-    #: both (DiffusionNFT).
+    #: the trained weights and the copy that sampled its chunk and, where that is an
+    #: older version's, the copy of the version it trains too (DiffusionNFT).
     sampling_copy: ClassVar[bool] = False
-    #: A micro-step runs the policy that sampled the chunk too (DiffusionNFT's old
-    #: velocity; AWM's behaviour log-probability of stale samples).
+    #: A micro-step of a stale chunk runs the policy that sampled the chunk too (AWM's
+    #: behaviour log-probability).
     reads_sampler: ClassVar[bool] = False
     #: A micro-step trains pairs of samples of one prompt group (online DPO), so it
     #: reads every chunk of the group.
@@ -89,6 +90,11 @@ class Algorithm:
     #: A micro-step always reads the frozen reference policy (online DPO), not only for
     #: a KL term.
     reference: ClassVar[bool] = False
+    #: The settings a user starts from (measured on the embedded default model:
+    #: docs/algorithm.md, "Each algorithm's defaults"), as dotted config fields and
+    #: values: a config read from data (YAML, flags, ``config_from_dict``) that leaves a
+    #: field unset gets the value of its algorithm.
+    defaults: ClassVar[Mapping[str, Any]] = {}
 
     num_steps: int
     """The sampler's steps."""

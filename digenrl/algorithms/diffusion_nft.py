@@ -2,8 +2,9 @@
 
 ODE sampling with the policy's sampling copy (a slowly moving average of the trained
 weights); each micro-step noises the clean samples at noise levels drawn per sample and
-trains the implicit positive and negative policies built from the sampling copy's and
-the current velocity with ``algorithm.nft_beta``, weighted by each sample's optimality
+trains the implicit positive and negative policies, centred on the velocity of the copy
+that sampled the chunk and apart by ``algorithm.nft_beta`` times the current velocity's
+offset from the copy of the version trained, weighted by each sample's optimality
 probability. The math: :mod:`digenrl.tasks.algorithms.diffusion_nft`.
 """
 
@@ -23,4 +24,5 @@ class DiffusionNFT(Algorithm):
     coupled = False
     dynamics_choices = (ODE,)
     sampling_copy = True
-    reads_sampler = True
+    defaults = {"train.learning_rate": 3e-3, "algorithm.nft_beta": 1.0,
+                "algorithm.ema_ramp": 0.001, "algorithm.ema_max": 0.5}

@@ -25,3 +25,4 @@ class OnlineDPO(Algorithm):
     dynamics_choices = (ODE,)
     pairwise = True
     reference = True
+    defaults = {"train.learning_rate": 1e-2, "algorithm.dpo_beta": 100.0}

@@ -25,3 +25,4 @@ class FlowGRPO(Algorithm):
     paper = "2505.05470"
     coupled = True
     dynamics_choices = (FLOW, DANCE, CPS)
+    defaults = {"train.learning_rate": 1.5e-3}

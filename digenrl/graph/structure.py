@@ -502,17 +502,20 @@ def _decoupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
                      leaves: list[Key]) -> None:
     """A decoupled algorithm's micro-steps: draw ``j`` of a unit (a chunk, or a pairwise
     algorithm's first chunk of its groups) reads the final latents of the chunks it
-    trains and their groups' advantages; with ``reads_sampler`` also the weights that
-    sampled them, where they are not the trained weights."""
+    trains and their groups' advantages; with a sampling copy also the copy that sampled
+    them and, where that is an older version's, the copy of the version it trains (its
+    loss's anchor); with ``reads_sampler`` the weights that sampled them, where older."""
     i = plan.iteration
     alg = layout.algorithm
     assert alg is not None  # (set when the layout is made)
     final = layout.num_steps - 1
     for c, reads, groups in layout.units(plan):
         bv = min(versions[k] for k in reads)
-        sampling = None
-        if alg.reads_sampler and (alg.sampling_copy or bv != i):
+        sampling = anchor = None
+        if alg.sampling_copy or (alg.reads_sampler and bv != i):
             sampling = Dep(publish_key(bv))
+        if alg.sampling_copy and bv != i:
+            anchor = Dep(publish_key(i))
         prompts = tuple(p for k in reads for p in plan.chunk_prompts(k))
         latents = tuple(Dep(denoise_key(i, k, final)) for k in reads)
         advantages = tuple(Dep(advantage_key(i, g)) for g in groups)
@@ -523,8 +526,8 @@ def _decoupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
             leaves.append(key)
             meta = task_meta(GRAD, i, i, timestep=j, chunk=c, group=groups[0],
                              behaviour_version=bv, samples=samples)
-            out.append(Node(key, GRAD, meta, (Dep(weights), sampling, reference, prompts,
-                                              i, j, *latents, *advantages)))
+            out.append(Node(key, GRAD, meta, (Dep(weights), sampling, anchor, reference,
+                                              prompts, i, j, *latents, *advantages)))
 
 
 def _summed_in_order(key: Key, parts: list[Key], meta: dict) -> list[Node]:

@@ -151,11 +151,13 @@ def _chunk_advantages(sample_ids, parts: tuple[AdvantageOut, ...]):
 
 
 def _policies(spec: TrainSpec, models, model: torch.nn.Module,
-              sampling: PolicyWeights | None, reference: PolicyWeights | None) -> Policies:
+              sampling: PolicyWeights | None, reference: PolicyWeights | None,
+              anchor: PolicyWeights | None = None) -> Policies:
     return Policies(spec.model, spec.sampler.guidance_scale, model,
                     models.policy(sampling) if sampling is not None else None,
                     models.policy(reference) if reference is not None else None,
-                    spec.trainable.lora)
+                    spec.trainable.lora,
+                    models.policy(anchor) if anchor is not None else None)
 
 
 def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | None,
@@ -181,12 +183,15 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
 
 
 def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeights | None,
-                  reference: PolicyWeights | None, prompts: tuple[str, ...], iteration: int,
-                  j: int, *inputs: StepOut | AdvantageOut) -> GradOut:
+                  anchor: PolicyWeights | None, reference: PolicyWeights | None,
+                  prompts: tuple[str, ...], iteration: int, j: int,
+                  *inputs: StepOut | AdvantageOut) -> GradOut:
     """Micro-step ``j`` of a decoupled algorithm on the final latents of the chunks in
     ``inputs`` (their ``StepOut``), with their groups' advantages (the ``AdvantageOut``
     in ``inputs``). ``weights``: the trained weights; ``sampling``: the weights the chunks
     were sampled with, where the algorithm reads them and they are other weights;
+    ``anchor``: DiffusionNFT's sampling copy of the trained version, where an older copy
+    sampled the chunks (None otherwise);
     ``reference``: version 0's, where the micro-step reads a frozen reference (None with
     LoRA: the base model)."""
     finals = [p for p in inputs if isinstance(p, StepOut)]
@@ -195,7 +200,7 @@ def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeigh
     dev = models.device
     model = models.policy(weights)
     batch = _Batch.of(prompts, finals, parts, dev)
-    policies = _policies(spec, models, model, sampling, reference)
+    policies = _policies(spec, models, model, sampling, reference, anchor)
     result = math_of(spec.algorithm).micro_step(spec, policies, batch, iteration, j)
     behaviour = min(f.version for f in finals)
     return _grad_out(spec, model, result, weights.version - behaviour)

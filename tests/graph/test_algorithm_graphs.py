@@ -102,15 +102,26 @@ def test_a_decoupled_graph_holds_no_trajectory():
 
 def test_a_sampling_copy_publishes_the_copy_and_trains_the_weights():
     """DiffusionNFT: the rollouts sample with the published copy; a micro-step reads the
-    trained weights (the ``trained`` task of the state) and the copy that sampled it."""
-    nodes = nodes_of(DiffusionNFT(num_steps=4, trained_steps=2))
+    trained weights (the ``trained`` task of the state) and the copy that sampled its
+    chunk, and for a chunk an older version sampled the copy of the version it trains
+    too (the anchor of its loss); AWM reads the weights that sampled a stale chunk (its
+    behaviour policy) and only the trained ones on-policy."""
+    nft = DiffusionNFT(num_steps=4, trained_steps=2)
+    nodes = nodes_of(nft)
     g = nodes[("grad", 5, 0, 1)]
     assert g.deps[:2] == [trained_key(5), publish_key(5)]
     assert nodes[trained_key(5)].deps == [("optimize", 4)]
     assert nodes[("denoise", 5, 0, 0)].deps[0] == publish_key(5)
-    # AWM on-policy reads only the trained weights (its behaviour is the same policy).
-    g = nodes_of(AWM(num_steps=4, trained_steps=2))[("grad", 5, 0, 1)]
+    stale = nodes_of(nft, version_lag=1)
+    assert stale[("denoise", 5, 0, 0)].deps[0] == publish_key(4)   # sampled by version 4
+    assert stale[("grad", 5, 0, 1)].deps[:3] == [trained_key(5), publish_key(4),
+                                                 publish_key(5)]
+    assert stale[("grad", 5, 0, 1)].meta["behaviour_version"] == 4
+    awm = AWM(num_steps=4, trained_steps=2)
+    g = nodes_of(awm)[("grad", 5, 0, 1)]
     assert g.deps[0] == publish_key(5) and publish_key(5) not in g.deps[1:2]
+    assert nodes_of(awm, version_lag=1)[("grad", 5, 0, 1)].deps[:2] == [publish_key(5),
+                                                                       publish_key(4)]
 
 
 def test_every_registered_algorithm_builds_a_graph_without_torch_names():

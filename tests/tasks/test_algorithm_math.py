@@ -166,6 +166,40 @@ def test_nft_gradient_points_positive_samples_at_the_target_and_away_otherwise()
     np.testing.assert_allclose(g[2], 0.0, atol=1e-8)
 
 
+def test_a_stale_chunks_implicit_policies_centre_on_its_copy_and_offset_from_the_trainers():
+    """A chunk an older copy sampled (velocity v_old): v+- = v_old +- b (v - v_anchor),
+    v_anchor the copy of the version trained. At v = v_anchor the gradient is (2r - 1)
+    times the flow-matching gradient at v_old (a sample with r = 1/2 is not moved), where
+    centring on the older copy alone (v+- around v_old) pulls every sample back to it."""
+    x0, noise, v_old, v_anchor = tensors(4, seed=7)
+    sigma = torch.tensor([0.3, 0.6, 0.8], dtype=torch.float64)
+    x_t = noised(x0, Draws(sigma, noise))
+    r = torch.tensor([1.0, 0.0, 0.5])
+    beta = 0.7
+    v = v_anchor.clone().requires_grad_(True)
+    got = nft_loss(x_t, sigma, x0, v, v_old, r, beta, v_anchor)
+    got.sum().backward()
+    xt_, x0_, vo_ = f64(x_t, x0, v_old)
+    t = sigma.numpy().reshape(-1, 1, 1, 1)
+    err = xt_ - t * vo_ - x0_          # both implicit policies are v_old at v = v_anchor
+    scale = rows(np.abs(err))
+    np.testing.assert_allclose(got.detach().numpy(), rows(err ** 2) / scale / beta,
+                               rtol=1e-4)
+    plain = 2 * err * (-t) / (err[0].size * scale.reshape(-1, 1, 1, 1))
+    g = v.grad.numpy()
+    np.testing.assert_allclose(g[0], plain[0], rtol=1e-3, atol=1e-8)
+    np.testing.assert_allclose(g[1], -plain[1], rtol=1e-3, atol=1e-8)
+    np.testing.assert_allclose(g[2], 0.0, atol=1e-8)
+    v.grad = None
+    nft_loss(x_t, sigma, x0, v, v_old, r, beta).sum().backward()
+    assert np.abs(v.grad.numpy()[2]).max() > 1e-4   # the older copy's pull
+    # With the anchor the copy that sampled, it is the on-policy loss.
+    w = torch.randn_like(v_old)
+    np.testing.assert_allclose(nft_loss(x_t, sigma, x0, w, v_old, r, beta, v_old).numpy(),
+                               nft_loss(x_t, sigma, x0, w, v_old, r, beta).numpy(),
+                               rtol=1e-5)
+
+
 def test_the_sampling_copy_moves_on_the_papers_schedule():
     """eta_i = min(ramp x i, max); copy <- eta_i copy + (1 - eta_i) new weights."""
     cfg = AlgorithmConfig(name="diffusion_nft", ema_ramp=0.1, ema_max=0.5)

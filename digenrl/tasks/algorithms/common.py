@@ -100,9 +100,10 @@ class Policies:
 
     def __init__(self, model_cfg, guidance: float, current: torch.nn.Module,
                  sampler: torch.nn.Module | None, reference: torch.nn.Module | None,
-                 lora: bool):
+                 lora: bool, anchor: torch.nn.Module | None = None):
         self.model_cfg, self.guidance = model_cfg, guidance
         self._current, self._sampler, self._reference = current, sampler, reference
+        self._anchor = anchor
         self._lora = lora
 
     def current(self, x: torch.Tensor, sigma, cond: Conditioning) -> torch.Tensor:
@@ -115,6 +116,15 @@ class Policies:
             return None
         with torch.no_grad():
             return predict_velocity(self.model_cfg, self._sampler, x, sigma, cond,
+                                    self.guidance)
+
+    def anchor(self, x: torch.Tensor, sigma, cond: Conditioning) -> torch.Tensor | None:
+        """The velocity of the sampling copy of the trained version, where an older copy
+        sampled the chunk (DiffusionNFT); None otherwise."""
+        if self._anchor is None:
+            return None
+        with torch.no_grad():
+            return predict_velocity(self.model_cfg, self._anchor, x, sigma, cond,
                                     self.guidance)
 
     def reference(self, x: torch.Tensor, sigma, cond: Conditioning) -> torch.Tensor:

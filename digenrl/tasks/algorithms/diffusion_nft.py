@@ -5,7 +5,10 @@ For each sample, at the noise level and noise drawn for it, ``x_sigma`` and the 
 ``x0``: the optimality probability ``r = 1/2 + 1/2 clip(A / A_max, -1, 1)`` of its
 advantage (``A_max = train.advantage_clip``); the implicit positive and negative
 policies ``v+ = (1 - beta) v_old + beta v`` and ``v- = (1 + beta) v_old - beta v`` from the
-sampling policy's velocity ``v_old`` (no gradient) and the current one ``v``; and the
+sampling copy's velocity ``v_old`` (no gradient) and the current one ``v`` -- where an
+older version's copy sampled the chunk, ``v+- = v_old +- beta (v - v_anchor)``, centred on
+that copy's ``v_old`` and apart by the current velocity's offset from ``v_anchor``, the copy
+of the version trained (docs/algorithm.md, "Stale chunks"); and the
 loss ``(r ||x0+ - x0||^2 / d+ + (1 - r) ||x0- - x0||^2 / d-) / beta`` on their clean-sample
 predictions ``x0+- = x_sigma - sigma v+-``, each mean squared error divided by its own mean
 absolute error ``d+-`` held constant (clipped at 1e-5: the self-normalised weighting of the
@@ -42,11 +45,18 @@ def _normalised_error(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def nft_loss(x_t: torch.Tensor, sigma: torch.Tensor, x0: torch.Tensor, v: torch.Tensor,
-             v_old: torch.Tensor, r: torch.Tensor, beta: float) -> torch.Tensor:
-    """Each row's DiffusionNFT loss (see the module's description)."""
+             v_old: torch.Tensor, r: torch.Tensor, beta: float,
+             v_anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's DiffusionNFT loss (see the module's description). ``v_anchor``: the
+    velocity of the copy of the trained version where an older copy sampled the rows
+    (``v_old``); the implicit policies are then ``v_old +- beta (v - v_anchor)``."""
     s = sigma.to(x_t.device, x_t.dtype).reshape((-1,) + (1,) * (x_t.ndim - 1))
-    v_pos = beta * v + (1.0 - beta) * v_old
-    v_neg = (1.0 + beta) * v_old - beta * v
+    if v_anchor is None:
+        v_pos = beta * v + (1.0 - beta) * v_old
+        v_neg = (1.0 + beta) * v_old - beta * v
+    else:
+        offset = beta * (v - v_anchor)
+        v_pos, v_neg = v_old + offset, v_old - offset
     pos = _normalised_error(x_t - s * v_pos, x0)
     neg = _normalised_error(x_t - s * v_neg, x0)
     return (r * pos + (1.0 - r) * neg) / beta
@@ -65,7 +75,8 @@ def micro_step(spec, policies: Policies, batch, iteration: int, j: int) -> Micro
     v = policies.current(x_t, sigma, batch.cond)
     v_old = policies.sampler(x_t, sigma, batch.cond)
     assert v_old is not None    # (DiffusionNFT keeps a sampling copy)
+    v_anchor = policies.anchor(x_t, sigma, batch.cond)
     r = optimality(batch.adv, spec.train.advantage_clip)
-    loss = nft_loss(x_t, draws.sigma, x0, v, v_old, r, spec.nft_beta)
+    loss = nft_loss(x_t, draws.sigma, x0, v, v_old, r, spec.nft_beta, v_anchor)
     kl = velocity_kl(v, v_ref) if v_ref is not None else None
     return MicroResult(loss=loss, valid=batch.valid, kl=kl)
