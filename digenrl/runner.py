@@ -19,6 +19,7 @@ from typing import Any, Callable, Hashable
 
 import numpy as np
 
+from digenrl.algorithms import ALGORITHMS
 from digenrl.checkpoints import write_weights
 from digenrl.cluster import ClusterHandle, start_cluster
 from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
@@ -33,6 +34,7 @@ from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source, source_table
 from digenrl.resolve import check_world
 from digenrl.schedulers.chunking import ChunkingSpec
+from digenrl.schedulers.options import MODES
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, evaluation_means, frame_strip, reward_column)
 from digenrl.tasks.advantage import scored_samples
@@ -176,8 +178,15 @@ class FlowGRPOWorkload:
         else:
             what = (f"{d['trained_steps']} trained timesteps of {cfg.sampler.num_steps}, "
                     f"{shape.dynamics} dynamics")
+        options = self.options
+        staleness = f"max staleness {options.max_staleness}"
+        if (ALGORITHMS[shape.name].defaults.get("schedule.max_staleness") == options.max_staleness
+                != MODES[options.mode]["max_staleness"]):
+            staleness += (f" ({shape.name}'s default, not the mode's "
+                          f"{MODES[options.mode]['max_staleness']}: docs/algorithm.md)")
         return [f"algorithm {shape.name} ({'coupled' if shape.coupled else 'decoupled'}, "
                 f"arXiv {shape.paper})",
+                f"schedule: {options.mode} mode, {staleness}",
                 f"per iteration: {d['images_per_iteration']} images "
                 f"({cfg.data.prompts_per_iteration} prompts x {cfg.data.samples_per_prompt}), "
                 f"{d['chunks_per_iteration']} chunks, {d['denoise_tasks_per_iteration']} denoise "

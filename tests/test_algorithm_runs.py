@@ -96,7 +96,7 @@ def test_stale_chunks_give_the_same_bits_on_any_worker_count(cluster_1x1, cluste
     older version sampled read the trained weights and the sampling copy of their own
     version, wherever they run."""
     cfg = small_config(**{"algorithm.name": "diffusion_nft", "iterations": 3,
-                          "schedule.stale_groups": 1})
+                          "schedule.max_staleness": 1, "schedule.stale_groups": 1})
     a, b = shared_runs(cluster_1x1, cfg), shared_runs(cluster_2x2, cfg)
     stale = a.ds["samples"].trained_version - a.ds["samples"].behaviour_version
     assert int(stale.max()) == 1   # the path under test ran

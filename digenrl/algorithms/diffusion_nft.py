@@ -24,5 +24,9 @@ class DiffusionNFT(Algorithm):
     coupled = False
     dynamics_choices = (ODE,)
     sampling_copy = True
+    # On-policy unless the config sets a staleness: with one-version-stale chunks it
+    # learned on one built-in prompt set and lost reward on the other (docs/algorithm.md,
+    # "Stale chunks"); every other overlap of the mode (GAP, TSP, TAG, RAT) stays.
     defaults = {"train.learning_rate": 3e-3, "algorithm.nft_beta": 1.0,
-                "algorithm.ema_ramp": 0.001, "algorithm.ema_max": 0.5}
+                "algorithm.ema_ramp": 0.001, "algorithm.ema_max": 0.5,
+                "schedule.max_staleness": 0}
