@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -762,33 +761,10 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"reward: expected a reward that scores each image alone (a "
                           f"server gathers requests of many groups into one pass), got the "
                           f"group reward {args.name!r}")
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port: expected 0 to 65535, got {args.port}")
-    max_bytes = rs.DEFAULT_MAX_BYTES if args.max_bytes is None else args.max_bytes
-    if max_bytes < 1:
-        raise ConfigError(f"--max-bytes: expected a positive number of bytes, got {max_bytes}")
-    model_batch = getattr(spec.fn, "batch_size", None)  # a model reward's forward pass
-    if model_batch is not None and args.batch_size not in (None, model_batch):
-        raise ConfigError(f"--batch-size: expected none (or {model_batch}) for the model "
-                          f"reward {args.name!r}, whose passes are its "
-                          f"reward.models.{args.name}.batch_size {model_batch}, got "
-                          f"{args.batch_size}")
-    batch_size = model_batch or (rs.DEFAULT_BATCH_SIZE if args.batch_size is None
-                                 else args.batch_size)
-    limits = {"--batch-size": (batch_size, 1), "--max-queue": (args.max_queue, 1),
-              "--backlog": (args.backlog, 1)}
-    for flag, (value, least) in limits.items():
-        if value is not None and value < least:
-            raise ConfigError(f"{flag}: expected an integer >= {least}, got {value}")
-    seconds = {"--max-wait-ms": args.max_wait_ms, "--read-timeout": args.read_timeout}
-    for flag, value in seconds.items():
-        if value is not None and not (math.isfinite(value) and value >= 0
-                                      and (value > 0 or flag == "--max-wait-ms")):
-            bound = ">= 0" if flag == "--max-wait-ms" else "> 0"
-            raise ConfigError(f"{flag}: expected a finite number {bound}, got {value}")
-    token = args.token if args.token is not None else os.environ.get(rs.TOKEN_ENV) or None
-    if token is not None and not token.strip():
-        raise ConfigError("--token: expected a non-empty token, got ''")
+    options = rs.serve_options(
+        spec, port=args.port, max_bytes=args.max_bytes, batch_size=args.batch_size,
+        max_queue=args.max_queue, backlog=args.backlog, max_wait_ms=args.max_wait_ms,
+        read_timeout=args.read_timeout, token=args.token)
     load = getattr(spec.fn, "load", None)  # a model reward's: loaded before serving
     if load is not None:
         try:
@@ -796,15 +772,8 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         except Exception as e:  # weights or a processor that transformers cannot read
             raise ConfigError(f"reward.models.{args.name}: expected a model that loads, "
                               f"got {type(e).__name__}: {e}") from None
-    options = {"batch_size": batch_size}
-    if args.max_wait_ms is not None:
-        options["max_wait"] = args.max_wait_ms / 1000
-    for name in ("max_queue", "backlog", "read_timeout"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
     try:
-        rs.serve(spec, args.host, args.port, token=token, max_bytes=max_bytes,
-                 allow_pickle=args.allow_pickle, **options,
+        rs.serve(spec, args.host, allow_pickle=args.allow_pickle, **options,
                  announce=lambda line: print(line, flush=True))
     except OSError as e:
         raise ConfigError(f"--host/--port: expected an address this machine can listen on, "

@@ -26,6 +26,8 @@ import yaml
 
 from digenrl.algorithms import (ALGORITHMS, DEFAULT_ALGORITHM, KL_SPACES, LATENT, VELOCITY,
                                 Algorithm)
+from digenrl.checks import (ConfigError, choice, fail, finite, is_int, positive_int, require,
+                            sub_path)
 from digenrl.schedulers.options import MODES, ScheduleOptions, check_fields
 from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, SWITCHES, Switch, switches
 
@@ -58,42 +60,6 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the field."""
-
-
-def _fail(path: str, expected: str, got: Any) -> None:
-    raise ConfigError(f"{path}: expected {expected}, got {got!r}")
-
-
-def _require(cond: bool, path: str, expected: str, got: Any) -> None:
-    if not cond:
-        _fail(path, expected, got)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive_int(v: Any, path: str, minimum: int = 1) -> None:
-    _require(_is_int(v) and v >= minimum, path, f"an integer >= {minimum}", v)
-
-
-def _finite(v: Any, path: str, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, hi_open: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if ok and lo is not None:
-        ok = v > lo if lo_open else v >= lo
-    if ok and hi is not None:
-        ok = v < hi if hi_open else v <= hi
-    bounds = []
-    if lo is not None:
-        bounds.append(f"{'>' if lo_open else '>='} {lo}")
-    if hi is not None:
-        bounds.append(f"{'<' if hi_open else '<='} {hi}")
-    _require(ok, path, "a finite number" + (" " + " and ".join(bounds) if bounds else ""), v)
-
-
 #: ``[HOST]:PORT`` (or a bare port), as Dask reads a dashboard address.
 _ADDRESS = re.compile(r"^(?:[A-Za-z0-9_.\-]*|\[[0-9A-Fa-f:.]+\]):(?P<port>\d{1,5})$"
                       r"|^(?P<bare>\d{1,5})$")
@@ -108,11 +74,6 @@ _BYTES = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*(b|[kmgtp]i?b?)?\
 
 #: The dtypes a model (the policy, its text encoders, a reward model) may compute in.
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _choice(v: Any, path: str, options: typing.Iterable[str]) -> None:
-    options = sorted(options)
-    _require(v in options, path, f"one of {options}", v)
 
 
 # --------------------------------------------------------------------------- model
@@ -183,51 +144,51 @@ class ModelConfig:
     """Tiny model only: width of the pooled prompt embedding."""
 
     def validate(self, p: str) -> None:
-        _choice(self.dtype, f"{p}.dtype", DTYPES)
+        choice(self.dtype, f"{p}.dtype", DTYPES)
         if self.text_encoder_dtype is not None:
-            _choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
-        _require(isinstance(self.text_encoder_offload, bool), f"{p}.text_encoder_offload",
+            choice(self.text_encoder_dtype, f"{p}.text_encoder_dtype", DTYPES)
+        require(isinstance(self.text_encoder_offload, bool), f"{p}.text_encoder_offload",
                  "true or false", self.text_encoder_offload)
-        _require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
+        require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
         if self.source_area is not None:  # whether the model edits images: resolve.py
-            _positive_int(self.source_area, f"{p}.source_area")
+            positive_int(self.source_area, f"{p}.source_area")
         if self.path is not None:
-            _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
+            require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                      "a path to a local diffusers pipeline folder", self.path)
             folder = Path(self.path).expanduser()
-            _require(folder.is_dir(), f"{p}.path", "an existing folder", self.path)
+            require(folder.is_dir(), f"{p}.path", "an existing folder", self.path)
             for name in ("height", "width", "num_frames", "max_sequence_length"):
                 v = getattr(self, name)
                 if v is not None:
-                    _positive_int(v, f"{p}.{name}")
+                    positive_int(v, f"{p}.{name}")
             if self.num_frames is not None:
-                _require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
+                require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
             return  # the folder's own checks: digenrl.resolve.check_world
-        _positive_int(self.latent_channels, f"{p}.latent_channels")
-        _require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
-                 and all(_is_int(c) and c > 0 and c % 8 == 0 for c in self.vae_channels),
+        positive_int(self.latent_channels, f"{p}.latent_channels")
+        require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
+                 and all(is_int(c) and c > 0 and c % 8 == 0 for c in self.vae_channels),
                  f"{p}.vae_channels", "a non-empty list of positive multiples of 8",
                  self.vae_channels)
-        _positive_int(self.vae_layers_per_block, f"{p}.vae_layers_per_block")
-        _positive_int(self.image_size, f"{p}.image_size", 8)
+        positive_int(self.vae_layers_per_block, f"{p}.vae_layers_per_block")
+        positive_int(self.image_size, f"{p}.image_size", 8)
         factor = self.vae_scale_factor
-        _require(self.image_size % factor == 0, f"{p}.image_size",
+        require(self.image_size % factor == 0, f"{p}.image_size",
                  f"a multiple of the VAE scale factor {factor} (2 ^ (number of "
                  f"{p}.vae_channels - 1))", self.image_size)
-        _positive_int(self.patch_size, f"{p}.patch_size")
-        _require(self.latent_size % self.patch_size == 0, f"{p}.image_size",
+        positive_int(self.patch_size, f"{p}.patch_size")
+        require(self.latent_size % self.patch_size == 0, f"{p}.image_size",
                  f"a latent size (image_size / {factor}) divisible by {p}.patch_size "
                  f"({self.patch_size})", self.image_size)
-        _positive_int(self.transformer_layers, f"{p}.transformer_layers")
-        _positive_int(self.attention_heads, f"{p}.attention_heads")
-        _positive_int(self.attention_head_dim, f"{p}.attention_head_dim")
-        _positive_int(self.prompt_tokens, f"{p}.prompt_tokens")
-        _positive_int(self.prompt_embed_dim, f"{p}.prompt_embed_dim")
-        _positive_int(self.pooled_embed_dim, f"{p}.pooled_embed_dim")
+        positive_int(self.transformer_layers, f"{p}.transformer_layers")
+        positive_int(self.attention_heads, f"{p}.attention_heads")
+        positive_int(self.attention_head_dim, f"{p}.attention_head_dim")
+        positive_int(self.prompt_tokens, f"{p}.prompt_tokens")
+        positive_int(self.prompt_embed_dim, f"{p}.prompt_embed_dim")
+        positive_int(self.pooled_embed_dim, f"{p}.pooled_embed_dim")
         if self.init_seed is not None:
-            _require(_is_int(self.init_seed) and self.init_seed >= 0, f"{p}.init_seed",
+            require(is_int(self.init_seed) and self.init_seed >= 0, f"{p}.init_seed",
                      "a non-negative integer or null", self.init_seed)
 
     @property
@@ -261,7 +222,7 @@ def _check_tiny_fields(data: Mapping[str, Any], model: ModelConfig) -> None:
     pipeline = (Path(model.path).expanduser() / "model_index.json").is_file()
     for name in tiny_model_fields():
         if name in given and (pipeline or name != "prompt_tokens"):
-            _fail(f"model.{name}", "no tiny-model field together with model.path (the "
+            fail(f"model.{name}", "no tiny-model field together with model.path (the "
                   "folder's model has its own sizes: set model.height, model.width, "
                   "model.num_frames)", given[name])
 
@@ -288,15 +249,15 @@ class SamplerConfig:
     """Fraction of the steps trained: the first int(num_steps x fraction); never the last."""
 
     def validate(self, p: str) -> None:
-        _require(_is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
+        require(is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
                  f"{p}.num_steps", f"an integer from 2 to {MAX_STEPS} (the sampler's "
                  f"training timesteps)", self.num_steps)
-        _finite(self.shift, f"{p}.shift", 0.0, lo_open=True)
-        _finite(self.noise_level, f"{p}.noise_level", 0.0, lo_open=True)
-        _finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
-        _finite(self.timestep_fraction, f"{p}.timestep_fraction", 0.0, 1.0, lo_open=True)
+        finite(self.shift, f"{p}.shift", 0.0, lo_open=True)
+        finite(self.noise_level, f"{p}.noise_level", 0.0, lo_open=True)
+        finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
+        finite(self.timestep_fraction, f"{p}.timestep_fraction", 0.0, 1.0, lo_open=True)
         n = self.trained_steps
-        _require(1 <= n <= self.num_steps - 1, f"{p}.timestep_fraction",
+        require(1 <= n <= self.num_steps - 1, f"{p}.timestep_fraction",
                  f"a fraction leaving 1..{self.num_steps - 1} trained steps of "
                  f"{p}.num_steps = {self.num_steps} (the last, near-clean step is never "
                  f"trained)", f"{self.timestep_fraction} ({n} steps)")
@@ -337,7 +298,7 @@ class AlgorithmConfig:
     """dpo: beta, the inverse temperature of the preference loss -log sigmoid(-beta / 2 x ((err - err_ref)_winner - (err - err_ref)_loser))."""
 
     def validate(self, p: str) -> None:
-        _choice(self.name, f"{p}.name", ALGORITHMS)
+        choice(self.name, f"{p}.name", ALGORITHMS)
         alg = ALGORITHMS[self.name]
         named = f"{p}.name {self.name!r}"
         if self.dynamics is not None:
@@ -345,44 +306,44 @@ class AlgorithmConfig:
                 why = "its stochastic dynamics"
             else:
                 why = "it samples with the ODE and needs no log-probabilities"
-            _require(self.dynamics in alg.dynamics_choices, f"{p}.dynamics",
+            require(self.dynamics in alg.dynamics_choices, f"{p}.dynamics",
                      f"one of {list(alg.dynamics_choices)} or null with {named} ({why})",
                      self.dynamics)
-        _require(isinstance(self.sde_steps, tuple)
-                 and all(_is_int(t) and t >= 0 for t in self.sde_steps)
+        require(isinstance(self.sde_steps, tuple)
+                 and all(is_int(t) and t >= 0 for t in self.sde_steps)
                  and len(set(self.sde_steps)) == len(self.sde_steps), f"{p}.sde_steps",
                  "a list of distinct step numbers >= 0", list(self.sde_steps)
                  if isinstance(self.sde_steps, tuple) else self.sde_steps)
         if self.num_sde_steps is not None:
-            _positive_int(self.num_sde_steps, f"{p}.num_sde_steps")
-            _require(len(self.sde_steps) > 0, f"{p}.num_sde_steps",
+            positive_int(self.num_sde_steps, f"{p}.num_sde_steps")
+            require(len(self.sde_steps) > 0, f"{p}.num_sde_steps",
                      f"null without {p}.sde_steps (the window's candidate steps)",
                      self.num_sde_steps)
-            _require(self.num_sde_steps <= len(self.sde_steps), f"{p}.num_sde_steps",
+            require(self.num_sde_steps <= len(self.sde_steps), f"{p}.num_sde_steps",
                      f"at most the {len(self.sde_steps)} candidate steps of {p}.sde_steps",
                      self.num_sde_steps)
-        _require(isinstance(self.guard, bool), f"{p}.guard", "true or false", self.guard)
+        require(isinstance(self.guard, bool), f"{p}.guard", "true or false", self.guard)
         if self.kl_space is not None:
-            _choice(self.kl_space, f"{p}.kl_space", KL_SPACES)
+            choice(self.kl_space, f"{p}.kl_space", KL_SPACES)
         if self.train_timesteps is not None:
-            _positive_int(self.train_timesteps, f"{p}.train_timesteps")
-        _finite(self.nft_beta, f"{p}.nft_beta", 0.0, lo_open=True)
-        _finite(self.ema_ramp, f"{p}.ema_ramp", 0.0)
-        _finite(self.ema_max, f"{p}.ema_max", 0.0, 1.0, hi_open=True)
-        _finite(self.dpo_beta, f"{p}.dpo_beta", 0.0, lo_open=True)
+            positive_int(self.train_timesteps, f"{p}.train_timesteps")
+        finite(self.nft_beta, f"{p}.nft_beta", 0.0, lo_open=True)
+        finite(self.ema_ramp, f"{p}.ema_ramp", 0.0)
+        finite(self.ema_max, f"{p}.ema_max", 0.0, 1.0, hi_open=True)
+        finite(self.dpo_beta, f"{p}.dpo_beta", 0.0, lo_open=True)
         if alg.coupled:
-            _require(self.train_timesteps is None, f"{p}.train_timesteps",
+            require(self.train_timesteps is None, f"{p}.train_timesteps",
                      f"null with {named} (its micro-steps are the trained steps of the "
                      f"trajectory)", self.train_timesteps)
             return
         why = "(it samples with the ODE: a decoupled algorithm has no SDE steps)"
-        _require(not self.sde_steps, f"{p}.sde_steps", f"an empty list with {named} {why}",
+        require(not self.sde_steps, f"{p}.sde_steps", f"an empty list with {named} {why}",
                  list(self.sde_steps))
-        _require(self.num_sde_steps is None, f"{p}.num_sde_steps", f"null with {named} {why}",
+        require(self.num_sde_steps is None, f"{p}.num_sde_steps", f"null with {named} {why}",
                  self.num_sde_steps)
-        _require(not self.guard, f"{p}.guard", f"false with {named} (GRPO-Guard "
+        require(not self.guard, f"{p}.guard", f"false with {named} (GRPO-Guard "
                  f"normalises the policy ratio of SDE log-probabilities)", self.guard)
-        _require(self.kl_space != LATENT, f"{p}.kl_space", f"velocity or null with {named} "
+        require(self.kl_space != LATENT, f"{p}.kl_space", f"velocity or null with {named} "
                  f"(the latent KL compares the means of SDE steps)", self.kl_space)
 
     @property
@@ -434,20 +395,20 @@ class DataConfig:
     """Start every sample of a group from the same noise (as DanceGRPO does)."""
 
     def validate(self, p: str) -> None:
-        _positive_int(self.prompts_per_iteration, f"{p}.prompts_per_iteration")
-        _positive_int(self.samples_per_prompt, f"{p}.samples_per_prompt", 2)
-        _require(isinstance(self.prompts, tuple)
+        positive_int(self.prompts_per_iteration, f"{p}.prompts_per_iteration")
+        positive_int(self.samples_per_prompt, f"{p}.samples_per_prompt", 2)
+        require(isinstance(self.prompts, tuple)
                  and all(isinstance(s, str) and s.strip() for s in self.prompts),
                  f"{p}.prompts", "a list of non-empty strings", self.prompts)
         for name in ("prompt_file", "eval_prompt_file"):
             path = getattr(self, name)
             if path is not None:
-                _require(isinstance(path, str) and path != "", f"{p}.{name}",
+                require(isinstance(path, str) and path != "", f"{p}.{name}",
                          "a path to a .txt or .jsonl prompt file, or null", path)
         if self.prompt_file is not None:
-            _require(not self.prompts, f"{p}.prompts",
+            require(not self.prompts, f"{p}.prompts",
                      f"an empty list when {p}.prompt_file is set", self.prompts)
-        _require(isinstance(self.same_noise_in_group, bool), f"{p}.same_noise_in_group",
+        require(isinstance(self.same_noise_in_group, bool), f"{p}.same_noise_in_group",
                  "true or false", self.same_noise_in_group)
 
     @property
@@ -467,11 +428,11 @@ class RolloutConfig:
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
 
     def validate(self, p: str) -> None:
-        _positive_int(self.chunk_size, f"{p}.chunk_size")
-        _choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
-        _positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
+        positive_int(self.chunk_size, f"{p}.chunk_size")
+        choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
+        positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
         if self.chunking == "adaptive":
-            _require(self.max_chunk_size >= self.chunk_size, f"{p}.max_chunk_size",
+            require(self.max_chunk_size >= self.chunk_size, f"{p}.max_chunk_size",
                      f"at least {p}.chunk_size ({self.chunk_size}) with adaptive chunking",
                      self.max_chunk_size)
 
@@ -528,42 +489,42 @@ class RemoteRewardConfig:
     """protocol openai: requests in flight at once per reward task (one image each; at most 64)."""
 
     def validate(self, p: str) -> None:
-        _require(isinstance(self.url, str) and bool(re.match(r"^https?://[^\s/]+", self.url)),
+        require(isinstance(self.url, str) and bool(re.match(r"^https?://[^\s/]+", self.url)),
                  f"{p}.url", "an http:// or https:// URL of a reward server", self.url)
-        _choice(self.protocol, f"{p}.protocol", REMOTE_PROTOCOLS)
+        choice(self.protocol, f"{p}.protocol", REMOTE_PROTOCOLS)
         if self.protocol == "openai":
-            _require(isinstance(self.model, str) and bool(self.model.strip()), f"{p}.model",
+            require(isinstance(self.model, str) and bool(self.model.strip()), f"{p}.model",
                      "the served model's name (protocol openai asks a judge model)",
                      self.model)
         else:
             for name in ("model", "question", "max_tokens"):
-                _require(getattr(self, name) is None, f"{p}.{name}",
+                require(getattr(self, name) is None, f"{p}.{name}",
                          "null (only protocol openai asks a judge)", getattr(self, name))
         if self.question is not None:
-            _require(_is_template(self.question), f"{p}.question",
+            require(_is_template(self.question), f"{p}.question",
                      "text whose {fields} are names ({prompt} or metadata keys; {{ and }} "
                      "for braces)", self.question)
-        _choice(self.score, f"{p}.score", JUDGE_SCORES)
+        choice(self.score, f"{p}.score", JUDGE_SCORES)
         lo_hi = self.number_range
-        _require(isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(
+        require(isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             for v in lo_hi) and lo_hi[0] < lo_hi[1], f"{p}.number_range",
             "[LOW, HIGH], two finite numbers with LOW < HIGH", list(lo_hi)
             if isinstance(lo_hi, tuple) else lo_hi)
         if self.max_tokens is not None:
-            _positive_int(self.max_tokens, f"{p}.max_tokens")
-        _require(_is_int(self.top_logprobs) and 1 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            positive_int(self.max_tokens, f"{p}.max_tokens")
+        require(is_int(self.top_logprobs) and 1 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                  f"{p}.top_logprobs", f"an integer from 1 to {MAX_TOP_LOGPROBS}",
                  self.top_logprobs)
-        _require(_is_int(self.concurrency) and 1 <= self.concurrency <= REMOTE_MAX_CONCURRENCY,
+        require(is_int(self.concurrency) and 1 <= self.concurrency <= REMOTE_MAX_CONCURRENCY,
                  f"{p}.concurrency", f"an integer from 1 to {REMOTE_MAX_CONCURRENCY}",
                  self.concurrency)
-        _finite(self.timeout, f"{p}.timeout", 0.0, lo_open=True)
-        _positive_int(self.retries, f"{p}.retries", 0)
-        _finite(self.backoff, f"{p}.backoff", 0.0)
-        _positive_int(self.batch_size, f"{p}.batch_size")
+        finite(self.timeout, f"{p}.timeout", 0.0, lo_open=True)
+        positive_int(self.retries, f"{p}.retries", 0)
+        finite(self.backoff, f"{p}.backoff", 0.0)
+        positive_int(self.batch_size, f"{p}.batch_size")
         if self.token_env is not None:
-            _require(isinstance(self.token_env, str) and bool(
+            require(isinstance(self.token_env, str) and bool(
                 re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.token_env)), f"{p}.token_env",
                 "the name of an environment variable, or null", self.token_env)
 
@@ -632,26 +593,26 @@ class RewardModelConfig:
     """The most images one forward pass scores (ocr: one pass of its text detector on a GPU; on a CPU its images are read one by one)."""
 
     def validate(self, p: str) -> None:
-        _choice(self.kind, f"{p}.kind", REWARD_MODEL_KINDS)
-        _choice(self.dtype, f"{p}.dtype", DTYPES)
-        _positive_int(self.batch_size, f"{p}.batch_size")
+        choice(self.kind, f"{p}.kind", REWARD_MODEL_KINDS)
+        choice(self.dtype, f"{p}.dtype", DTYPES)
+        positive_int(self.batch_size, f"{p}.batch_size")
         if self.kind in BUNDLED_MODEL_KINDS:
             why = f"for kind {self.kind} (its models ship in its library's wheel)"
-            _require(self.path == "", f"{p}.path", f"no path {why}", self.path)
+            require(self.path == "", f"{p}.path", f"no path {why}", self.path)
             for name in ("processor", "head"):
-                _require(getattr(self, name) is None, f"{p}.{name}", f"null {why}",
+                require(getattr(self, name) is None, f"{p}.{name}", f"null {why}",
                          getattr(self, name))
-            _require(self.dtype == "float32", f"{p}.dtype",
+            require(self.dtype == "float32", f"{p}.dtype",
                      f"float32 for kind {self.kind} (its models compute in float32)",
                      self.dtype)
             return
-        _require(isinstance(self.path, str) and self.path != "", f"{p}.path",
+        require(isinstance(self.path, str) and self.path != "", f"{p}.path",
                  "a path to a local CLIPModel folder", self.path)
         _check_folder(self.path, f"{p}.path", [("config.json",), _WEIGHT_FILES],
                       "a CLIPModel folder")
         processor = self.processor if self.processor is not None else self.path
         where = f"{p}.processor" if self.processor is not None else f"{p}.path"
-        _require(isinstance(processor, str) and processor != "", where,
+        require(isinstance(processor, str) and processor != "", where,
                  "a path to a local processor folder, or null", processor)
         # transformers 5's processors save processor_config.json (the image processor's
         # settings inside it); image processors and older saves, preprocessor_config.json.
@@ -660,15 +621,15 @@ class RewardModelConfig:
             needs.append(("tokenizer.json", "vocab.json"))
         _check_folder(processor, where, needs, "a CLIP processor folder")
         if self.kind == "aesthetic":
-            _require(isinstance(self.head, str) and self.head != "", f"{p}.head",
+            require(isinstance(self.head, str) and self.head != "", f"{p}.head",
                      f"a path to the aesthetic head's weights ({', '.join(HEAD_SUFFIXES)})",
                      self.head)
-            _require(Path(self.head).expanduser().is_file(), f"{p}.head", "an existing file",
+            require(Path(self.head).expanduser().is_file(), f"{p}.head", "an existing file",
                      self.head)
-            _require(self.head.endswith(HEAD_SUFFIXES), f"{p}.head",
+            require(self.head.endswith(HEAD_SUFFIXES), f"{p}.head",
                      f"a file ending in one of {list(HEAD_SUFFIXES)}", self.head)
         else:
-            _require(self.head is None, f"{p}.head", "null (only an aesthetic reward has a "
+            require(self.head is None, f"{p}.head", "null (only an aesthetic reward has a "
                                                      "head)", self.head)
 
 
@@ -676,10 +637,10 @@ def _check_folder(path: str, field_path: str, needs: list[tuple[str, ...]],
                   what: str) -> None:
     """``path`` is a folder holding, for each entry of ``needs``, one of its files."""
     folder = Path(path).expanduser()
-    _require(folder.is_dir(), field_path, f"an existing folder ({what})", path)
+    require(folder.is_dir(), field_path, f"an existing folder ({what})", path)
     for names in needs:
         if not any((folder / n).is_file() for n in names):
-            _fail(field_path, f"{what} holding {' or '.join(names)}", path)
+            fail(field_path, f"{what} holding {' or '.join(names)}", path)
 
 
 #: How a group reward turns another reward's scores within a prompt group into its own
@@ -704,10 +665,10 @@ class GroupRewardConfig:
     """win_rate: the score difference that makes a preference e (about 2.7) times as likely (1 for PickScore's logit-scaled scores)."""
 
     def validate(self, p: str) -> None:
-        _require(isinstance(self.of, str) and self.of != "", f"{p}.of",
+        require(isinstance(self.of, str) and self.of != "", f"{p}.of",
                  "the name of the reward whose scores are ranked", self.of)
-        _choice(self.method, f"{p}.method", GROUP_REWARD_METHODS)
-        _finite(self.temperature, f"{p}.temperature", lo=0, lo_open=True)
+        choice(self.method, f"{p}.method", GROUP_REWARD_METHODS)
+        finite(self.temperature, f"{p}.temperature", lo=0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -736,26 +697,26 @@ class RewardConfig:
                 ("models", RewardModelConfig, "model settings", "kind, path, ..."),
                 ("group", GroupRewardConfig, "group reward settings", "of, method, ...")):
             named = getattr(self, group)
-            _require(isinstance(named, Mapping), f"{p}.{group}",
+            require(isinstance(named, Mapping), f"{p}.{group}",
                      f"a mapping of reward name to {what}", named)
             for name, settings in named.items():
-                sub = _sub_path(f"{p}.{group}", name)
+                sub = sub_path(f"{p}.{group}", name)
                 # The name becomes the store's reward_NAME column.
-                _require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
+                require(isinstance(name, str) and bool(re.match(r"^[A-Za-z0-9_.\-]+$", name)),
                          sub, "a name of letters, digits, '_', '-' and '.'", name)
-                _require(group == "remote" or name not in self.remote, sub,
+                require(group == "remote" or name not in self.remote, sub,
                          "a name that is not also under reward.remote", name)
-                _require(group != "group" or name not in self.models, sub,
+                require(group != "group" or name not in self.models, sub,
                          "a name that is not also under reward.models", name)
-                _require(isinstance(settings, cls), sub, f"a mapping of {what} ({fields})",
+                require(isinstance(settings, cls), sub, f"a mapping of {what} ({fields})",
                          settings)
                 settings.validate(sub)
-        _require(isinstance(self.components, Mapping) and len(self.components) > 0,
+        require(isinstance(self.components, Mapping) and len(self.components) > 0,
                  f"{p}.components", "a non-empty mapping of reward name to weight",
                  self.components)
         for name, weight in self.components.items():
-            _finite(weight, f"{p}.components.{name}")
-        _choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
+            finite(weight, f"{p}.components.{name}")
+        choice(self.on_error, f"{p}.on_error", ("raise", "drop"))
 
     def __hash__(self) -> int:
         return hash((tuple(sorted(self.components.items())), self.on_error,
@@ -806,24 +767,24 @@ class TrainConfig:
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
 
     def validate(self, p: str) -> None:
-        _finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
-        _finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0, hi_open=True)
-        _finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0, hi_open=True)
-        _finite(self.adam_eps, f"{p}.adam_eps", 0.0, lo_open=True)
-        _finite(self.weight_decay, f"{p}.weight_decay", 0.0)
-        _finite(self.max_grad_norm, f"{p}.max_grad_norm", 0.0, lo_open=True)
-        _finite(self.clip_range, f"{p}.clip_range", 0.0, 1.0, lo_open=True)
-        _finite(self.advantage_clip, f"{p}.advantage_clip", 0.0, lo_open=True)
-        _choice(self.advantage_std, f"{p}.advantage_std", ("group", "batch"))
-        _finite(self.kl_beta, f"{p}.kl_beta", 0.0)
-        _choice(self.off_policy_correction, f"{p}.off_policy_correction",
+        finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
+        finite(self.adam_beta1, f"{p}.adam_beta1", 0.0, 1.0, hi_open=True)
+        finite(self.adam_beta2, f"{p}.adam_beta2", 0.0, 1.0, hi_open=True)
+        finite(self.adam_eps, f"{p}.adam_eps", 0.0, lo_open=True)
+        finite(self.weight_decay, f"{p}.weight_decay", 0.0)
+        finite(self.max_grad_norm, f"{p}.max_grad_norm", 0.0, lo_open=True)
+        finite(self.clip_range, f"{p}.clip_range", 0.0, 1.0, lo_open=True)
+        finite(self.advantage_clip, f"{p}.advantage_clip", 0.0, lo_open=True)
+        choice(self.advantage_std, f"{p}.advantage_std", ("group", "batch"))
+        finite(self.kl_beta, f"{p}.kl_beta", 0.0)
+        choice(self.off_policy_correction, f"{p}.off_policy_correction",
                 ("decoupled", "clip"))
-        _finite(self.importance_weight_cap, f"{p}.importance_weight_cap", 1.0)
-        _positive_int(self.reduce_fanin, f"{p}.reduce_fanin", 2)
-        _positive_int(self.lora_rank, f"{p}.lora_rank", 0)
+        finite(self.importance_weight_cap, f"{p}.importance_weight_cap", 1.0)
+        positive_int(self.reduce_fanin, f"{p}.reduce_fanin", 2)
+        positive_int(self.lora_rank, f"{p}.lora_rank", 0)
         if self.lora_alpha is not None:
-            _finite(self.lora_alpha, f"{p}.lora_alpha", 0.0, lo_open=True)
-        _require(all(isinstance(t, str) and t for t in self.lora_targets), f"{p}.lora_targets",
+            finite(self.lora_alpha, f"{p}.lora_alpha", 0.0, lo_open=True)
+        require(all(isinstance(t, str) and t for t in self.lora_targets), f"{p}.lora_targets",
                  "a list of module names", list(self.lora_targets))
 
 
@@ -835,7 +796,7 @@ class _ScheduleChecks:
     declarations (:mod:`digenrl.schedulers.switches`)."""
 
     def validate(self, p: str = "schedule") -> None:
-        _choice(self.mode, f"{p}.mode", MODES)
+        choice(self.mode, f"{p}.mode", MODES)
         for s in _SCHEDULE_FIELDS:
             _check_switch(s, getattr(self, s.name), f"{p}.{s.name}")
         for s in _SCHEDULE_FIELDS:
@@ -843,7 +804,7 @@ class _ScheduleChecks:
             value = getattr(self, s.name)
             if reason is not None:
                 preset = s.modes[self.mode]
-                _require(value is None or value == preset, f"{p}.{s.name}",
+                require(value is None or value == preset, f"{p}.{s.name}",
                          f"{json_default(preset)} or null in {self.mode} mode ({p}.mode; "
                          f"{reason})", value)
 
@@ -866,10 +827,10 @@ def _check_switch(s: Switch, value: Any, path: str) -> None:
         return
     or_null = " or null" if nullable else ""
     if s.type is bool:
-        _require(isinstance(value, bool), path,
+        require(isinstance(value, bool), path,
                  ("true, false" + or_null) if nullable else "true or false", value)
     elif s.type is int:
-        ok = _is_int(value) and (s.low is None or value >= s.low) and (
+        ok = is_int(value) and (s.low is None or value >= s.low) and (
             s.high is None or value <= s.high)
         if s.low is not None and s.high is not None:
             bounds = f"an integer from {s.low:g} to {s.high:g}"
@@ -877,9 +838,9 @@ def _check_switch(s: Switch, value: Any, path: str) -> None:
             bounds = f"an integer >= {s.low:g}" if s.high is None else f"an integer <= {s.high:g}"
         else:
             bounds = "an integer"
-        _require(ok, path, bounds + or_null, value)
+        require(ok, path, bounds + or_null, value)
     else:
-        _finite(value, path, s.low, s.high, lo_open=s.low_open)
+        finite(value, path, s.low, s.high, lo_open=s.low_open)
 
 
 def _schedule_doc(s: Switch) -> str:
@@ -968,25 +929,25 @@ class ClusterConfig:
     def validate(self, p: str) -> None:
         if self.scheduler is not None:
             m = isinstance(self.scheduler, str) and _SCHEDULER.match(self.scheduler)
-            _require(bool(m) and (m.group("scheme") or m.group("port")) is not None
+            require(bool(m) and (m.group("scheme") or m.group("port")) is not None
                      and int(m.group("port") or 0) <= 65535, f"{p}.scheduler",
                      "a scheduler address such as tcp://host:8786 (schemes: "
                      f"{', '.join(_SCHEMES)})", self.scheduler)
-            _require(not self.gpus, f"{p}.gpus",
+            require(not self.gpus, f"{p}.gpus",
                      f"false when {p}.scheduler is given (the cluster exists)", self.gpus)
-        _require(isinstance(self.gpus, bool), f"{p}.gpus", "true or false", self.gpus)
-        _positive_int(self.rollout_workers, f"{p}.rollout_workers")
-        _positive_int(self.trainer_workers, f"{p}.trainer_workers")
-        _positive_int(self.threads_per_worker, f"{p}.threads_per_worker")
-        _positive_int(self.torch_threads, f"{p}.torch_threads")
-        _finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
+        require(isinstance(self.gpus, bool), f"{p}.gpus", "true or false", self.gpus)
+        positive_int(self.rollout_workers, f"{p}.rollout_workers")
+        positive_int(self.trainer_workers, f"{p}.trainer_workers")
+        positive_int(self.threads_per_worker, f"{p}.threads_per_worker")
+        positive_int(self.torch_threads, f"{p}.torch_threads")
+        finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
         if self.dashboard_address is not None:
             m = isinstance(self.dashboard_address, str) and _ADDRESS.match(self.dashboard_address)
-            _require(bool(m) and int(m.group("port") or m.group("bare")) <= 65535,
+            require(bool(m) and int(m.group("port") or m.group("bare")) <= 65535,
                      f"{p}.dashboard_address",
                      "an address such as ':8787' or 'localhost:8787' (port 0 picks a free "
                      "one), or null", self.dashboard_address)
-        _require(isinstance(self.memory_limit, str) and (
+        require(isinstance(self.memory_limit, str) and (
             self.memory_limit == "auto" or bool(_BYTES.match(self.memory_limit))),
             f"{p}.memory_limit", "'auto' or a size such as '4GiB', '500MB' or '0' (no limit)",
             self.memory_limit)
@@ -1015,9 +976,9 @@ class StoreConfig:
     def validate(self, p: str) -> None:
         for name in ("save_images", "save_latents", "save_videos"):
             v = getattr(self, name)
-            _require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
-        _finite(self.commit_interval, f"{p}.commit_interval", 0.0)
-        _positive_int(self.checkpoint_every, f"{p}.checkpoint_every")
+            require(isinstance(v, bool), f"{p}.{name}", "true or false", v)
+        finite(self.commit_interval, f"{p}.commit_interval", 0.0)
+        positive_int(self.checkpoint_every, f"{p}.checkpoint_every")
 
 
 # ---------------------------------------------------------------------------- eval
@@ -1039,19 +1000,19 @@ class EvalConfig:
     """How many held-out prompts digenrl report shows per evaluated version (the first ones)."""
 
     def validate(self, p: str) -> None:
-        _require(_is_int(self.every) and self.every >= 0, f"{p}.every",
+        require(is_int(self.every) and self.every >= 0, f"{p}.every",
                  "an integer >= 0 (0: no evaluation)", self.every)
-        _require(isinstance(self.before_first, bool), f"{p}.before_first", "true or false",
+        require(isinstance(self.before_first, bool), f"{p}.before_first", "true or false",
                  self.before_first)
-        _require(not self.before_first or self.every > 0, f"{p}.before_first",
+        require(not self.before_first or self.every > 0, f"{p}.before_first",
                  f"false while {p}.every is 0 (evaluation off)", self.before_first)
         if self.num_steps is not None:
-            _require(_is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
+            require(is_int(self.num_steps) and 2 <= self.num_steps <= MAX_STEPS,
                      f"{p}.num_steps", f"null or an integer from 2 to {MAX_STEPS}",
                      self.num_steps)
         if self.guidance_scale is not None:
-            _finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
-        _positive_int(self.grid, f"{p}.grid")
+            finite(self.guidance_scale, f"{p}.guidance_scale", 1.0)
+        positive_int(self.grid, f"{p}.grid")
 
     @property
     def on(self) -> bool:
@@ -1104,24 +1065,24 @@ class TrackingConfig:
     """MLflow's tracking URI (an MLflow server's http(s):// address, a database URI, databricks); null: a SQLite database in dir (sqlite:///DIR/mlflow.db, artifacts in DIR/mlflow-artifacts/; mlflow ui --backend-store-uri shows it)."""
 
     def validate(self, p: str) -> None:
-        _require(isinstance(self.backends, tuple), f"{p}.backends", "a list", self.backends)
+        require(isinstance(self.backends, tuple), f"{p}.backends", "a list", self.backends)
         for i, name in enumerate(self.backends):
-            _choice(name, f"{p}.backends[{i}]", TRACKERS)
-        _require(len(set(self.backends)) == len(self.backends), f"{p}.backends",
+            choice(name, f"{p}.backends[{i}]", TRACKERS)
+        require(len(set(self.backends)) == len(self.backends), f"{p}.backends",
                  "each tracker once", list(self.backends))
         for name in ("dir", "name", "mlflow_uri"):
             v = getattr(self, name)
-            _require(v is None or (isinstance(v, str) and v.strip() != ""), f"{p}.{name}",
+            require(v is None or (isinstance(v, str) and v.strip() != ""), f"{p}.{name}",
                      "null or a non-empty string", v)
-        _require(isinstance(self.project, str) and self.project.strip() != "",
+        require(isinstance(self.project, str) and self.project.strip() != "",
                  f"{p}.project", "a non-empty string", self.project)
-        _require(_is_int(self.image_every) and self.image_every >= 0, f"{p}.image_every",
+        require(is_int(self.image_every) and self.image_every >= 0, f"{p}.image_every",
                  "an integer >= 0 (0: no images)", self.image_every)
-        _positive_int(self.images, f"{p}.images")
+        positive_int(self.images, f"{p}.images")
         if self.wandb_mode is not None:
-            _choice(self.wandb_mode, f"{p}.wandb_mode", WANDB_MODES)
+            choice(self.wandb_mode, f"{p}.wandb_mode", WANDB_MODES)
         for name, tracker in (("wandb_mode", "wandb"), ("mlflow_uri", "mlflow")):
-            _require(getattr(self, name) is None or tracker in self.backends, f"{p}.{name}",
+            require(getattr(self, name) is None or tracker in self.backends, f"{p}.{name}",
                      f"null while {p}.backends names no {tracker}", getattr(self, name))
 
     def logs_images(self, iteration: int) -> bool:
@@ -1155,25 +1116,25 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        _require(_is_int(self.seed) and self.seed >= 0, "seed", "a non-negative integer",
+        require(is_int(self.seed) and self.seed >= 0, "seed", "a non-negative integer",
                  self.seed)
-        _positive_int(self.iterations, "iterations")
+        positive_int(self.iterations, "iterations")
         for name in _SECTIONS:
             getattr(self, name).validate(name)
         spp = self.data.samples_per_prompt
         chunk = self.rollout.chunk_size
-        _require(spp % chunk == 0 or chunk % spp == 0, "rollout.chunk_size",
+        require(spp % chunk == 0 or chunk % spp == 0, "rollout.chunk_size",
                  f"a divisor or a multiple of data.samples_per_prompt ({spp})", chunk)
         total = self.data.samples_per_iteration
-        _require(total % chunk == 0, "rollout.chunk_size",
+        require(total % chunk == 0, "rollout.chunk_size",
                  f"a divisor of the samples per iteration (data.prompts_per_iteration x "
                  f"data.samples_per_prompt = {total})", chunk)
         a, n = self.algorithm, self.sampler.num_steps
-        _require(all(t <= n - 2 for t in a.sde_steps), "algorithm.sde_steps",
+        require(all(t <= n - 2 for t in a.sde_steps), "algorithm.sde_steps",
                  f"steps from 0 to {n - 2} (sampler.num_steps = {n}; the last, near-clean "
                  f"step is never an SDE step of a window)", list(a.sde_steps))
         if not a.coupled:
-            _require(not self.store.save_latents, "store.save_latents",
+            require(not self.store.save_latents, "store.save_latents",
                      f"false with algorithm.name {a.name!r} (a decoupled run keeps no "
                      f"trajectory: only each chunk's final latent)", self.store.save_latents)
 
@@ -1220,15 +1181,6 @@ _SECTIONS: dict[str, type] = {
     if dataclasses.is_dataclass(hint := typing.get_type_hints(RunConfig)[f.name])}
 
 
-def _sub_path(path: str, key: Any) -> str:
-    """The dotted path of ``key`` under ``path``; a key that is not a plain word (spaces,
-    line breaks, an empty string, not a string) is shown quoted, ``path['a b']``."""
-    if isinstance(key, str) and key and key.isprintable() and not any(
-            c.isspace() or c in ".[]'\"" for c in key):
-        return f"{path}.{key}" if path else key
-    return f"{path}[{key!r}]"
-
-
 def _coerce(value: Any, hint: Any, path: str) -> Any:
     """Convert a YAML value to the field's declared type, or fail naming the field."""
     origin = typing.get_origin(hint)
@@ -1249,18 +1201,18 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     if origin is tuple:
-        _require(isinstance(value, (list, tuple)), path, "a list", value)
+        require(isinstance(value, (list, tuple)), path, "a list", value)
         item = args[0] if args else Any
         return tuple(_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value))
     if origin in (collections.abc.Mapping, dict) or hint in (dict, Mapping):
-        _require(isinstance(value, Mapping), path, "a mapping", value)
+        require(isinstance(value, Mapping), path, "a mapping", value)
         vt = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, vt, _sub_path(path, k)) for k, v in value.items()}
+        return {str(k): _coerce(v, vt, sub_path(path, k)) for k, v in value.items()}
     if hint is bool:
-        _require(isinstance(value, bool), path, "true or false", value)
+        require(isinstance(value, bool), path, "true or false", value)
         return value
     if hint is int:
-        _require(_is_int(value), path, "an integer", value)
+        require(is_int(value), path, "an integer", value)
         return value
     if hint is float:
         if isinstance(value, str):
@@ -1269,25 +1221,25 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+        require(isinstance(value, (int, float)) and not isinstance(value, bool), path,
                  "a number", value)
         return float(value)
     if hint is str:
-        _require(isinstance(value, str), path, "a string", value)
+        require(isinstance(value, str), path, "a string", value)
         return value
     if hint is type(None):
-        _require(value is None, path, "null", value)
+        require(value is None, path, "null", value)
         return None
     return value
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
-    _require(isinstance(data, Mapping), path or "config", "a mapping", data)
+    require(isinstance(data, Mapping), path or "config", "a mapping", data)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        sub = _sub_path(path, key)
+        sub = sub_path(path, key)
         if key not in names:
             raise ConfigError(f"{sub}: unknown field; valid fields of "
                               f"{path or 'the config'} are {sorted(names)}")
@@ -1334,7 +1286,7 @@ def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
     for dotted, value in overrides.items():
         parts = dotted.split(".")
-        _require(all(p.strip() == p and p for p in parts), dotted,
+        require(all(p.strip() == p and p for p in parts), dotted,
                  "a field path such as train.learning_rate", dotted)
         node = out
         for part in parts[:-1]:
@@ -1362,7 +1314,7 @@ def load_config(path: str | Path | None = None,
         except yaml.YAMLError as e:
             raise ConfigError(f"config: expected valid YAML in {str(path)!r}: {e}") from None
         if loaded is not None:
-            _require(isinstance(loaded, Mapping), "config", "a YAML mapping at the top",
+            require(isinstance(loaded, Mapping), "config", "a YAML mapping at the top",
                      type(loaded).__name__)
             data = dict(loaded)
     if overrides:

@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 from dask.utils import format_bytes, parse_bytes
 
+from digenrl.checks import require
 from digenrl.cluster import DASK_CONFIG, worker_resources
-from digenrl.config import ClusterConfig, ConfigError
+from digenrl.config import ClusterConfig
 from digenrl.schedulers import preload
 from digenrl.vocabulary import POOLS, ROLLOUT, TRAINER
 
@@ -107,43 +108,43 @@ class Deployment:
                             ("--gpus-per-node", self.gpus_per_node),
                             ("--nthreads", self.nthreads),
                             ("--death-timeout", self.death_timeout)):
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                      flag, "an integer >= 1", value)
         for pool, n in self.pools().items():
             per_job = min(self.gpus_per_node, n)
-            _require(n % per_job == 0, f"--{pool}-workers",
+            require(n % per_job == 0, f"--{pool}-workers",
                      f"at most --gpus-per-node ({self.gpus_per_node}) or a multiple of it "
                      "(each job takes that many GPUs)", n)
         try:
             memory = parse_bytes(self.memory)
         except (ValueError, TypeError):
             memory = 0
-        _require(memory > 0, "--memory", "a size such as 32GiB or 500MB", self.memory)
-        _require(isinstance(self.name, str) and bool(_NAME.fullmatch(self.name))
+        require(memory > 0, "--memory", "a size such as 32GiB or 500MB", self.memory)
+        require(isinstance(self.name, str) and bool(_NAME.fullmatch(self.name))
                  and len(self.name) <= 40, "--name",
                  "a lowercase name of letters, digits and '-' (at most 40 characters)",
                  self.name)
         low = 1 if engine == "k8s" else 0
         for flag, port in (("--scheduler-port", self.scheduler_port),
                            ("--dashboard-port", self.dashboard_port)):
-            _require(isinstance(port, int) and low <= port <= 65535, flag,
+            require(isinstance(port, int) and low <= port <= 65535, flag,
                      f"a port from {low} to 65535", port)
         for item in self.env:
             key, sep, _ = item.partition("=")
-            _require(bool(sep) and bool(_ENV_KEY.fullmatch(key)) and "\n" not in item,
+            require(bool(sep) and bool(_ENV_KEY.fullmatch(key)) and "\n" not in item,
                      "--env", "KEY=VALUE on one line, KEY a shell variable name", item)
         for flag, value in (("--python", self.python), ("--partition", self.partition),
                             ("--account", self.account), ("--walltime", self.walltime),
                             ("--folder", self.folder), ("--interface", self.interface),
                             ("--image", self.image), ("--namespace", self.namespace)):
-            _require(value is None or (isinstance(value, str) and value != ""
+            require(value is None or (isinstance(value, str) and value != ""
                                        and not any(c.isspace() for c in value)),
                      flag, "a value without spaces", value)
         for line in self.prologue:
-            _require("\n" not in line and line != _EOF, "--prologue", "one shell line",
+            require("\n" not in line and line != _EOF, "--prologue", "one shell line",
                      line)
         if engine == "k8s":
-            _require(self.image is not None, "--image",
+            require(self.image is not None, "--image",
                      "the container image every pod runs (with digenrl installed)", None)
 
     @property
@@ -169,11 +170,6 @@ def command_line(engine: str, d: Deployment, *extra: str) -> str:
         else:
             parts += [flag, str(value)]
     return shlex.join(parts)
-
-
-def _require(ok: bool, flag: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{flag}: expected {expected}, got {got!r}")
 
 
 # ---------------------------------------------------------------- the worker's facts

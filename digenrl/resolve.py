@@ -21,8 +21,8 @@ it, still before any cluster).
 
 from __future__ import annotations
 
-# The config's own message helpers: a check here reads like one in digenrl.config.
-from digenrl.config import ConfigError, RewardConfig, RunConfig, _choice, _require, _sub_path
+from digenrl.checks import ConfigError, choice, require, sub_path
+from digenrl.config import RewardConfig, RunConfig
 from digenrl.lora import check_targets
 from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
@@ -44,7 +44,7 @@ def check_world(config: RunConfig) -> None:
         family(model).check_folder()
         family(model).check_size()
     if not data.prompts:
-        _choice(data.prompt_set, "data.prompt_set", PROMPT_SETS)
+        choice(data.prompt_set, "data.prompt_set", PROMPT_SETS)
     for name in ("prompt_file", "eval_prompt_file"):
         path = getattr(data, name)
         if path is not None:
@@ -55,7 +55,7 @@ def check_world(config: RunConfig) -> None:
     _check_ocr_targets(config)
     check_trackers(config.tracking)
     if config.eval.on:
-        _require(has_held_out_prompts(data), "eval.every",
+        require(has_held_out_prompts(data), "eval.every",
                  "0 when there are no held-out prompts (set data.eval_prompt_file: the "
                  "built-in held-out prompts go with a built-in data.prompt_set only)",
                  config.eval.every)
@@ -71,14 +71,14 @@ def _check_sample_kind(config: RunConfig) -> None:
     video = family(model).video
     kind = "a video model" if video else "an image model"
     if video:
-        _require(not config.store.save_latents, "store.save_latents",
+        require(not config.store.save_latents, "store.save_latents",
                  "false for a video model (steps.latent holds image latents)",
                  config.store.save_latents)
     else:
         name = family(model).pipeline_class or "the built-in model"
-        _require(model.num_frames is None, "model.num_frames", f"null for {kind} ({name})",
+        require(model.num_frames is None, "model.num_frames", f"null for {kind} ({name})",
                  model.num_frames)
-        _require(not config.store.save_videos, "store.save_videos",
+        require(not config.store.save_videos, "store.save_videos",
                  f"false for {kind} (samples.video holds whole videos)",
                  config.store.save_videos)
         for name in config.reward.components:
@@ -157,19 +157,19 @@ def check_rewards(reward: RewardConfig) -> None:
     registered reward, and each group reward ranks a reward that scores samples alone."""
     for group in ("remote", "models", "group"):
         for name in getattr(reward, group):
-            _require(name not in REWARDS, _sub_path(f"reward.{group}", name),
+            require(name not in REWARDS, sub_path(f"reward.{group}", name),
                      "a name that is not a registered reward's", name)
     alone = ({name for name, spec in REWARDS.items() if not spec.group}
              | set(reward.remote) | set(reward.models))
     for name, settings in reward.group.items():
-        _choice(settings.of, f"{_sub_path('reward.group', name)}.of", alone)
+        choice(settings.of, f"{sub_path('reward.group', name)}.of", alone)
     known = set(REWARDS) | set(reward.remote) | set(reward.models) | set(reward.group)
     for name in reward.components:
-        _choice(name, "reward.components", known)
+        choice(name, "reward.components", known)
     for name in _ocr_rewards(reward):
         missing = ocr_missing()
         if missing is not None:
-            raise ConfigError(f"{_sub_path('reward.models', name)}.kind: expected {missing}")
+            raise ConfigError(f"{sub_path('reward.models', name)}.kind: expected {missing}")
 
 
 def _ocr_rewards(reward: RewardConfig) -> list[str]:
@@ -221,7 +221,7 @@ def _check_group_rewards(config: RunConfig) -> None:
     grouped = [name for name in config.reward.components
                if name in config.reward.group or (name in REWARDS and REWARDS[name].group)]
     if grouped:
-        _require(config.data.samples_per_prompt >= 2, "data.samples_per_prompt",
+        require(config.data.samples_per_prompt >= 2, "data.samples_per_prompt",
                  f"at least 2 with the group reward {grouped[0]!r} (it ranks the samples "
                  f"of each prompt group)", config.data.samples_per_prompt)
 

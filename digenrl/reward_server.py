@@ -37,6 +37,7 @@ import functools
 import hmac
 import logging
 import math
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,10 +48,11 @@ from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
+from digenrl.checks import finite, positive_int, require
 from digenrl.tasks.remote import ProtocolError, decode_request, encode_response
 from digenrl.tasks.rewards import RewardSpec
 
-__all__ = ["RewardServer", "Batcher", "serve", "TOKEN_ENV", "DEFAULT_MAX_BYTES",
+__all__ = ["RewardServer", "Batcher", "serve", "serve_options", "TOKEN_ENV", "DEFAULT_MAX_BYTES",
            "READ_TIMEOUT", "DEFAULT_BATCH_SIZE", "DEFAULT_MAX_WAIT_MS", "DEFAULT_MAX_QUEUE",
            "DEFAULT_BACKLOG"]
 
@@ -433,6 +435,43 @@ class _Handler(RequestHandler):
             return
         server.requests += 1
         self._answer(200, {"scores": [float(v) for v in scores]}, protocol)
+
+
+def serve_options(spec: RewardSpec, *, port: int, max_bytes: int | None,
+                  batch_size: int | None, max_queue: int | None, backlog: int | None,
+                  max_wait_ms: float | None, read_timeout: float | None,
+                  token: str | None) -> dict[str, Any]:
+    """The keywords of :func:`serve` from the command line's flags (None: the flag's
+    default), each checked in one line naming its flag before anything is served. A
+    model reward's passes are its configured ``batch_size``: ``--batch-size`` may only
+    repeat it."""
+    require(0 <= port <= 65535, "--port", "0 to 65535", port)
+    max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    require(max_bytes >= 1, "--max-bytes", "a positive number of bytes", max_bytes)
+    model_batch = getattr(spec.fn, "batch_size", None)  # a model reward's forward pass
+    require(model_batch is None or batch_size in (None, model_batch), "--batch-size",
+            f"none (or {model_batch}) for the model reward {spec.name!r}, whose passes "
+            f"are its reward.models.{spec.name}.batch_size {model_batch}", batch_size)
+    batch_size = model_batch or (DEFAULT_BATCH_SIZE if batch_size is None else batch_size)
+    for flag, value in (("--batch-size", batch_size), ("--max-queue", max_queue),
+                        ("--backlog", backlog)):
+        if value is not None:
+            positive_int(value, flag)
+    if max_wait_ms is not None:
+        finite(max_wait_ms, "--max-wait-ms", lo=0)
+    if read_timeout is not None:
+        finite(read_timeout, "--read-timeout", lo=0, lo_open=True)
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    require(token is None or token.strip(), "--token", "a non-empty token", token)
+    options: dict[str, Any] = {"port": port, "max_bytes": max_bytes, "batch_size": batch_size,
+                               "token": token}
+    if max_wait_ms is not None:
+        options["max_wait"] = max_wait_ms / 1000
+    for name, value in (("max_queue", max_queue), ("backlog", backlog),
+                        ("read_timeout", read_timeout)):
+        if value is not None:
+            options[name] = value
+    return options
 
 
 def serve(spec: RewardSpec, host: str, port: int, *, token: str | None, max_bytes: int,

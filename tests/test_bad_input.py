@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from digenrl.cli import main
-from digenrl.config import ConfigError, RunConfig, _sub_path, config_from_dict, config_to_dict
+from digenrl.checks import sub_path
+from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
 from digenrl.graph.build import GraphContext
 from digenrl.graph.structure import rollout_nodes, train_nodes
 from digenrl.runner import FlowGRPOWorkload
@@ -150,7 +151,7 @@ def test_fuzzed_configs_run_or_fail_naming_the_field(folder, changes):
             if not isinstance(node, dict) or value in valid:
                 continue
             node[value] = 1
-            where = _sub_path(where, value)  # how the config names a key
+            where = sub_path(where, value)  # how the config names a key
         else:
             data[where] = value
         changed.add(where)

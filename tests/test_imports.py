@@ -24,12 +24,13 @@ MODEL_LIBRARIES = {"torch", "diffusers", "transformers", "peft"}
 
 #: What the config may import of the project: the pure leaves it is built from (the
 #: schedule's switches and the options the policy reads; the algorithms' shapes and the
-#: seeds of their draws), and the package files importing them runs.
+#: seeds of their draws; the checks every layer's settings are checked with), and the
+#: package files importing them runs.
 CONFIG_LEAVES = {"digenrl.schedulers", "digenrl.schedulers.switches",
                  "digenrl.schedulers.options", "digenrl.algorithms",
                  "digenrl.algorithms.base", "digenrl.algorithms.flow_grpo",
                  "digenrl.algorithms.diffusion_nft", "digenrl.algorithms.awm",
-                 "digenrl.algorithms.dpo", "digenrl.seeding"}
+                 "digenrl.algorithms.dpo", "digenrl.seeding", "digenrl.checks"}
 
 #: Import cycles among digenrl modules that are needed, each with its reason. None is.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}

@@ -71,6 +71,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from digenrl.checks import finite, positive_int
 from digenrl.sim.profile import Profile, load_profile
 from digenrl.vocabulary import GRAD, OPTIMIZE
 
@@ -93,18 +94,12 @@ DEFAULT_OVERSUBSCRIPTIONS = (1.0, 2.0, 4.0)
 DEFAULT_SWITCHING_DELAYS = (1e-5, 1e-3, 1e-2, 1e-1)
 
 
-def _number(owner: str, name: str, value: Any, minimum: float, strict: bool) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > minimum if strict else value >= minimum))
-    if not ok:
-        op = ">" if strict else ">="
-        raise ValueError(f"{owner}.{name}: expected a finite number {op} {minimum:g}, "
-                         f"got {value!r}")
+def _number(owner: str, name: str, value: Any, minimum: int, strict: bool) -> None:
+    finite(value, f"{owner}.{name}", lo=minimum, lo_open=strict, error=ValueError)
 
 
 def _integer(owner: str, name: str, value: Any, minimum: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"{owner}.{name}: expected an integer >= {minimum}, got {value!r}")
+    positive_int(value, f"{owner}.{name}", minimum, error=ValueError)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import yaml
 
 from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from digenrl.analysis import ideal_bound
+from digenrl.checks import require
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD,
@@ -41,9 +42,9 @@ class ProfileError(ValueError):
     pass
 
 
-def _need(cond: bool, path: str, expected: str, got: Any) -> None:
-    if not cond:
-        raise ProfileError(f"{path}: expected {expected}, got {got!r}")
+def _need(cond: Any, path: str, expected: str, got: Any) -> None:
+    """A profile's check (:func:`digenrl.checks.require`), raising :class:`ProfileError`."""
+    require(cond, path, expected, got, ProfileError)
 
 
 def _pos(v: Any, path: str, zero_ok: bool = False) -> float:

@@ -95,13 +95,19 @@ def test_no_rule_moves_a_member_an_idle_worker_of_another_pool_never_takes_one()
     assert sorted((d.key[2], d.worker) for d in out) == [(0, "r0"), (1, "r1"), (2, "r2")]
 
 
-def test_a_member_lost_mid_gang_takes_the_others_back_and_the_gang_runs_again_whole():
-    p = policy_with(opts("digenrl"), rollout=0, trainer=3)
-    members = gang(4, 3)
+def released_gang(p, gang_id: int, size: int):
+    """A training gang of ``size`` added, ready and released whole."""
+    members = gang(gang_id, size)
     p.add_tasks(members)
     for m in members:
         p.task_ready(m.key)
-    assert len(p.decide()) == 3
+    assert len(p.decide()) == size
+    return members
+
+
+def test_a_member_lost_mid_gang_takes_the_others_back_and_the_gang_runs_again_whole():
+    p = policy_with(opts("digenrl"), rollout=0, trainer=3)
+    members = released_gang(p, 4, 3)
     p.task_done(members[0].key, "t0", 1.0)
     p.task_lost(members[1].key)
     # The finished member and the running one are taken back: the step runs again.
@@ -120,11 +126,7 @@ def test_a_member_lost_mid_gang_takes_the_others_back_and_the_gang_runs_again_wh
 
 def test_a_member_worker_leaving_fails_the_step_at_once():
     p = policy_with(opts("digenrl"), rollout=0, trainer=2)
-    members = gang(5, 2)
-    p.add_tasks(members)
-    for m in members:
-        p.task_ready(m.key)
-    p.decide()
+    members = released_gang(p, 5, 2)
     assert p.remove_worker("t1") == [members[1].key]
     assert p.take_withdrawn() == [members[0].key]
     assert members[0].state is not RELEASED and not p.workers["t0"].inflight
