@@ -67,7 +67,8 @@ def measure_store(path: str | Path, skip: int = 1,
 
 
 def _run_variants(variants: Sequence[str], out_dir: str | Path, make: Callable, handle,
-                  skip: int, drain: int, table: Mapping[str, dict]) -> list[BenchResult]:
+                  skip: int, drain: int, table: Mapping[str, Mapping[str, Any]]
+                  ) -> list[BenchResult]:
     from digenrl.driver import Driver
 
     out = Path(out_dir)

@@ -16,12 +16,12 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import yaml
 
-from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
-                            load_config)
+from digenrl.config import (ConfigError, RewardModelConfig, RunConfig, apply_overrides,
+                            config_from_dict, load_config)
 from digenrl.driver import RunStalled
 from digenrl.schedulers.switches import MODE_NAMES, switches
 from digenrl.store import StoreError, committed_iterations
@@ -256,7 +256,8 @@ def _stored_config(path: str) -> dict[str, Any]:
 
     if not (Path(path) / "zarr.json").is_file():
         raise ConfigError(f"--resume: expected an existing digenrl store, got {path!r}")
-    attrs = zarr.open_group(path, mode="r").attrs.get("digenrl") or {}
+    root: Mapping[str, Any] = zarr.open_group(path, mode="r").attrs
+    attrs = root.get("digenrl") or {}
     if "config" not in attrs:
         raise ConfigError(f"--resume: {path!r} holds no digenrl run config")
     return dict(attrs["config"])
@@ -365,7 +366,7 @@ def _reward_failure(e: RewardError, args: argparse.Namespace) -> str:
     return f"{e} ({hint})"
 
 
-def _lost_scheduler(e: BaseException, address: str | None = None) -> bool:
+def _lost_scheduler(e: BaseException | None, address: str | None = None) -> bool:
     """Whether ``e`` (or an exception it was raised from) says the Dask scheduler went
     away: the connection closed under a request, the client cancelled the run's futures
     because it lost the scheduler (one future's result asked for, or several waited
@@ -598,9 +599,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     measured = {}
     todo = [v for v in variants if not (args.reuse and (out / f"{v}.zarr").is_dir())]
     if todo:
-        for r in bench_profile(profile, todo, out, iterations=args.iterations,
-                               time_scale=scale, drain=1, dashboard_address=None):
-            measured[r.name] = (r.stats.images_per_s, r.overhead)
+        for done in bench_profile(profile, todo, out, iterations=args.iterations,
+                                  time_scale=scale, drain=1, dashboard_address=None):
+            measured[done.name] = (done.stats.images_per_s, done.overhead)
     for v in variants:
         if v not in measured:
             _check_reused(out / f"{v}.zarr", profile, args.iterations)
@@ -739,7 +740,7 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ConfigError(f"--import: expected an importable module, got {module!r} "
                               f"({e})") from None
-    models = {}
+    models: Mapping[str, RewardModelConfig] = {}
     if args.config is not None:
         from digenrl.resolve import check_rewards
 
@@ -813,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except RunStalled as e:
         out, n = _stored(args)
-        hint = "" if n is None else (f"; {_holds(out, n)}; continue with: "
+        hint = "" if n is None or out is None else (f"; {_holds(out, n)}; continue with: "
                                      f"{_resume_command(args, out)}")
         print(f"digenrl {args.command}: error: {_one_line(str(e))}{hint}", file=sys.stderr)
         return 1

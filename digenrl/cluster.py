@@ -130,7 +130,7 @@ class QuietReportedErrors(WorkerPlugin):
 def worker_resources(pool: str, gpus: int = 1, speed: float | None = None) -> dict[str, float]:
     """A worker's resources: its GPU slots, its pool tag and, when it is not 1, its
     relative speed (the scheduler reads both; no task requires them)."""
-    res = {"GPU": gpus, pool: 1}
+    res: dict[str, float] = {"GPU": gpus, pool: 1}
     if speed is not None and speed != 1.0:
         res["speed"] = speed
     return res
@@ -142,6 +142,7 @@ class _PoolTagging:
 
     _pool_sizes: dict[str, int]
     _speeds: dict[str, float] = {}
+    worker_spec: dict[str, Any]     # (the SpecCluster's: worker name -> its spec)
 
     def _next_pool(self) -> str:
         counts = {p: 0 for p in self._pool_sizes}

@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -624,6 +624,7 @@ class RewardModelConfig:
             require(isinstance(self.head, str) and self.head != "", f"{p}.head",
                      f"a path to the aesthetic head's weights ({', '.join(HEAD_SUFFIXES)})",
                      self.head)
+            assert self.head is not None    # (required just above)
             require(Path(self.head).expanduser().is_file(), f"{p}.head", "an existing file",
                      self.head)
             require(self.head.endswith(HEAD_SUFFIXES), f"{p}.head",
@@ -633,7 +634,7 @@ class RewardModelConfig:
                                                      "head)", self.head)
 
 
-def _check_folder(path: str, field_path: str, needs: list[tuple[str, ...]],
+def _check_folder(path: str, field_path: str, needs: Sequence[tuple[str, ...]],
                   what: str) -> None:
     """``path`` is a folder holding, for each entry of ``needs``, one of its files."""
     folder = Path(path).expanduser()
@@ -795,6 +796,8 @@ class _ScheduleChecks:
     """The checks and the options of the ``schedule`` section, from the switches'
     declarations (:mod:`digenrl.schedulers.switches`)."""
 
+    mode: str   # (ScheduleConfig's field)
+
     def validate(self, p: str = "schedule") -> None:
         choice(self.mode, f"{p}.mode", MODES)
         for s in _SCHEDULE_FIELDS:
@@ -803,6 +806,7 @@ class _ScheduleChecks:
             reason = s.fixed.get(self.mode)
             value = getattr(self, s.name)
             if reason is not None:
+                assert s.modes is not None      # (a mode that fixes it: a preset)
                 preset = s.modes[self.mode]
                 require(value is None or value == preset, f"{p}.{s.name}",
                          f"{json_default(preset)} or null in {self.mode} mode ({p}.mode; "
@@ -847,6 +851,7 @@ def _schedule_doc(s: Switch) -> str:
     """The configuration reference's line of switch ``s``."""
     if not s.preset:
         return s.help
+    assert s.modes is not None      # (a preset)
     values = ", ".join(f"{mode} {json_default(v)}" for mode, v in s.modes.items())
     return f"{s.help} null: the mode's ({values})."
 
@@ -929,7 +934,7 @@ class ClusterConfig:
     def validate(self, p: str) -> None:
         if self.scheduler is not None:
             m = isinstance(self.scheduler, str) and _SCHEDULER.match(self.scheduler)
-            require(bool(m) and (m.group("scheme") or m.group("port")) is not None
+            require(isinstance(m, re.Match) and (m.group("scheme") or m.group("port")) is not None
                      and int(m.group("port") or 0) <= 65535, f"{p}.scheduler",
                      "a scheduler address such as tcp://host:8786 (schemes: "
                      f"{', '.join(_SCHEMES)})", self.scheduler)
@@ -943,7 +948,7 @@ class ClusterConfig:
         finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
         if self.dashboard_address is not None:
             m = isinstance(self.dashboard_address, str) and _ADDRESS.match(self.dashboard_address)
-            require(bool(m) and int(m.group("port") or m.group("bare")) <= 65535,
+            require(isinstance(m, re.Match) and int(m.group("port") or m.group("bare")) <= 65535,
                      f"{p}.dashboard_address",
                      "an address such as ':8787' or 'localhost:8787' (port 0 picks a free "
                      "one), or null", self.dashboard_address)
@@ -1178,7 +1183,8 @@ class RunConfig:
 #: Each section of a run config (a field of RunConfig holding a dataclass) by name.
 _SECTIONS: dict[str, type] = {
     f.name: hint for f in dataclasses.fields(RunConfig)
-    if dataclasses.is_dataclass(hint := typing.get_type_hints(RunConfig)[f.name])}
+    if isinstance(hint := typing.get_type_hints(RunConfig)[f.name], type)
+    and dataclasses.is_dataclass(hint)}
 
 
 def _coerce(value: Any, hint: Any, path: str) -> Any:
@@ -1198,7 +1204,7 @@ def _coerce(value: Any, hint: Any, path: str) -> Any:
         raise ConfigError(errors[0])
     if hint is Any:
         return value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, path)
     if origin is tuple:
         require(isinstance(value, (list, tuple)), path, "a list", value)
@@ -1360,13 +1366,14 @@ def reference_markdown() -> str:
              "print(reference_markdown())\" > docs/configuration.md`). A YAML config sets "
              "any of these; `digenrl run --set SECTION.FIELD=VALUE` overrides one.", ""]
     top = [f for f in dataclasses.fields(RunConfig) if f.name not in _SECTIONS]
-    sections = [("(top level)", RunConfig, top)]
+    sections: list[tuple[str, type, Sequence[dataclasses.Field]]] = [
+        ("(top level)", RunConfig, top)]
     for name, cls in _SECTIONS.items():
         sections.append((name, cls, dataclasses.fields(cls)))
         # A mapping of name -> settings (reward.remote): its settings get a table too.
         for f in dataclasses.fields(cls):
             args = typing.get_args(typing.get_type_hints(cls)[f.name])
-            if len(args) == 2 and dataclasses.is_dataclass(args[1]):
+            if len(args) == 2 and isinstance(args[1], type) and dataclasses.is_dataclass(args[1]):
                 sections.append((f"{name}.{f.name}.NAME", args[1],
                                  dataclasses.fields(args[1])))
     for title, cls, fields in sections:
@@ -1377,8 +1384,11 @@ def reference_markdown() -> str:
         lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
         hints = typing.get_type_hints(cls)
         for f in fields:
-            default = (f.default if f.default is not dataclasses.MISSING
-                       else f.default_factory())  # type: ignore[misc]
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert callable(f.default_factory)  # (every field has a default)
+                default = f.default_factory()
             shown = json_default(default)
             kind = (str(hints[f.name]).replace("typing.", "").replace("<class '", "")
                     .replace("'>", "").replace("digenrl.config.", "").replace("|", "\\|"))

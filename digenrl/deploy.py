@@ -22,7 +22,7 @@ import posixpath
 import re
 import shlex
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 from dask.utils import format_bytes, parse_bytes
@@ -133,13 +133,13 @@ class Deployment:
             key, sep, _ = item.partition("=")
             require(bool(sep) and bool(_ENV_KEY.fullmatch(key)) and "\n" not in item,
                      "--env", "KEY=VALUE on one line, KEY a shell variable name", item)
-        for flag, value in (("--python", self.python), ("--partition", self.partition),
-                            ("--account", self.account), ("--walltime", self.walltime),
-                            ("--folder", self.folder), ("--interface", self.interface),
-                            ("--image", self.image), ("--namespace", self.namespace)):
-            require(value is None or (isinstance(value, str) and value != ""
-                                       and not any(c.isspace() for c in value)),
-                     flag, "a value without spaces", value)
+        for flag, text in (("--python", self.python), ("--partition", self.partition),
+                           ("--account", self.account), ("--walltime", self.walltime),
+                           ("--folder", self.folder), ("--interface", self.interface),
+                           ("--image", self.image), ("--namespace", self.namespace)):
+            require(text is None or (isinstance(text, str) and text != ""
+                                     and not any(c.isspace() for c in text)),
+                    flag, "a value without spaces", text)
         for line in self.prologue:
             require("\n" not in line and line != _EOF, "--prologue", "one shell line",
                      line)
@@ -298,7 +298,7 @@ def jobqueue_settings(d: Deployment, pool: str) -> dict[str, Any]:
 
 
 def _header(d: Deployment, job_name: str, cpus: int | None = None, mem: str | None = None,
-            extra: list[str] = ()) -> list[str]:
+            extra: Sequence[str] = ()) -> list[str]:
     """``#SBATCH`` lines in dask-jobqueue's order."""
     logs = _folder(d, "logs")
     lines = [f"-J {job_name}", f"-e {logs}/{job_name}-%J.err", f"-o {logs}/{job_name}-%J.out"]

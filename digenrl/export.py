@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from digenrl.lora import build_policy, trainable_spec
 from digenrl.models import family, model_seed
 from digenrl.checkpoints import complete_checkpoints, read_checkpoint, read_weights
 from digenrl.store import StoreError, read_attrs
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
 
 __all__ = ["Exported", "export", "stored_versions", "LORA_WEIGHTS"]
 
@@ -101,7 +105,7 @@ def export(store: str, out: str | Path, version: int | None = None) -> Exported:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StoreError(f"DIR: expected a new or empty folder, got {str(out)!r}")
-    module = policy_module(config, tensors)
+    module: ModelMixin = policy_module(config, tensors)
     if trainable_spec(config.model, config.train).lora:
         from peft.utils import get_peft_model_state_dict
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from digenrl.config import ConfigError, ModelConfig, TrainConfig
 from digenrl.models import build_transformer, family
 from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.seeding import INIT_DRAW, stable_seed
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
 
 __all__ = ["Trainable", "trainable_spec", "build_policy", "trainable_parameters",
            "cast_for_forward", "check_targets", "lora_config", "adapters_off"]
@@ -69,7 +73,7 @@ def build_policy(model: ModelConfig, spec: Trainable, seed: int) -> torch.nn.Mod
     """The transformer in float32 with version 0's trainable weights: the model's own,
     or with zero-effect LoRA adapters (``A`` drawn from the model seed) added."""
     with BUILDING:
-        module = build_transformer(model, seed)
+        module: ModelMixin = build_transformer(model, seed)
         if spec.lora:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(stable_seed(seed, INIT_DRAW, "lora"))
@@ -80,7 +84,7 @@ def build_policy(model: ModelConfig, spec: Trainable, seed: int) -> torch.nn.Mod
 
 
 @contextmanager
-def adapters_off(module: torch.nn.Module):
+def adapters_off(module: ModelMixin):
     """``module`` computing as its base model: its LoRA adapters switched off (peft's
     switch, through diffusers' ``disable_adapters``) and on again after, so the frozen
     reference of a KL term or of DPO needs no copy of any weight. Switching them off also

@@ -52,7 +52,7 @@ class CpuMeter:
     left takes its last seconds with it.
     """
 
-    def __init__(self, client):
+    def __init__(self, client) -> None:
         self.client = client
         self._seen: dict[tuple[str, int], float] = {}
         self._model = 0.0

@@ -171,7 +171,7 @@ def beside_sources(images: np.ndarray, index: np.ndarray, table: list[dict]) -> 
             pixels = read_source(SourceFile(table[j]["path"], table[j]["sha256"]))
         except (OSError, ValueError):
             continue
-        left[k] = np.asarray(Image.fromarray(pixels).resize((w, h), Image.BICUBIC))
+        left[k] = np.asarray(Image.fromarray(pixels).resize((w, h), Image.Resampling.BICUBIC))
     return np.concatenate([left, images], axis=2)
 
 

@@ -179,8 +179,8 @@ def _load(path: str, field: str, size: int, mtime_ns: int) -> PromptFile:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"{field}: line {line} of {path}: expected UTF-8 text, got "
+        number = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{field}: line {number} of {path}: expected UTF-8 text, got "
                           f"byte {raw[e.start:e.start + 1]!r}") from None
     digest = hashlib.sha256(raw).hexdigest()
     lines = text.split("\n")

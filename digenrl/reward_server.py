@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tornado.http1connection import HTTP1Connection
 from tornado.httpserver import HTTPServer
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
@@ -309,7 +310,7 @@ class _Handler(RequestHandler):
         self._received = 0
         self._size = 0
         self._refusal: tuple[int, str] | None = None  # answered once the body is read
-        self._stall = None
+        self._stall: asyncio.TimerHandle | None = None
 
     # -- answers
 
@@ -331,7 +332,9 @@ class _Handler(RequestHandler):
         to read the body)."""
         self.set_header("Connection", "close")
         await self._refuse(status, reason)
-        self.request.connection.close()
+        connection = self.request.connection
+        assert isinstance(connection, HTTP1Connection)  # (the HTTPServer's)
+        connection.close()
 
     def _unauthorised(self) -> str | None:
         token = self.server.token

@@ -541,7 +541,7 @@ def open_run(path: str | Path, *, attempts: int = 20) -> dict[str, xr.Dataset]:
     return out
 
 
-def evaluation_means(rows: dict[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
+def evaluation_means(rows: Mapping[str, np.ndarray] | None) -> list[tuple[int, float, int]]:
     """Each evaluation in an iteration's ``eval`` rows: its version, the mean of its
     valid rewards, and the prompts it scored."""
     if not rows or not len(rows["version"]):

@@ -138,7 +138,7 @@ class IterationLog:
         store's groups, each its columns)."""
         metrics = {name: float(v) for name, v in groups.get("metrics", {}).items()
                    if math.isfinite(float(v))}
-        rows = groups.get(EVAL_GROUP)
+        rows = groups.get(EVAL_GROUP, {})
         per_reward = evaluation_reward_means(rows)
         evaluations = [Evaluation(v, mean, count,
                                   _eval_grid(rows, v, tracking.images)
@@ -251,8 +251,10 @@ class TensorBoard(Backend):
             log_dir = _fresh(s.dir / "tensorboard" / f"{s.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.writer = SummaryWriter(str(log_dir))
         if s.stored is None:
+            file_writer = self.writer.file_writer
+            assert file_writer is not None      # (made with the SummaryWriter)
             for summary in hparams(flat_config(s.config), {}):
-                self.writer.file_writer.add_summary(summary)
+                file_writer.add_summary(summary)
         # The config the run follows from this iteration on (a resumed run may extend it).
         self.writer.add_text("config", _markdown_yaml(s.config), s.iteration)
         self.writer.flush()

@@ -67,7 +67,7 @@ def why(store: str | Path, key: str) -> str:
     rows = [i for i, k in enumerate(keys) if key_parts(k) == want]
     if not rows:
         raise _unknown(store, key, keys)
-    columns = {name: tasks[name].values for name in tasks.data_vars}
+    columns = {str(name): tasks[name].values for name in tasks.data_vars}
     ready = columns.get("ready")
     t0 = float(np.nanmin(ready)) if ready is not None and np.isfinite(ready).any() else 0.0
     stories = [story({name: _plain(values[i]) for name, values in columns.items()}, t0)

@@ -21,6 +21,7 @@ from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
 from digenrl.tasks import advantage as adv_tasks
 from digenrl.tasks import rollout, train
+from digenrl.tasks.rollout import RolloutSpec
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu, split_group_rewards
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, ENCODE, EVAL, EVAL_REWARD, GRAD,
@@ -36,7 +37,7 @@ class GraphContext:
 
     config: RunConfig
     layout: GraphLayout
-    rollout: rollout.RolloutSpec
+    rollout: RolloutSpec
     train: train.TrainSpec
     #: The reward functions with their weights (the reward tasks carry them): those
     #: that score each sample alone, and those that score a whole prompt group at once
@@ -45,7 +46,7 @@ class GraphContext:
     group_rewards: tuple[tuple[RewardSpec, float], ...] = ()
     #: Held-out evaluation: its sampler (its own steps and guidance) and prompts; None
     #: while evaluation is off.
-    evaluation: rollout.RolloutSpec | None = None
+    evaluation: RolloutSpec | None = None
     held_out: HeldOut | None = None
 
     @classmethod
@@ -114,7 +115,8 @@ class GraphContext:
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""
         on_error = self.config.reward.on_error
-        return {
+        assert self.layout.algorithm is not None    # (set when the layout is made)
+        table: dict[str, tuple[Callable, tuple]] = {
             INIT: (train.init_state, (self.train,)),
             ENCODE: (rollout.encode, (self.rollout,)),
             NOISE: (rollout.noise, (self.rollout,)),
@@ -133,7 +135,8 @@ class GraphContext:
             PUBLISH: (train.publish, ()),
             TRAINED: (train.trained, ()),
             STATS: (train.iteration_stats, ()),
-        }[node.op]
+        }
+        return table[node.op]
 
 
 def _check_sigmas(sigmas: tuple[float, ...], config: RunConfig,

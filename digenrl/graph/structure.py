@@ -158,6 +158,7 @@ class GraphLayout:
         it reads, the groups whose advantages it reads)``: every chunk, reading itself;
         with a pairwise algorithm the first chunk of each group, reading every chunk of
         the groups it is the first of (their pairs are trained there)."""
+        assert self.algorithm is not None  # (set when the layout is made)
         if not self.algorithm.pairwise:
             return [(c, [c], plan.groups_of_chunk(c)) for c in range(len(plan.chunks))]
         owned: dict[int, list[int]] = {}
@@ -168,6 +169,7 @@ class GraphLayout:
 
     def leaves(self, plan: IterationPlan) -> int:
         """How many micro-steps (``grad`` tasks, the reduction's leaves) ``plan`` has."""
+        assert self.algorithm is not None  # (set when the layout is made)
         return len(self.units(plan)) * self.algorithm.micro_steps_per_chunk()
 
     def reduce_root(self, plan: IterationPlan) -> Key:
@@ -267,6 +269,7 @@ def iteration_shape(layout: GraphLayout, plan: IterationPlan) -> Hashable:
     relies on this to build one iteration per shape (:mod:`digenrl.sim.template`)."""
     i = plan.iteration
     versions = [layout.chunk_version(plan, c) for c in range(len(plan.chunks))]
+    assert layout.algorithm is not None  # (set when the layout is made)
     return (dataclasses.replace(plan, iteration=0), tuple(v - i for v in versions),
             optimize_key(i - 1) == INIT_KEY,
             # The KL reference is version 0: the same input as rollouts of version 0.
@@ -300,6 +303,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
     out = encode_nodes(layout, plan) if layout.encode else []
     append = out.append
     alg = layout.algorithm
+    assert alg is not None  # (set when the layout is made)
     steps = range(layout.num_steps)
     sde = set(alg.sde_steps(i))
     last = layout.num_steps - 1
@@ -308,7 +312,7 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         ids = plan.sample_ids(c)
         prompts = plan.chunk_prompts(c)
         groups = plan.groups_of_chunk(c)
-        common = dict(chunk=c, group=groups[0], samples=len(ids))
+        common: dict[str, Any] = dict(chunk=c, group=groups[0], samples=len(ids))
         prev: Key = noise_key(i, c)
         inputs = plan.chunk_inputs(c)
         if layout.encode:
@@ -374,6 +378,7 @@ def chain_keys_trained(layout: GraphLayout, plan: IterationPlan) -> list[Key]:
     step (coupled), or each chunk's final latent (decoupled)."""
     i = plan.iteration
     alg = layout.algorithm
+    assert alg is not None  # (set when the layout is made)
     keys = []
     if not alg.keeps_trajectory():
         return [denoise_key(i, c, layout.num_steps - 1) for c in range(len(plan.chunks))]
@@ -399,6 +404,7 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = No
     i = plan.iteration
     tv = i
     alg = layout.algorithm
+    assert alg is not None  # (set when the layout is made)
     n_chunks = len(plan.chunks)
     versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
     out = []
@@ -449,6 +455,7 @@ def _coupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
     """A coupled algorithm's micro-steps: chunk ``c`` at trained step ``t`` reads the
     latents before and after step ``t`` (and the step's log-probability with it)."""
     i = plan.iteration
+    assert layout.algorithm is not None  # (set when the layout is made)
     trained = layout.algorithm.micro_steps(i)
     for c, _, groups in layout.units(plan):
         prompts = plan.chunk_prompts(c)
@@ -480,6 +487,7 @@ def _decoupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,
     sampled them, where they are not the trained weights."""
     i = plan.iteration
     alg = layout.algorithm
+    assert alg is not None  # (set when the layout is made)
     final = layout.num_steps - 1
     for c, reads, groups in layout.units(plan):
         bv = min(versions[k] for k in reads)
@@ -571,7 +579,7 @@ def eval_nodes(layout: GraphLayout, version: int, prompts: tuple[str, ...],
     for c, (a, b) in enumerate(eval_chunks(len(prompts), chunk_size)):
         ids = tuple(range(a, b))
         chunk_prompts = tuple(prompts[a:b])
-        common = dict(chunk=c, samples=len(ids))
+        common: dict[str, Any] = dict(chunk=c, samples=len(ids))
         key = eval_key(version, c)
         chunk_inputs = tuple(inputs[a:b]) if inputs else ()
         out.append(Node(key, EVAL, task_meta(EVAL, i, version, **common),

@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -118,8 +118,10 @@ class Conditioning:
     def negative_rows(self) -> dict[str, torch.Tensor]:
         """The negative encoding with a row per sample (a shared row repeated)."""
         n = len(self.prompts)
+        negative = self.negative
+        assert negative is not None     # (asked only of a conditioning with one)
         return {k: v if self.negative_per_sample else v.expand(n, *v.shape[1:])
-                for k, v in self.negative.items()}
+                for k, v in negative.items()}
 
     def to_dtype(self, dtype: torch.dtype) -> "Conditioning":
         """The floating-point tensors in ``dtype`` (the transformer's)."""
@@ -186,8 +188,10 @@ def _one_negative(parts: Sequence[Conditioning]) -> bool:
     return not any(c.negative_per_sample or not _same(c.negative, first) for c in parts)
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Whether two encodings are the same tensors."""
+def _same(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor] | None) -> bool:
+    """Whether two encodings are the same tensors (or both none)."""
+    if a is None or b is None:
+        return a is b
     return a.keys() == b.keys() and all(
         a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
@@ -244,7 +248,7 @@ class PromptCache:
         return len(self._cache)
 
 
-def diffusers_class(name: str) -> type:
+def diffusers_class(name: str) -> type[Any]:
     """The diffusers class ``name`` (``"SD3Transformer2DModel"``), imported now: diffusers
     imports a model's package only when it is first asked for."""
     import diffusers
@@ -302,12 +306,19 @@ class ModelFamily:
         self.cfg = cfg
         self.folder = Path(cfg.path).expanduser() if cfg.path is not None else None
 
+    @property
+    def pipeline_folder(self) -> Path:
+        """:attr:`folder`, where it is read: every family but the built-in model without
+        ``model.path`` has one."""
+        assert self.folder is not None  # (read only by a family loaded from a folder)
+        return self.folder
+
     # ------------------------------------------------------------ checks (no weights)
 
     def check_folder(self) -> None:
         """Every part the family loads is in the folder (config validation calls this)."""
         for part in self.parts:
-            sub = self.folder / part
+            sub = self.pipeline_folder / part
             if not sub.is_dir() or not any(sub.iterdir()):
                 raise ConfigError(
                     f"model.path: expected a {self.pipeline_class} folder with {part}/, got "
@@ -364,17 +375,17 @@ class ModelFamily:
         return self.cfg.max_sequence_length or self.default_max_sequence_length
 
     def transformer_config(self) -> dict:
-        return read_json(self.folder / "transformer" / "config.json")
+        return read_json(self.pipeline_folder / "transformer" / "config.json")
 
     def vae_config(self) -> dict:
-        return read_json(self.folder / "vae" / "config.json")
+        return read_json(self.pipeline_folder / "vae" / "config.json")
 
     def latent_shape(self) -> tuple[int, ...]:
         """The shape of one sample's latent as the sampler holds it."""
         raise NotImplementedError
 
     def scheduler_config(self) -> dict:
-        f = self.folder / "scheduler" / "scheduler_config.json"
+        f = self.pipeline_folder / "scheduler" / "scheduler_config.json"
         return read_json(f) if f.is_file() else {}
 
     def num_train_timesteps(self) -> int:
@@ -398,18 +409,18 @@ class ModelFamily:
         sched.set_timesteps(sampler.num_steps)
         return tuple(float(s) for s in sched.sigmas)
 
-    def timestep(self, sigma: float) -> float:
+    def timestep(self, sigma: float | torch.Tensor) -> float | torch.Tensor:
         """The transformer's timestep input at noise level ``sigma``."""
         return sigma * self.num_train_timesteps()
 
     # --------------------------------------------------------------------- the parts
 
     @property
-    def transformer_class(self) -> type:
+    def transformer_class(self) -> type[Any]:
         return diffusers_class(self.transformer_class_name)
 
     @property
-    def vae_class(self) -> type:
+    def vae_class(self) -> type[Any]:
         return diffusers_class(self.vae_class_name)
 
     def build_transformer(self, seed: int) -> torch.nn.Module:
@@ -456,10 +467,24 @@ class ModelFamily:
         raise NotImplementedError(f"{self.pipeline_class or 'the built-in model'}: "
                                   f"resizes no source images (it does not edit images)")
 
+    def source_pixels(self, image: SourceImage) -> torch.Tensor:
+        """The source image as the family's pipeline feeds its VAE: ``(1, 3, H, W)`` in
+        [-1, 1]. Each editing family defines it (its encoder's
+        :meth:`~digenrl.models.common.TextEncoders.encode_sources` asks)."""
+        raise NotImplementedError(f"{self.pipeline_class or 'the built-in model'}: "
+                                  f"encodes no source images (it does not edit images)")
+
+    def source_latents(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE's encoding of :meth:`source_pixels`, as the family's pipeline encodes
+        a source image. Each editing family defines it."""
+        raise NotImplementedError(f"{self.pipeline_class or 'the built-in model'}: "
+                                  f"encodes no source images (it does not edit images)")
+
     # ------------------------------------------------------------------ computation
 
-    def predict_velocity(self, transformer: torch.nn.Module, x: torch.Tensor, sigma: float,
-                         cond: Conditioning, guidance_scale: float) -> torch.Tensor:
+    def predict_velocity(self, transformer: torch.nn.Module, x: torch.Tensor,
+                         sigma: float | torch.Tensor, cond: Conditioning,
+                         guidance_scale: float) -> torch.Tensor:
         raise NotImplementedError
 
     def decode(self, vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
@@ -474,11 +499,12 @@ def area_size(area: int, height: int, width: int, multiple: int) -> tuple[int, i
     ``calculate_dimensions`` sizes a source image on multiples of 32."""
     aspect = width / height
     w = math.sqrt(area * aspect)
-    return tuple(max(round(side / multiple), 1) * multiple for side in (w / aspect, w))
+    sides = [max(round(side / multiple), 1) * multiple for side in (w / aspect, w)]
+    return sides[0], sides[1]
 
 
-class PromptEncoderLike:
-    """The interface :meth:`ModelFamily.build_encoder` returns (documentation only).
+class PromptEncoderLike(Protocol):
+    """The interface :meth:`ModelFamily.build_encoder` returns.
 
     ``images``: one source image per prompt (uint8 ``(height, width, 3)`` arrays, or
     :class:`SourceImage`), for an instruction-editing family; None for the others.

@@ -103,14 +103,14 @@ class TextEncoders:
 
     def tokenizer(self, part: str):
         """The folder's tokenizer ``part`` (e.g. ``tokenizer_2``)."""
-        return tokenizer_of(self.family.folder, part)
+        return tokenizer_of(self.family.pipeline_folder, part)
 
     def text_encoder(self, part: str) -> torch.nn.Module:
         """The folder's text encoder ``part`` on this device, in ``model.text_encoder_dtype``,
         in eval mode."""
-        return load_part(self.family.folder, part, dtype=self.dtype).to(self.device).eval()
+        return load_part(self.family.pipeline_folder, part, dtype=self.dtype).to(self.device).eval()
 
-    def encode_batch(self, prompts: list) -> dict[str, torch.Tensor]:
+    def encode_batch(self, prompts: list) -> Mapping[str, torch.Tensor | Sequence[torch.Tensor]]:
         """The family's tensors for ``prompts``, one row per prompt (run under no_grad):
         a tensor, or a list of rows of their own lengths (padded when stacked). With
         ``text_sees_image``, each prompt comes as ``(prompt, SourceImage)``."""
@@ -125,7 +125,8 @@ class TextEncoders:
                 self._vae = self.family.build_vae(0).to(self.device)
         return self._vae
 
-    def encode_sources(self, images: list[SourceImage]) -> dict[str, torch.Tensor]:
+    def encode_sources(self, images: list[SourceImage]
+                       ) -> Mapping[str, torch.Tensor | Sequence[torch.Tensor]]:
         """An editing family's source ``images`` as its transformer takes them (run under
         no_grad): each resized and scaled to [-1, 1] as its pipeline does (the family's
         ``source_pixels``), encoded by the VAE (its ``source_latents``) and packed 2 x 2;
@@ -166,7 +167,8 @@ class TextEncoders:
         sources = [i if isinstance(i, SourceImage) else SourceImage.of(i) for i in images]
         if self.text_sees_image:
             tensors = self.cache(list(zip(prompts, sources)))
-            neg_keys = list(zip(texts * len(sources) if len(texts) == 1 else texts, sources))
+            neg_keys: list[str] | list[tuple[str, SourceImage]] = list(
+                zip(texts * len(sources) if len(texts) == 1 else texts, sources))
         else:
             tensors = self.cache(list(prompts))
             neg_keys = texts

@@ -30,7 +30,7 @@ def image_ids(h: int, w: int, device, first: int = 0) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device)
 
 
-def flux_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
+def flux_velocity(transformer, x: torch.Tensor, timestep: float | torch.Tensor, cond: Conditioning,
                   guidance_scale: float, source: torch.Tensor | None = None,
                   source_ids: torch.Tensor | None = None) -> torch.Tensor:
     """A FLUX transformer's velocity for latents ``x`` ``(n, c, h, w)``: packed, with
@@ -46,6 +46,7 @@ def flux_velocity(transformer, x: torch.Tensor, timestep: float, cond: Condition
         guidance = torch.full((n,), guidance_scale, dtype=torch.float32, device=x.device)
     tokens, ids = pack(x), image_ids(h, w, x.device)
     if source is not None:
+        assert source_ids is not None   # (given with the source)
         tokens, ids = torch.cat([tokens, source], dim=1), torch.cat([ids, source_ids])
     out = transformer(hidden_states=tokens, timestep=t, guidance=guidance,
                       pooled_projections=cond.tensors["pooled"], encoder_hidden_states=embeds,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cached_property, lru_cache
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import diffusers
 import torch
@@ -67,6 +67,8 @@ def _drop_template(hidden: torch.Tensor, mask: torch.Tensor, drop: int,
 
 
 class _QwenEncoder(TextEncoders):
+    family: QwenImageFamily
+
     def __init__(self, family: "QwenImageFamily", device):
         super().__init__(family, device)
         self.qwen_tokenizer = self.tokenizer("tokenizer")
@@ -85,7 +87,8 @@ class _QwenEncoder(TextEncoders):
 
 class QwenImageFamily(ModelFamily):
     pipeline_class = "QwenImagePipeline"
-    parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
+    parts: ClassVar[tuple[str, ...]] = ("transformer", "vae", "scheduler", "tokenizer",
+                                        "text_encoder")
     default_max_sequence_length = 512  # QwenImagePipeline.__call__'s
     tokenizer_parts = (("tokenizer", True),)
     transformer_class_name = "QwenImageTransformer2DModel"
@@ -177,8 +180,8 @@ class QwenImageFamily(ModelFamily):
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
         return self._velocity(transformer, x, sigma, cond.to_dtype(x.dtype), guidance_scale)
 
-    def _velocity(self, transformer, x: torch.Tensor, sigma: float, cond: Conditioning,
-                  guidance_scale: float, source: tuple[int, int] | None = None):
+    def _velocity(self, transformer, x: torch.Tensor, sigma: float | torch.Tensor,
+                  cond: Conditioning, guidance_scale: float, source: tuple[int, int] | None = None):
         """The velocity of latents ``x`` (with the packed source tokens in ``cond`` and
         their grid ``source``, for an editing family), with true classifier-free
         guidance when ``guidance_scale > 1``."""
@@ -214,13 +217,14 @@ class QwenImageFamily(ModelFamily):
 
 
 class _QwenEditEncoder(TextEncoders):
+    family: QwenImageEditFamily
     text_sees_image = True
 
     def __init__(self, family: "QwenImageEditFamily", device):
         super().__init__(family, device)
         from digenrl.models.qwen_processor import ImageTextProcessor
 
-        self.processor = ImageTextProcessor.from_pretrained(family.folder / "processor")
+        self.processor = ImageTextProcessor.from_pretrained(family.pipeline_folder / "processor")
         self.qwen = self.text_encoder("text_encoder")
 
     def encode_batch(self, keys: list[tuple[str, SourceImage]]) -> dict[str, list]:
@@ -282,7 +286,7 @@ class QwenImageEditFamily(QwenImageFamily):
         """The folder's ``processor/``, as the encoder loads it."""
         from digenrl.models.qwen_processor import ImageTextProcessor
 
-        return ImageTextProcessor.from_pretrained(self.folder / "processor")
+        return ImageTextProcessor.from_pretrained(self.pipeline_folder / "processor")
 
     def encoded_length(self, prompt: str, height: int, width: int) -> int:
         """Tokens of the encoding of ``prompt`` with a source image resized to ``height``

@@ -20,7 +20,7 @@ CLIP_PARTS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
 T5_PARTS = ("tokenizer_3", "text_encoder_3")
 
 
-def sd3_velocity(transformer, x: torch.Tensor, timestep: float, cond: Conditioning,
+def sd3_velocity(transformer, x: torch.Tensor, timestep: float | torch.Tensor, cond: Conditioning,
                  guidance_scale: float) -> torch.Tensor:
     """An SD3 transformer's velocity, with classifier-free guidance when
     ``guidance_scale > 1`` (negative and positive rows in one batch, as the pipeline);

@@ -109,7 +109,7 @@ class TinyFamily(ModelFamily):
         from digenrl.config import ConfigError
 
         for sub in self.parts:
-            if not (self.folder / sub / "config.json").is_file():
+            if not (self.pipeline_folder / sub / "config.json").is_file():
                 raise ConfigError(f"model.path: expected a diffusers pipeline folder with "
                                   f"{sub}/config.json, got {self.cfg.path!r}")
 
@@ -138,7 +138,7 @@ class TinyFamily(ModelFamily):
     def sigmas(self, sampler: SamplerConfig) -> tuple[float, ...]:
         return _sigmas(sampler.num_steps, float(sampler.shift), self.num_train_timesteps())
 
-    def timestep(self, sigma: float) -> float:
+    def timestep(self, sigma: float | torch.Tensor) -> float | torch.Tensor:
         return sigma * 1000.0
 
     def build_transformer(self, seed: int) -> torch.nn.Module:

@@ -63,7 +63,7 @@ class WanFamily(ModelFamily):
 
     def check_folder(self) -> None:
         super().check_folder()
-        index = read_json(self.folder / "model_index.json")
+        index = read_json(self.pipeline_folder / "model_index.json")
         if index.get("transformer_2") not in (None, [None, None]) \
                 or index.get("expand_timesteps"):
             raise ConfigError(f"model.path: expected a Wan2.1 folder (one transformer), got "

@@ -38,7 +38,8 @@ class DigenRLPage:
 
     def __init__(self, scheduler, plugin_name: str = "digenrl", key: str = ""):
         from bokeh.layouts import column, row
-        from bokeh.models import ColumnDataSource, DataTable, Div, TableColumn, TextInput
+        from bokeh.models import ColumnDataSource, FactorRange, Range1d
+        from bokeh.models.widgets import DataTable, Div, TableColumn, TextInput
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
@@ -58,12 +59,14 @@ class DigenRLPage:
         self.util_source = ColumnDataSource({"time": []})
         self.util = figure(title="pool utilisation (busy GPUs / GPUs), TAG and RAT", height=260,
                            sizing_mode="stretch_width", x_axis_type="datetime",
-                           y_range=(0, 1.05), name="digenrl-utilisation", tools="")
-        self.util_lines = set()
+                           y_range=Range1d(start=0, end=1.05), name="digenrl-utilisation",
+                           tools="")
+        self.util_lines: set[str] = set()
         self.held_source = ColumnDataSource({"reason": list(HELD_REASONS),
                                              "tasks": [0] * len(HELD_REASONS)})
         self.held = figure(title="tasks ready but held, by reason", height=240, width=380,
-                           x_range=list(HELD_REASONS), name="digenrl-held", tools="")
+                           x_range=FactorRange(factors=list(HELD_REASONS)), name="digenrl-held",
+                           tools="")
         self.held.vbar(x="reason", top="tasks", width=0.7, source=self.held_source,
                        color="#ff7f0e")
         self.stale_source = ColumnDataSource({"staleness": [], "samples": []})

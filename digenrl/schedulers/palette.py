@@ -3,6 +3,7 @@ the digenrl dashboard page and the report plots."""
 
 from __future__ import annotations
 
+from functools import wraps
 from typing import Callable
 
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
@@ -43,10 +44,10 @@ def use_kind_colours() -> bool:
         return False
 
     def wrap(original: Callable) -> Callable:
+        @wraps(original)
         def color_of(x, *args, **kwargs):
             return KIND_COLOURS.get(x) or original(x, *args, **kwargs)
 
-        color_of.__wrapped__ = original
         return color_of
 
     progress.color_of = wrap(progress.color_of)

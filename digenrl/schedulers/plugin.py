@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
@@ -45,6 +45,9 @@ from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
 from digenrl.vocabulary import ANNOTATION, POOLS
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources", "WORKER_SEND_INTERVAL"]
@@ -88,7 +91,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
     idempotent = True
 
     def __init__(self) -> None:
-        self.scheduler = None
+        self.scheduler: Scheduler | None = None     # (set when it starts)
         self.run: str | None = None      # the run being scheduled, or the last one
         self.active = False              # between digenrl_begin_run and digenrl_end_run
         self.policy: SchedulingPolicy | None = None
@@ -137,6 +140,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._meta.clear()
         self._to_err.clear()
         self.warnings = []
+        assert self.scheduler is not None    # (set when it starts)
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
         # What the scheduler's process holds now (the driver's too, on a local cluster)
@@ -149,14 +153,17 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         tasks the scheduler still holds (a driver that stopped waits for none)."""
         if self.run == run:
             self.active = False
+        assert self.scheduler is not None    # (set when it starts)
         return sum(key in self.scheduler.tasks for key in self._meta)
 
     def _live_tasks(self) -> bool:
+        assert self.scheduler is not None    # (set when it starts)
         return any(k in self.scheduler.tasks for k in self._meta)
 
     # -------------------------------------------------------------------- workers
 
     def _add_worker(self, address: str) -> None:
+        assert self.scheduler is not None    # (set when it starts)
         ws = self.scheduler.workers.get(address)
         if ws is None or self.policy is None:
             return
@@ -178,6 +185,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
     def _tune_stream(self, address: str) -> None:
         """The scheduler's messages to worker ``address`` go out at most
         :data:`WORKER_SEND_INTERVAL` apart."""
+        assert self.scheduler is not None    # (set when it starts)
         stream = self.scheduler.stream_comms.get(address)
         if stream is not None:
             stream.interval = WORKER_SEND_INTERVAL
@@ -223,6 +231,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         elif start == "processing":
             if finish == "memory":
                 worker = kwargs.get("worker")
+                assert self.scheduler is not None    # (set when it starts)
                 ws = self.scheduler.workers.get(worker)
                 duration = self.telemetry.finished(
                     key, meta, self.policy, str(ws.name) if ws is not None else worker, kwargs)
@@ -244,11 +253,13 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self.telemetry.forget(key)
 
     def _park(self, key) -> None:
+        assert self.scheduler is not None    # (set when it starts)
         ts = self.scheduler.tasks.get(key)
         if ts is not None:
             ts.worker_restrictions = {PARKED}
 
     def _locality(self, key) -> dict[str, int]:
+        assert self.scheduler is not None    # (set when it starts)
         ts = self.scheduler.tasks[key]
         loc: dict[str, int] = defaultdict(int)
         for dts in ts.dependencies:
@@ -268,6 +279,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         if self.policy is None:
             return
         s = self.scheduler
+        assert s is not None    # (set when it starts)
         stimulus_id = f"digenrl-release-{time.time()}"
         for key in [k for k in self._to_err if k in s.tasks and s.tasks[k].state == "no-worker"]:
             exc = StalenessBoundError(self._to_err.pop(key))
@@ -302,7 +314,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         for key, address in self.policy.take_copies():
             ts, ws = s.tasks.get(key), s.workers.get(address)
             if ts is not None and ts.state == "memory" and ws is not None \
-                    and ws not in ts.who_has:
+                    and ws not in (ts.who_has or ()):
                 s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
 

@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any
 
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -31,6 +31,10 @@ from distributed.stealing import _WORKER_STATE_CONFIRM, _WORKER_STATE_UNDEFINED
 from tornado.ioloop import PeriodicCallback
 
 from digenrl.schedulers.watchdog import GRACE_FLOOR, Processing, Watchdog, stall_timeout
+
+if TYPE_CHECKING:
+    from dask.typing import Key
+    from distributed import Scheduler
 
 __all__ = ["ProgressGuard", "TAKE_BACK"]
 
@@ -52,13 +56,13 @@ class ProgressGuard(SchedulerPlugin):
 
     def __init__(self, plugin) -> None:
         self.plugin = plugin              # the DigenRLSchedulerPlugin it serves
-        self.scheduler = None
+        self.scheduler: Scheduler | None = None     # (set when it starts)
         self.enabled = True               # whether the watchdog takes tasks back
         self.watchdog = Watchdog()
         self.counters: dict[str, int] = defaultdict(int)
         self._run: str | None = None
-        self._since: dict[Hashable, float] = {}       # processing key -> since when
-        self._requests: dict[str, tuple[Hashable, str, float]] = {}  # stimulus -> ...
+        self._since: dict[Key, float] = {}            # processing key -> since when
+        self._requests: dict[str, tuple[Key, str, float]] = {}  # stimulus -> ...
         self._progress = 0.0              # when a GPU task of the run last finished
         self._ids = itertools.count()
         self._stealing_response = None
@@ -103,6 +107,7 @@ class ProgressGuard(SchedulerPlugin):
     def _look(self, now: float) -> list:
         """Feed the watchdog; the take-backs due now."""
         s, plugin = self.scheduler, self.plugin
+        assert s is not None        # (it looks once started)
         self.watchdog.observe(now, {a: bool(ws.executing or ws.long_running)
                                     for a, ws in s.workers.items()})
         tasks = []
@@ -130,6 +135,7 @@ class ProgressGuard(SchedulerPlugin):
         if not self.enabled:
             return
         s = self.scheduler
+        assert s is not None        # (it ticks once started)
         for address in [a for a in plugin.policy.workers if a not in s.workers]:
             # (Left behind like an orphan task: its removal never reached the policy.)
             logger.warning("watchdog: worker %s is gone; the policy no longer counts it",
@@ -158,6 +164,7 @@ class ProgressGuard(SchedulerPlugin):
                                         worker=worker, **kw)
             return
         key, address, _ = request
+        assert self.scheduler is not None   # (its requests are made once started)
         ts = self.scheduler.tasks.get(key)
         if ts is None or ts.processing_on is None or ts.processing_on.address != address:
             return  # it finished, or went elsewhere, meanwhile
@@ -178,6 +185,7 @@ class ProgressGuard(SchedulerPlugin):
         logger.warning("watchdog: took task %r back from worker %s (%s); the policy "
                        "decides it again", key, address, why)
         self.counters["watchdog_taken_back"] += 1
+        assert self.scheduler is not None   # (it takes back once started)
         self.scheduler._reschedule(key, address, stimulus_id=stimulus_id)
 
     # ------------------------------------------------------------------- stall
@@ -188,6 +196,7 @@ class ProgressGuard(SchedulerPlugin):
         plugin, s = self.plugin, self.scheduler
         if plugin.policy is None or not plugin.active or (run is not None and run != plugin.run):
             return None
+        assert s is not None        # (asked once started)
         if plugin.run != self._run:
             self._new_run()
         now = time.time()

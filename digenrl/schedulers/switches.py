@@ -124,7 +124,8 @@ def switches() -> tuple[Switch, ...]:
 
 def mode_presets() -> dict[str, dict[str, Any]]:
     """Each mode's preset: the value it gives each switch that has one."""
-    return {mode: {s.name: s.modes[mode] for s in switches() if s.preset}
+    return {mode: {s.name: s.modes[mode] for s in switches()
+                   if s.modes is not None}      # (s.preset)
             for mode in MODE_NAMES}
 
 

@@ -87,7 +87,7 @@ class Telemetry:
             "gpu": bool(meta.get("gpu")),
             "worker": worker,
             "worker_name": worker_name,
-            "pool": policy.pool_of(worker) or "",
+            "pool": (policy.pool_of(worker) or "") if worker is not None else "",
             "start": start,
             "stop": stop,
             "iteration": meta["iteration"],

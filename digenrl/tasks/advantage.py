@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from distributed import get_worker, secede
@@ -60,8 +60,10 @@ def score_group(rewards: Sequence[tuple[RewardSpec, float]], on_error: str, iter
     scored without it, and it stays invalid."""
     if rewards_wait(rewards):
         _leave_thread_pool()
-    where = {s: (d, j) for d in chunks[0::2] for j, s in enumerate(d.sample_ids)}
-    valid_ids = {s for r in chunks[1::2] for s, v in zip(r.sample_ids, r.valid) if v}
+    decoded = cast("tuple[DecodeOut, ...]", chunks[0::2])   # (in pairs: decode, reward)
+    scored = cast("tuple[RewardOut, ...]", chunks[1::2])
+    where = {s: (d, j) for d in decoded for j, s in enumerate(d.sample_ids)}
+    valid_ids = {s for r in scored for s, v in zip(r.sample_ids, r.valid) if v}
     kept = [s for s in sample_ids if s in valid_ids]
     n = len(sample_ids)
     total, valid = np.full(n, np.nan), np.zeros(n, bool)

@@ -13,7 +13,7 @@ for bit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from distributed import get_worker
@@ -21,6 +21,9 @@ from distributed import get_worker
 from digenrl.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
+
+if TYPE_CHECKING:
+    from dask.typing import Key
 
 __all__ = ["CheckpointSpec", "save_state", "load_state", "SAMPLING_PART"]
 
@@ -48,11 +51,12 @@ def save_state(spec: CheckpointSpec, version: int, out: OptimizeOut) -> int:
 
 
 def load_state(spec: CheckpointSpec, version: int,
-               maker: Hashable | OptimizeOut | None = None) -> OptimizeOut:
+               maker: Key | OptimizeOut | None = None) -> OptimizeOut:
     """Version ``version``'s trainer state, bit for bit as it was written: the result of
     ``maker`` (the key of the task that made the state) when this worker holds it, else
     read from the checkpoint. A version the run does not checkpoint has its maker's
     result as an input (``maker`` is that result)."""
+    held: OptimizeOut | None
     if isinstance(maker, OptimizeOut):
         held = maker
     else:
@@ -69,13 +73,13 @@ def load_state(spec: CheckpointSpec, version: int,
                                     sampling=tensors.get(SAMPLING_PART)), None)
 
 
-def _in_memory(key: Hashable) -> OptimizeOut | None:
+def _in_memory(key: Key) -> OptimizeOut | None:
     """The result of ``key`` if the Dask worker running this task holds it."""
     try:
         data = get_worker().data
     except ValueError:
         return None  # not on a worker
     try:
-        return data[key]
+        return cast(OptimizeOut, data[key])    # (an optimize task's result)
     except KeyError:
         return None

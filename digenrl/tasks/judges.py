@@ -201,10 +201,13 @@ class OpenAIJudge:
 
 def openai_judge(name: str, config: RemoteRewardConfig, token: str | None) -> OpenAIJudge:
     """The judge ``config`` describes (``protocol: openai``), with its defaults filled."""
+    # (Both checked with the config: a model's name, and [LOW, HIGH].)
+    assert config.model is not None
+    low, high = config.number_range
     return OpenAIJudge(
         name, config.url, config.model,
         config.question if config.question is not None else DEFAULT_QUESTIONS[config.score],
-        config.score, tuple(config.number_range),
+        config.score, (low, high),
         config.max_tokens if config.max_tokens is not None
         else DEFAULT_MAX_TOKENS[config.score],
         config.top_logprobs, config.concurrency, config.timeout, config.retries,

@@ -294,6 +294,7 @@ class _Retry(urllib3.util.Retry):
         if not wait:
             wait = retry.get_backoff_time()
         attempt = len(retry.history) + 1
+        assert retry.total is not None     # (made with a number of retries)
         attempts = attempt + retry.total
         logger.warning("reward %r: %s: %s; attempt %d of %d in %.1f s", self.reward,
                        _full_url(_pool, url), _failure_text(response, error), attempt,

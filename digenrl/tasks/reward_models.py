@@ -53,7 +53,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ class _Clip:
         self._lock = threading.Lock()
 
     @torch.no_grad()
-    def image_embeddings(self, images: np.ndarray) -> torch.Tensor:
+    def image_embeddings(self, images: np.ndarray | Sequence[np.ndarray]) -> torch.Tensor:
         """``batch_size`` rows: the normalised embeddings of ``images`` (at most
         ``batch_size``), then those of zero images."""
         pixels = self.image_processor(images=list(images), return_tensors="pt",
@@ -175,6 +175,7 @@ class AestheticPredictor(_Clip):
 
     def __init__(self, config: RewardModelConfig, device: torch.device):
         super().__init__(config, device)
+        assert config.head is not None      # (an aesthetic reward's: the config requires it)
         head, width = load_head(config.head)
         projection = self.model.config.projection_dim
         if width != projection:
@@ -205,7 +206,8 @@ class ClipConsistency(_Clip):
 
     def _score_batch(self, images: np.ndarray, prompts: list[str],
                      sources: list[np.ndarray | None]) -> np.ndarray:
-        cosine = (self.image_embeddings(images) * self.image_embeddings(sources)).sum(-1)
+        present = cast("list[np.ndarray]", sources)     # (score: every sample has one)
+        cosine = (self.image_embeddings(images) * self.image_embeddings(present)).sum(-1)
         return cosine.float().cpu().numpy().astype(np.float64)
 
 
@@ -416,6 +418,7 @@ def model_reward(name: str, config: RewardModelConfig) -> RewardSpec:
         from transformers import CLIPConfig
 
         field = f"reward.models.{name}.head"
+        assert config.head is not None      # (an aesthetic reward's: the config requires it)
         try:
             _, width = load_head(config.head)
         except ValueError as e:

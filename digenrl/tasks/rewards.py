@@ -80,7 +80,7 @@ class RewardSpec:
         return self.fn(*args)
 
     def __call__(self, samples: np.ndarray, prompts: Sequence[str],
-                 metadata: Sequence[dict] = (),
+                 metadata: Sequence[Mapping[str, Any]] = (),
                  sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
         """The reward of each sample: images, or videos (``samples.ndim == 5``)."""
         prompts = list(prompts)
@@ -109,7 +109,7 @@ class RewardSpec:
         return values.reshape(n, f).mean(axis=1)
 
     def score_group(self, samples: np.ndarray, prompts: Sequence[str],
-                    metadata: Sequence[dict] = (),
+                    metadata: Sequence[Mapping[str, Any]] = (),
                     sources: Sequence[np.ndarray | None] = ()) -> np.ndarray:
         """The reward of each sample of one prompt group, scored together (a reward
         declared with ``group=True``)."""
@@ -358,7 +358,7 @@ class _Ranked:
         self.base, self.method, self.temperature = base, method, temperature
 
     def __call__(self, samples: np.ndarray, prompts: list, metadata: list,
-                 sources: list = ()) -> np.ndarray:
+                 sources: Sequence = ()) -> np.ndarray:
         scores = np.asarray(self.base(samples, prompts, metadata, sources), dtype=np.float64)
         if scores.shape != (len(samples),):
             return scores  # evaluate_rewards reports the wrong shape

@@ -135,6 +135,7 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
                                            s, t) for s in previous.sample_ids]).to(dev)
             step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level, noise=eps,
                             dynamics=alg.dynamics)
+            assert step.log_prob is not None    # (a step with noise: noise_level > 0)
             nxt, log_prob = step.next_latent, step.log_prob.cpu()
             mean = step.mean.cpu() if spec.keep_means else None
         else:

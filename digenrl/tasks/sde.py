@@ -104,6 +104,7 @@ def sde_step(
         x1 = x + (1.0 - sigma) * v
         mean = x0 * (1.0 - sigma_next) + x1 * math.sqrt(sigma_next ** 2 - std ** 2)
         if next_latent is None:
+            assert noise is not None    # (_needs_one: one of the two)
             next_latent = mean.detach() + std * noise
         return SDEStep(next_latent=next_latent, log_prob=_squared_distance(next_latent, mean),
                        mean=mean, std=std, scale=std, precision=1.0, dt=dt)
@@ -115,6 +116,7 @@ def sde_step(
         return SDEStep(next_latent=mean, log_prob=None, mean=mean, std=0.0, scale=0.0, dt=dt)
     _needs_one(noise, next_latent)
     if next_latent is None:
+        assert noise is not None        # (_needs_one: one of the two)
         next_latent = mean.detach() + std * noise
     return SDEStep(next_latent=next_latent, log_prob=gaussian_log_prob(next_latent, mean, std),
                    mean=mean, std=std, scale=s, precision=1.0 / (2.0 * std * std), dt=dt)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -215,8 +216,8 @@ class _Batch:
     @classmethod
     def of(cls, prompts, finals: list[StepOut], parts: tuple[AdvantageOut, ...], dev):
         ids = tuple(s for f in finals for s in f.sample_ids)
-        conds = [f.cond for f in finals]
-        assert all(c is not None for c in conds) and \
+        conds = [f.cond for f in finals if f.cond is not None]
+        assert len(conds) == len(finals) and \
             tuple(p for c in conds for p in c.prompts) == tuple(prompts), \
             "a chunk's conditioning must come from its noise task, for its prompts"
         cond = Conditioning.concat(conds)
@@ -241,6 +242,7 @@ def _grad_out(spec: TrainSpec, model: torch.nn.Module, r: MicroResult,
                            kl_sum=float(kl[valid].sum()), staleness_sum=staleness * n_valid)
         if r.weight is not None:
             stats.importance_weight_sum = float(r.weight[valid].sum())
+            assert r.truncated is not None      # (given with the weight)
             stats.truncated = int(r.truncated[valid].sum())
         else:  # no policy ratio: every row counts with weight 1
             stats.importance_weight_sum = float(n_valid)
@@ -262,7 +264,7 @@ def _grad_out(spec: TrainSpec, model: torch.nn.Module, r: MicroResult,
 FLOAT16_LOSS_SCALE = 2.0 ** 16
 
 
-def _gradients(total: torch.Tensor, params: dict[str, torch.Tensor],
+def _gradients(total: torch.Tensor, params: Mapping[str, torch.Tensor],
                dtype: str) -> dict[str, torch.Tensor]:
     """The gradients of ``total`` for ``params``, in float32 on the CPU whatever the
     forward's dtype (the trained tensors and AdamW are float32).

@@ -29,16 +29,19 @@ from __future__ import annotations
 import math
 from dataclasses import fields, is_dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from distributed.protocol import dask_deserialize, dask_serialize
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = ["register", "encode", "decode"]
 
 #: The classes a header may name, by name (filled by :func:`register`).
-_CLASSES: dict[str, type] = {}
+_CLASSES: dict[str, type[DataclassInstance]] = {}
 
 #: The tensor dtypes that travel, by the name the header gives them.
 TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -88,7 +91,7 @@ class _Frames:
     def add(self, raw: np.ndarray) -> dict:
         """Where the uint8 array ``raw`` travels, as the header names it."""
         if raw.nbytes > PACKED_BYTES:
-            self.frames.append(memoryview(raw))
+            self.frames.append(raw.data)     # (its memoryview)
             return {"frame": len(self.frames) - 1}
         offset = -(-self.end // ALIGN) * ALIGN
         self.small.append((offset, raw))
@@ -102,7 +105,7 @@ class _Frames:
         shared = np.empty(self.end, dtype=np.uint8)
         for offset, raw in self.small:
             shared[offset:offset + raw.nbytes] = raw
-        self.frames.append(memoryview(shared))
+        self.frames.append(shared.data)
         return len(self.frames) - 1
 
 

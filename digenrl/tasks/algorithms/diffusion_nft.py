@@ -64,6 +64,7 @@ def micro_step(spec, policies: Policies, batch, iteration: int, j: int) -> Micro
     v_ref = policies.reference(x_t, sigma, batch.cond) if spec.kl_beta > 0 else None
     v = policies.current(x_t, sigma, batch.cond)
     v_old = policies.sampler(x_t, sigma, batch.cond)
+    assert v_old is not None    # (DiffusionNFT keeps a sampling copy)
     r = optimality(batch.adv, spec.train.advantage_clip)
     loss = nft_loss(x_t, draws.sigma, x0, v, v_old, r, spec.nft_beta)
     kl = velocity_kl(v, v_ref) if v_ref is not None else None

@@ -46,9 +46,12 @@ def micro_step(spec, policies: Policies, x: torch.Tensor, cond, sigma: float,
     v = policies.current(x, sigma, cond)
     step = sde_step(x, v, sigma, sigma_next, spec.sampler.noise_level,
                     next_latent=next_latent, dynamics=alg.dynamics)
+    # (A trained step is an SDE step: it has log-probabilities, and its mean with guard.)
+    assert step.log_prob is not None and after.log_prob is not None
     logp, logp_b = step.log_prob, after.log_prob.to(dev)
     ratio_log = weight_log = None
     if spec.guard:
+        assert after.mean is not None
         mean_b = after.mean.to(dev)
 
         def norm(a, b, mean_a, mean_b_):

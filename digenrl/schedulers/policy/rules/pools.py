@@ -63,7 +63,7 @@ class Pools(Rule):
             if w is None or (pools and w.pool != info.pool):
                 continue
             rank = (-b, len(w.inflight) + len(w.cpu_inflight), w.name)
-            if best is None or rank < best_rank:
+            if best_rank is None or rank < best_rank:   # (None: best is None)
                 best, best_rank = w, rank
         if best is not None:
             return best
