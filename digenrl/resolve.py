@@ -21,6 +21,8 @@ it, still before any cluster).
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from digenrl.checks import ConfigError, choice, require, sub_path
 from digenrl.config import RewardConfig, RunConfig
 from digenrl.lora import check_targets
@@ -187,7 +189,7 @@ def _check_ocr_targets(config: RunConfig) -> None:
     if not ocr:
         return
     d = config.data
-    named: list[tuple[str, str, dict | None]] = []  # (where, prompt, a .jsonl line's keys)
+    named: list[tuple[str, str, Mapping[str, Any] | None]] = []  # (where, prompt, a .jsonl line's keys)
 
     def from_file(field: str, path: str) -> None:
         f = load_prompt_file(path, field)

@@ -555,7 +555,7 @@ def evaluation_means(rows: Mapping[str, np.ndarray] | None) -> list[tuple[int, f
     return out
 
 
-def evaluation_reward_means(rows: dict[str, np.ndarray] | None
+def evaluation_reward_means(rows: Mapping[str, np.ndarray] | None
                             ) -> dict[int, dict[str, float]]:
     """Each evaluated version's mean of each reward's own column (``reward_NAME``: an
     OCR reward's is the held-out OCR accuracy) over its valid rows; a reward without a

@@ -244,7 +244,7 @@ class OcrReader:
             boxes = self.detector.sorted_boxes(boxes)
             crops = engine.crop_text_regions(p.image, boxes)
             rec = engine.recognize_txt(crops)
-            texts.append("".join(t for t, s in zip(rec.txts, rec.scores)
+            texts.append("".join(t for t, s in zip(rec.txts or (), rec.scores or ())
                                  if t.strip() and s >= DROP_SCORE))
         return texts
 

@@ -53,7 +53,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Sequence, cast
+from typing import Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -244,8 +244,9 @@ class OcrModel:
                           dtype=np.float64)
 
 
-_KINDS = {"clip": ClipPreference, "aesthetic": AestheticPredictor,
-          "clip_consistency": ClipConsistency, "ocr": OcrModel}
+_KINDS: dict[str, Callable[[RewardModelConfig, torch.device], _Clip | OcrModel]] = {
+    "clip": ClipPreference, "aesthetic": AestheticPredictor,
+    "clip_consistency": ClipConsistency, "ocr": OcrModel}
 assert set(_KINDS) == set(REWARD_MODEL_KINDS), "every configurable kind is implemented"
 
 
@@ -388,7 +389,9 @@ class ModelTextReward(ModelReward):
 
     def __call__(self, images: np.ndarray, prompts: Sequence[str],
                  metadata: Sequence[dict] = ()) -> np.ndarray:
-        return resident_reward_model(self.config).score(images, prompts, (), metadata)
+        model = resident_reward_model(self.config)
+        assert isinstance(model, OcrModel)    # (the kinds that read metadata)
+        return model.score(images, prompts, (), metadata)
 
 
 @dataclass(frozen=True)

@@ -294,9 +294,11 @@ class Facts:
         task's samples (a denoise step and a training micro-step go over the same
         samples). None before any measurement."""
         info = self.tasks.get(key)
-        w = self.workers.get(info.where) if info is not None and info.where else None
-        step = self.step_time(w) if w is not None and info.gpu else None
-        if step is None:
+        if info is None or not info.where or not info.gpu:
+            return None
+        w = self.workers.get(info.where)
+        step = self.step_time(w) if w is not None else None
+        if w is None or step is None:
             return None
         return self.transfer_seconds(w, info) + step * max(info.samples, 1)
 

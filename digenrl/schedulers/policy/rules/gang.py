@@ -133,6 +133,8 @@ class Gang(Rule):
         back, so that the gang runs again together."""
         if self._failing:
             return              # (a member taken back below comes back here)
+        assert info.gang is not None    # (a member of g)
+        gid, member, _ = info.gang
         self._failing = True
         try:
             for other in list(g.members.values()):
@@ -140,7 +142,7 @@ class Gang(Rule):
                     self.policy.withdraw(other, self.name,
                                          "member {} of gang {} must run again: the gang's "
                                          "step fails, and runs again together",
-                                         info.gang[1], info.gang[0])
+                                         member, gid)
         finally:
             self._failing = False
 

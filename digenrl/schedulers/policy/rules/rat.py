@@ -180,8 +180,10 @@ class Rat(Rule):
         top = self.queues.training.peek()
         if top is None or top.info.kind != GRAD:
             return None
+        ref_grad = self.facts.ref_grad
+        assert ref_grad is not None    # (theirs is a number: a grad was measured)
         mine = (self.facts.transfer_seconds(w, top.info)
-                + (len(w.inflight) + 1) * self.facts.ref_grad / w.speed)
+                + (len(w.inflight) + 1) * ref_grad / w.speed)
         if mine > theirs:
             policy.count("rat_declined")
             if self.noting:
