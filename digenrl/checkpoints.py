@@ -10,7 +10,7 @@ keeps writes and the store's metadata commit cheap however many tensors the mode
 A trainer task writes it (:mod:`digenrl.tasks.checkpoint`); a ``restore`` task reads it
 back, which the version is published from and the next optimizer step starts from (a
 resumed run's too). The driver drops versions no pipeline stage can read or recompute any
-more (:meth:`digenrl.graph.structure.GraphLayout.retains`).
+more (:meth:`digenrl.graph.retention.Retention.retains`).
 
 ``weights/params``, the run's final trainable weights, has the same layout with one part
 (``params``); the ``weights`` group's ``policy_version`` attribute, set last, says which

@@ -29,6 +29,8 @@ from digenrl.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import checkpoint_key, kind_of, publish_key, restore_key
+from digenrl.graph.pieces import Checkpoint, IllegalTransition, Pieces, Stage, Weights
+from digenrl.graph.retention import Retention
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_iteration,
                                      init_nodes, restore_nodes,
                                      rollout_nodes, tail_nodes, train_nodes)
@@ -135,12 +137,12 @@ def check_store(workload: Workload, out: str, *, overwrite: bool = False,
 def resume_point(workload: Workload, out: str, committed: int) -> int:
     """Where a run resumed with ``committed`` iterations in its store at ``out`` starts
     computing: the latest iteration whose retained versions' checkpoints the store
-    holds (:meth:`GraphLayout.resume_point`; ``committed`` itself unless the run wrote
+    holds (:meth:`Retention.resume_point`; ``committed`` itself unless the run wrote
     only some versions' checkpoints, ``store.checkpoint_every``)."""
     if committed == 0:
         return 0  # nothing to restore: version 0 is built (and checkpointed) again
     have = set(complete_checkpoints(out))
-    return workload.layout.resume_point(committed, have.__contains__)
+    return workload.layout.retention.resume_point(committed, have.__contains__)
 
 
 def library_versions() -> dict[str, str]:
@@ -383,7 +385,7 @@ class Driver:
             for version, mean, count in summary.evaluations:
                 logger.info("evaluation of policy version %d  reward %.4f  (%d held-out "
                             "prompts)", version, mean, count)
-        result.final = pipeline.published[w.iterations]
+        result.final = pipeline.weights(w.iterations)
         return result
 
     def _stalled(self) -> str | None:
@@ -411,7 +413,7 @@ class Driver:
         """Iteration ``i`` is complete: gather what the workload stores, read the task
         records, hand the iteration to the store's writer (which commits it, then drops
         the checkpoints a run resumed after it no longer needs), and let go of the
-        weights no later piece reads (:meth:`GraphLayout.retains`)."""
+        weights no later piece reads (:meth:`Retention.retains`)."""
         w, client = self.w, self.handle.client
         futs = pipeline.take(i)
         wanted = {k: f for k, f in futs.items() if kind_of(k) in w.collected}
@@ -451,9 +453,9 @@ class Driver:
         """Iteration ``i`` is in the store (the store's writer calls this): keep what a
         run resumed at ``i + 1`` may read or recompute from, and hand the iteration to
         the experiment trackers (which no commit waits for)."""
-        layout, iterations = self.w.layout, self.w.iterations
+        retention, iterations = self.w.layout.retention, self.w.iterations
         drop_checkpoints(self.out,
-                         lambda v: not layout.keeps_checkpoint(v, i + 1, iterations))
+                         lambda v: not retention.keeps_checkpoint(v, i + 1, iterations))
         if self.tracker is not None:
             self.tracker.log_iteration(i, groups)
 
@@ -505,9 +507,13 @@ class Pipeline:
     state is held until the tail of iteration ``v`` is in, which starts from it. A
     resumed run reads back the version it starts from in a piece of its own.
 
-    A piece passes the futures of what the driver collects to :meth:`take` and holds
-    those a later piece of its iteration reads until that piece is in; published
-    weights are held until :meth:`release`.
+    What is in, and the futures each piece holds, are :attr:`pieces`' states
+    (:mod:`digenrl.graph.pieces`: an iteration goes planned -> rollout -> train -> tail
+    -> collected, a version's weights stored -> published -> released and its
+    checkpoint writing -> written); which versions are retained and which checkpoints
+    written, the run's :class:`~digenrl.graph.retention.Retention`. A piece's collected
+    outputs are handed over by :meth:`take`, and published weights held until
+    :meth:`release`.
 
     The held-out evaluation of a version (when the workload evaluates it) goes in as
     soon as the version's publish task is, and is collected with the iteration that
@@ -525,26 +531,10 @@ class Pipeline:
         self._plan = plan
         self.start = 0
         self.stored = 0
-        #: version -> its publish future, held while the version is retained
-        self.published: dict[int, Future] = {}
-        #: version -> its checkpoint future, until the checkpoint is written
-        self.checkpoints: dict[int, Future] = {}
-        self.checkpointed: set[int] = set()
-        #: versions whose restore piece is in
-        self.restores: set[int] = set()
-        #: version -> its state read back from its checkpoint, until the tail that
-        #: starts from it is in
-        self.restored: dict[int, Future] = {}
-        #: iteration -> the futures of its outputs the driver collects
-        self._outputs: dict[int, dict[Key, Future]] = {}
-        #: iteration -> the futures of its pieces a later piece reads
-        self._held: dict[int, dict[Key, Future]] = {}
-        self.rollouts: set[int] = set()
-        self.trains: set[int] = set()
-        self.tails: set[int] = set()
-        #: iteration -> the futures of the evaluations it is collected with
-        self._evals: dict[int, dict[Key, Future]] = {}
-        self.evaluated: set[int] = set()   # versions whose evaluation is in
+        #: The run's retention and resume rule.
+        self.retention: Retention = workload.layout.retention
+        #: Every iteration's and version's pieces in the cluster, and their futures.
+        self.pieces = Pieces()
 
     def begin(self, start: int, stored: int = 0) -> None:
         """Version 0 for a new run; for one resumed at ``start``, the weights of the
@@ -556,12 +546,19 @@ class Pipeline:
             self._submit_made(0, init_nodes(checkpoint=True), [], INIT)
             return
         # The earlier versions it retains here; version ``start`` by :meth:`_restore`.
-        for v in self.w.layout.retained_versions(start)[:-1]:
+        for v in self.retention.retained_versions(start)[:-1]:
             futs = self._submit(restore_nodes(v, publish=True), [publish_key(v)],
                                 f"restore-{v}")
-            self.published[v] = futs[publish_key(v)]
-            self.restores.add(v)
-        self.checkpointed.add(start)
+            self.pieces.stored(v).publish(futs[publish_key(v)])
+        self.pieces.stored(start)
+
+    def weights(self, v: int) -> Future:
+        """The future of version ``v``'s published weights (while it is published)."""
+        rec = self.pieces.version(v)
+        if rec.weights is not Weights.PUBLISHED:
+            raise IllegalTransition(f"version {v}: its weights are {str(rec.weights)!r}, "
+                                    f"not published")
+        return rec.published
 
     # ------------------------------------------------------------------ submitting
 
@@ -573,7 +570,7 @@ class Pipeline:
         while progress:
             progress = self._restore()
             for j in range(self.start, self.w.iterations):
-                if j not in self.rollouts and j > oldest + window:
+                if self.pieces.stage(j) is Stage.PLANNED and j > oldest + window:
                     break  # not yet: its plan is fixed when it can be submitted
                 plan = self._plan(j)
                 progress |= self._rollout(plan)
@@ -588,8 +585,11 @@ class Pipeline:
         if nodes_of is None:
             return False
         progress = False
-        for v in sorted(set(self.published) - self.evaluated):
-            self.evaluated.add(v)
+        for rec in self.pieces.in_weights(Weights.PUBLISHED):
+            if rec.evaluated:
+                continue
+            rec.evaluate()
+            v = rec.version
             if eval_iteration(v) < self.stored or v > self.w.iterations:
                 continue
             nodes = nodes_of(v)
@@ -597,21 +597,24 @@ class Pipeline:
                 continue
             keys = [n.key for n in nodes]
             futs = self._submit(nodes, keys, f"eval-{v}")
-            self._evals.setdefault(eval_iteration(v), {}).update(futs)
+            self.pieces.iteration(eval_iteration(v)).add_evals(futs)
             progress = True
         return progress
 
     def _restore(self) -> bool:
         """Read back the version a resumed run starts from, publishing it."""
         progress = False
-        for v in sorted(self.checkpointed - self.restores):
-            self._submit_read_back(v, restore_nodes(v, publish=True), [], f"restore-{v}")
+        for rec in self.pieces.in_weights(Weights.STORED):
+            v = rec.version
+            _, published, state = self._submit_read_back(
+                v, restore_nodes(v, publish=True), [], f"restore-{v}")
+            rec.publish(published, state)
             progress = True
         return progress
 
     def writes(self, v: int) -> bool:
         """Whether this run writes version ``v``'s checkpoint (``store.checkpoint_every``)."""
-        return self.w.layout.writes_checkpoint(v, self.w.iterations)
+        return self.retention.writes_checkpoint(v, self.w.iterations)
 
     def _submit_made(self, v: int, nodes: list, keys: list[Key], name: str) -> dict[Key, Future]:
         """Submit ``nodes``, which make version ``v``'s trainer state (and checkpoint it
@@ -619,68 +622,61 @@ class Pipeline:
         over in memory while the checkpoint is written) and, past version 0 (published
         from the initial state), its publish."""
         written = self.writes(v)
-        futs = self._submit_read_back(
+        futs, published, state = self._submit_read_back(
             v, nodes + restore_nodes(v, publish=v > 0, handoff=True, written=written),
             keys + ([checkpoint_key(v)] if written else []), name)
-        if written:
-            self.checkpoints[v] = futs[checkpoint_key(v)]
+        self.pieces.made(v, published, state,
+                         checkpoint=futs[checkpoint_key(v)] if written else None)
         return futs
 
     def _submit_read_back(self, v: int, nodes: list, keys: list[Key],
-                          name: str) -> dict[Key, Future]:
-        """Submit ``nodes``, which read back version ``v``'s state, holding the state
-        when a tail starts from it and the published weights."""
+                          name: str) -> tuple[dict[Key, Future], Future, Future | None]:
+        """Submit ``nodes``, which read back version ``v``'s state: their futures, the
+        published weights' and the state's when a tail starts from it (else None)."""
         read = [restore_key(v)] if v < self.w.iterations else []
         futs = self._submit(nodes, keys + read + [publish_key(v)], name)
-        self.published[v] = futs[publish_key(v)]
-        if read:
-            self.restored[v] = futs[restore_key(v)]
-        self.restores.add(v)
-        return futs
+        return futs, futs[publish_key(v)], futs[restore_key(v)] if read else None
 
     def _rollout(self, plan: IterationPlan) -> bool:
         j, layout = plan.iteration, self.w.layout
-        if j in self.rollouts:
+        if self.pieces.stage(j) is not Stage.PLANNED:
             return False
         reads = {layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
-        if not reads <= set(self.published):
+        if not all(self.pieces.is_published(v) for v in reads):
             return False
         outputs = iteration_outputs(plan, layout.group_rewards)
         keys = outputs[DECODE] + outputs[REWARD] + outputs[GROUP_REWARD]
         trained = chain_keys_trained(layout, plan)
         futs = self._submit(rollout_nodes(layout, plan), keys + trained, f"rollout-{j}")
-        self._outputs.setdefault(j, {}).update({k: futs[k] for k in keys})
-        self._held[j] = {k: futs[k] for k in trained}
-        self.rollouts.add(j)
+        self.pieces.iteration(j).rollout_in({k: futs[k] for k in keys},
+                                            {k: futs[k] for k in trained})
         return True
 
     def _train(self, plan: IterationPlan) -> bool:
         j, layout = plan.iteration, self.w.layout
-        if (j not in self.rollouts or j in self.trains or j not in self.published
-                or (layout.kl and 0 not in self.published)):
+        if (self.pieces.stage(j) is not Stage.ROLLOUT or not self.pieces.is_published(j)
+                or (layout.kl and not self.pieces.is_published(0))):
             return False
         root = layout.reduce_root(plan)
         keys = iteration_outputs(plan)[ADVANTAGE]
         futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
-        self._outputs[j].update({k: futs[k] for k in keys})
-        let_go(self._held.pop(j, {}).values())  # the chain latents are read now
-        self._held[j] = {root: futs[root]}
-        self.trains.add(j)
+        # The chain latents are read now.
+        let_go(self.pieces.iteration(j).train_in({k: futs[k] for k in keys},
+                                                 {root: futs[root]}))
         return True
 
     def _tail(self, plan: IterationPlan) -> bool:
         j = plan.iteration
-        if j not in self.trains or j in self.tails or j not in self.restored:
+        source = self.pieces.versions.get(j)  # the version its optimizer step starts from
+        if self.pieces.stage(j) is not Stage.TRAIN or source is None or source.state is None:
             return False
         stats = iteration_outputs(plan)[STATS]
         futs = self._submit_made(
             j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True,
                               written=self.writes(j + 1)),
             stats, f"tail-{j}")
-        self._outputs[j].update({k: futs[k] for k in stats})
-        let_go(self._held.pop(j, {}).values())
-        let_go([self.restored.pop(j)])  # the optimizer step reads it now
-        self.tails.add(j)
+        let_go(self.pieces.iteration(j).tail_in({k: futs[k] for k in stats}))
+        let_go([source.take_state()])  # the optimizer step reads it now
         return True
 
     # ------------------------------------------------------------------ waiting
@@ -690,14 +686,14 @@ class Pipeline:
         iteration ``i`` waits for), which stops the run. A later checkpoint's error (a
         later iteration failed) is raised once that iteration is waited for, after the
         iterations before it are committed."""
-        for v, f in list(self.checkpoints.items()):
+        for rec in self.pieces.writing():
+            f = rec.writing
             if f.status == "error":
-                if v <= i + 1:
+                if rec.version <= i + 1:
                     f.result()  # raises
                 continue
             if f.done():
-                self.checkpointed.add(v)
-                let_go([self.checkpoints.pop(v)])
+                let_go([rec.written()])
 
     def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
@@ -708,10 +704,12 @@ class Pipeline:
         while True:
             self._note_checkpoints(i)
             self.submit_ready(i)
-            futs = self._outputs.get(i, {})
-            evals = self._evals.get(i, {})
-            trained = (i in self.tails
-                       and ((i + 1) in self.checkpointed or not self.writes(i + 1))
+            it = self.pieces.iteration(i)
+            futs, evals = it.outputs, it.evals
+            # With its tail in, version i + 1 is made: complete once its checkpoint is
+            # written, or at once when the run does not write it.
+            trained = (it.stage is Stage.TAIL
+                       and self.pieces.version(i + 1).checkpoint is not Checkpoint.WRITING
                        and all(f.done() for f in futs.values()))
             errors = [f for f in [*futs.values(), *evals.values()] if f.status == "error"]
             if errors:
@@ -722,10 +720,10 @@ class Pipeline:
                 # Only the evaluation is left: training goes on without it.
                 self.submit_ready(i + 1)
             waiting = [f for f in [*futs.values(), *evals.values(),
-                                   *self.checkpoints.values()] if not f.done()]
-            assert waiting, (f"iteration {i}: nothing left to wait for (rollouts "
-                             f"{sorted(self.rollouts)}, trains {sorted(self.trains)}, tails "
-                             f"{sorted(self.tails)})")
+                                   *(r.writing for r in self.pieces.writing())]
+                       if not f.done()]
+            assert waiting, (f"iteration {i}: nothing left to wait for "
+                             f"({self.pieces.describe()})")
             # distributed.wait runs on the default client's event loop, which is not this
             # run's when the process holds several clients; the futures' events would
             # then belong to the wrong loop.
@@ -742,15 +740,14 @@ class Pipeline:
     def take(self, i: int) -> dict[Key, Future]:
         """The futures of complete iteration ``i``'s collected outputs (its evaluations'
         among them), handed over."""
-        out = self._outputs.pop(i)
-        out.update(self._evals.pop(i, {}))
-        return out
+        return self.pieces.iteration(i).collect()
 
     def release(self, i: int) -> None:
         """Iteration ``i`` is committed: drop the weights of the versions the run, now at
         iteration ``i + 1``, no longer retains."""
-        for v in [v for v in self.published if not self.w.layout.retains(v, i + 1)]:
-            let_go([self.published.pop(v)])
+        for rec in self.pieces.in_weights(Weights.PUBLISHED):
+            if not self.retention.retains(rec.version, i + 1):
+                let_go([rec.release()])
 
 
 class _Window:

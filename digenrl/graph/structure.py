@@ -7,8 +7,9 @@ micro-step) -> ``reduce`` (a fixed tree, each node a chain adding one part at a 
 ``grad`` tasks read) and ``stats``.
 With a reward that scores whole prompt groups, a ``group_reward`` (group) task reads the
 decoded images of the group's chunks and its ``advantage`` reads it too.
-A run on Dask checkpoints versions (each one, or those :meth:`GraphLayout.writes_checkpoint`
-names) and publishes each from its state read back (:func:`tail_nodes`).
+A run on Dask checkpoints versions (each one, or those its retention rule,
+:mod:`digenrl.graph.retention`, names) and publishes each from its state read back
+(:func:`tail_nodes`).
 
 The algorithm (:mod:`digenrl.algorithms`, the layout's ``algorithm``) says which
 ``denoise`` steps are SDE steps (each annotated ``sde``), which micro-steps a chunk has
@@ -43,6 +44,7 @@ from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, de
                                 reduce_key, restore_key, reward_key, stats_key, task_meta,
                                 trained_key)
 from digenrl.graph.plan import IterationPlan
+from digenrl.graph.retention import Retention
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
                                 EVAL_REWARD, GRAD, GROUP_REWARD, INIT, NOISE, OPTIMIZE,
                                 PUBLISH, REDUCE, RESTORE, REWARD, STATS, TRAINED)
@@ -140,7 +142,7 @@ class GraphLayout:
     #: encoding a cost: ``costs.encode_per_group``).
     encode: bool = True
     #: Resume points a run writes the checkpoints of: every ``checkpoint_every``-th
-    #: iteration (:meth:`writes_checkpoint`).
+    #: iteration (:attr:`retention`).
     checkpoint_every: int = 1
 
     def __post_init__(self) -> None:
@@ -181,53 +183,32 @@ class GraphLayout:
             return rollout_version(plan.iteration, self.version_lag)
         return plan.iteration
 
+    @property
+    def retention(self) -> Retention:
+        """The run's retention and resume rule (:class:`Retention`): which versions it
+        keeps, which checkpoints it writes, where a resumed run starts. The methods
+        below answer through it."""
+        return Retention(self.version_lag, self.kl, self.checkpoint_every)
+
     def retains(self, version: int, iteration: int) -> bool:
-        """Whether a run at iteration ``iteration`` keeps the weights and checkpoint of
-        ``version``: the versions from ``iteration - version_lag`` on (what the rollouts
-        of this iteration and later ones may read, recomputed or resumed) and, with the
-        KL term, version 0 (its reference)."""
-        return version >= iteration - self.version_lag or (self.kl and version == 0)
+        """:meth:`Retention.retains`."""
+        return self.retention.retains(version, iteration)
 
     def retained_versions(self, iteration: int) -> list[int]:
-        """The versions up to ``iteration`` that :meth:`retains` keeps there: what a run
-        resumed at ``iteration`` restores."""
-        # (Of the versions up to ``iteration``, only these can be: version 0 and the
-        # last ``version_lag + 1``.)
-        window = range(max(0, iteration - self.version_lag), iteration + 1)
-        return [v for v in sorted({0, *window}) if self.retains(v, iteration)]
+        """:meth:`Retention.retained_versions`."""
+        return self.retention.retained_versions(iteration)
 
     def writes_checkpoint(self, version: int, iterations: int) -> bool:
-        """Whether a run of ``iterations`` iterations writes the checkpoint of
-        ``version``: version 0, and every version a run resumed at a resume point
-        restores (:meth:`retained_versions`), the resume points being the multiples of
-        ``checkpoint_every`` and the run's last iteration. (With ``checkpoint_every`` 1,
-        every version.) A version not written is read back from the memory of the
-        worker whose optimizer step made it, and recomputed from the newest checkpoint
-        before it when that memory is lost."""
-        if version == 0:
-            return True
-        every = self.checkpoint_every
-        point = min(-(-version // every) * every, max(iterations, version))
-        return self.retains(version, point)
+        """:meth:`Retention.writes_checkpoint`."""
+        return self.retention.writes_checkpoint(version, iterations)
 
     def resume_point(self, committed: int, checkpointed: Callable[[int], bool]) -> int:
-        """Where a run whose store holds ``committed`` iterations starts computing
-        again, ``checkpointed(v)`` saying whether version ``v``'s checkpoint is complete:
-        the latest iteration at most ``committed`` whose retained versions are all
-        checkpointed (0, from the start, when none is). The iterations from there to
-        ``committed`` are computed again, bit for bit, and not stored again."""
-        for point in range(committed, 0, -1):
-            if all(checkpointed(v) for v in self.retained_versions(point)):
-                return point
-        return 0
+        """:meth:`Retention.resume_point`."""
+        return self.retention.resume_point(committed, checkpointed)
 
     def keeps_checkpoint(self, version: int, committed: int, iterations: int) -> bool:
-        """Whether a run of ``iterations`` iterations whose store holds ``committed``
-        keeps the checkpoint of ``version``: what its latest resume point restores
-        (and the recomputation of any later version starts from), and every later
-        version's."""
-        point = self.resume_point(committed, lambda v: self.writes_checkpoint(v, iterations))
-        return version > point or self.retains(version, point)
+        """:meth:`Retention.keeps_checkpoint`."""
+        return self.retention.keeps_checkpoint(version, committed, iterations)
 
 
 def init_nodes(checkpoint: bool = False) -> list[Node]:
