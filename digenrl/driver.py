@@ -17,7 +17,7 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
 from distributed import Future, wait
@@ -42,7 +42,7 @@ from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
-from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
+from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
                                 TRAINER)
 from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
@@ -50,7 +50,6 @@ __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "R
            "check_store", "library_versions"]
 
 logger = logging.getLogger("digenrl")
-Key = Hashable
 
 #: Seconds between two asks whether a run that waits can still progress.
 STALL_POLL = 1.0

@@ -9,9 +9,11 @@ simulator records the columns it models (:class:`SimRecord`, whose fields are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Mapping, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import numpy as np
+
+from digenrl.vocabulary import Key
 
 __all__ = ["Column", "TASK_COLUMNS", "SimRecord", "SIMULATED_COLUMNS", "task_columns"]
 
@@ -63,7 +65,7 @@ class SimRecord(NamedTuple):
     addresses apart from names, no clock offsets and no data sizes): a worker's name
     stands in its ``worker`` column, and the key is the task's own, not its text."""
 
-    key: Hashable
+    key: Key
     kind: str
     worker: str
     pool: str

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,13 +43,12 @@ from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
 from digenrl.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD,
-                                GROUP_REWARD, RESTORE, REWARD, STATS)
+                                GROUP_REWARD, RESTORE, REWARD, STATS, Key)
 
 __all__ = ["FlowGRPOWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
            "library_versions"]
 
 logger = logging.getLogger("digenrl")
-Key = Hashable
 
 
 class FlowGRPOWorkload:

@@ -8,7 +8,9 @@ and the scheduler both depend on it and not on each other.
 
 from __future__ import annotations
 
-__all__ = ["ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
+from typing import Any
+
+__all__ = ["Key", "ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
            "INIT", "ENCODE", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD",
            "REDUCE",
            "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
@@ -29,7 +31,9 @@ POOLS = (ROLLOUT, TRAINER)
 ANNOTATION = "digenrl"
 
 # ----------------------------------------------------------------------- kinds
-# A task key is a tuple whose first element is its kind.
+
+#: A task key: a tuple whose first element is its kind (``("denoise", 3, 1, 5)``).
+Key = tuple[Any, ...]
 
 INIT = "init"                # the trainer state of version 0
 #: A prompt group's conditioning: its prompt (and, for an editing family, its source

@@ -9,9 +9,9 @@ never parses keys: everything it needs is in the ``digenrl`` annotation built he
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any
 
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
+from digenrl.vocabulary import (Key, ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, EVAL,
                                 EVAL_REWARD, GPU_KINDS, GRAD, GROUP_REWARD, INIT, KIND_POOL,
                                 KINDS, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE, REWARD, STATS,
                                 TRAINED)
@@ -21,7 +21,6 @@ __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "encode_key", "noise_key",
            "grad_key", "reduce_key", "optimize_key", "publish_key", "trained_key",
            "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key"]
 
-Key = Hashable
 
 #: The trainer state of version 0.
 INIT_KEY: Key = (INIT,)

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable
+from typing import Any, Iterable
+
+from digenrl.vocabulary import Key
 
 __all__ = ["IllegalTransition", "Stage", "Weights", "Checkpoint", "IterationPieces",
            "VersionPieces", "Pieces"]
 
-Key = Hashable
 
 
 class IllegalTransition(RuntimeError):

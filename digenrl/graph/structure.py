@@ -235,10 +235,8 @@ def restore_nodes(version: int, publish: bool = False, handoff: bool = False,
     maker's result is an input: lineage goes on through the optimizer step that made
     it, back to the newest version read from a checkpoint."""
     maker = optimize_key(version - 1)
-    if not written:
-        assert handoff, "a version read from no checkpoint is read from its maker"
-        maker = Dep(maker)
-    args = (version, maker) if handoff else (version,)
+    assert handoff or written, "a version read from no checkpoint is read from its maker"
+    args = (version, maker if written else Dep(maker)) if handoff else (version,)
     nodes = [Node(restore_key(version), RESTORE,
                   task_meta(RESTORE, version - 1, version), args)]
     if publish:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
@@ -44,10 +44,12 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
-from digenrl.vocabulary import ANNOTATION, POOLS
+from digenrl.vocabulary import ANNOTATION, POOLS, Key
 
 if TYPE_CHECKING:
+    from dask.typing import Key as DaskKey
     from distributed import Scheduler
+    from distributed.scheduler import TaskStateState
 
 __all__ = ["DigenRLSchedulerPlugin", "PARKED", "PLUGIN_NAME", "ANNOTATION",
            "StalenessBoundError", "pool_from_resources", "WORKER_SEND_INTERVAL"]
@@ -97,8 +99,8 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.policy: SchedulingPolicy | None = None
         self.telemetry = Telemetry()
         self._flush_pending = False
-        self._meta: dict[Hashable, dict[str, Any]] = {}
-        self._to_err: dict[Hashable, str] = {}
+        self._meta: dict[Key, dict[str, Any]] = {}
+        self._to_err: dict[Key, str] = {}
         self.warnings: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -230,7 +232,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self._schedule_flush()
         elif start == "processing":
             if finish == "memory":
-                worker = kwargs.get("worker")
+                worker: str = kwargs["worker"]    # (Dask's processing -> memory has one)
                 assert self.scheduler is not None    # (set when it starts)
                 ws = self.scheduler.workers.get(worker)
                 duration = self.telemetry.finished(
@@ -286,19 +288,21 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             recs = s.transition(key, "erred", exception=pickle.dumps(exc), cause=key,
                                 stimulus_id=stimulus_id)
             s.transitions(recs, stimulus_id)
-        recs = {}
-        failed = []
+        releases: dict[DaskKey, TaskStateState] = {}
+        failed: list[Key] = []
+        released: list[Key] = []
         for d in self.policy.decide():
             ts = s.tasks.get(d.key)
             if ts is None or ts.state != "no-worker" or d.worker not in s.workers:
                 failed.append(d.key)
                 continue
             ts.worker_restrictions = {d.worker}
-            recs[d.key] = "processing"
+            releases[d.key] = "processing"
+            released.append(d.key)
             self.telemetry.released(d)
-        if recs:
-            s.transitions(recs, stimulus_id)
-        for key in recs:
+        if releases:
+            s.transitions(releases, stimulus_id)
+        for key in released:
             ts = s.tasks.get(key)
             if ts is not None and ts.state == "no-worker":
                 ts.worker_restrictions = {PARKED}
@@ -307,8 +311,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             self.policy.release_failed(key)
         # Releases (or results) the policy took back: each goes back to waiting, and is
         # reported ready again once its inputs exist.
-        back = {key: "released" for key in self.policy.take_withdrawn()
-                if key in s.tasks and s.tasks[key].state in ("processing", "memory")}
+        back: dict[DaskKey, TaskStateState] = {
+            key: "released" for key in self.policy.take_withdrawn()
+            if key in s.tasks and s.tasks[key].state in ("processing", "memory")}
         if back:
             s.transitions(back, stimulus_id)
         for key, address in self.policy.take_copies():

@@ -31,9 +31,9 @@ from distributed.stealing import _WORKER_STATE_CONFIRM, _WORKER_STATE_UNDEFINED
 from tornado.ioloop import PeriodicCallback
 
 from digenrl.schedulers.watchdog import GRACE_FLOOR, Processing, Watchdog, stall_timeout
+from digenrl.vocabulary import Key
 
 if TYPE_CHECKING:
-    from dask.typing import Key
     from distributed import Scheduler
 
 __all__ = ["ProgressGuard", "TAKE_BACK"]

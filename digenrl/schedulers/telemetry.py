@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from typing import Any, Hashable
+from typing import Any
 
 from digenrl.schedulers.policy import Decision, SchedulingPolicy
 from digenrl.schedulers.policy.trail import trail_text
-from digenrl.vocabulary import GRAD
+from digenrl.vocabulary import Key, GRAD
 
 __all__ = ["Telemetry"]
 
-Key = Hashable
 
 
 class Telemetry:

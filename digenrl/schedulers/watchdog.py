@@ -26,7 +26,9 @@ long and the watchdog has nothing left to try, the run stops and says what it wa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Mapping
+from typing import Iterable, Mapping
+
+from digenrl.vocabulary import Key
 
 __all__ = ["Processing", "TakeBack", "Watchdog", "GRACE_FACTOR", "GRACE_FLOOR",
            "STALL_FACTOR", "STALL_FLOOR", "stall_timeout"]
@@ -54,7 +56,7 @@ def stall_timeout(configured: float | None, longest_expected: float | None) -> f
 class Processing:
     """A task the scheduler holds as processing on ``worker`` since ``since``."""
 
-    key: Hashable
+    key: Key
     worker: str
     since: float
     expected: float | None = None   # the policy's expected seconds, None: unknown
@@ -64,7 +66,7 @@ class Processing:
 class TakeBack:
     """The decision to take ``key`` back from ``worker``, and why."""
 
-    key: Hashable
+    key: Key
     worker: str
     why: str
     orphan: bool = False   # its worker is gone: take it back without asking it

@@ -27,17 +27,16 @@ task to the worker that pays them, so both pay the same costs by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.sim.profile import Profile
-from digenrl.vocabulary import (GRAD, GROUP_REWARD, READS_NO_WEIGHTS, REDUCE, REWARD,
+from digenrl.vocabulary import (Key, GRAD, GROUP_REWARD, READS_NO_WEIGHTS, REDUCE, REWARD,
                                 ROLLOUT_KINDS, TRAINING_KINDS)
 
 __all__ = ["TaskCosts", "Extras", "WorkerHeld", "phase_of", "reduction_root"]
 
-Key = Hashable
 
 
 def reduction_root(layout: GraphLayout, plan: IterationPlan) -> Key:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from operator import attrgetter
-from typing import Callable, Hashable, Iterable, Iterator, Sequence, cast
+from typing import Callable, Iterable, Iterator, Sequence, cast
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import optimize_key, publish_key
@@ -32,12 +32,11 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.policy.trail import trail_text
 from digenrl.sim.template import Batch, IterationSource, node_batch
-from digenrl.vocabulary import STATS
+from digenrl.vocabulary import Key, STATS
 
 __all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans",
            "collector_off"]
 
-Key = Hashable
 
 
 @dataclass(frozen=True)

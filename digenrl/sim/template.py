@@ -23,10 +23,10 @@ from typing import Hashable, Sequence
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, iteration_nodes, iteration_shape
 from digenrl.schedulers.policy import TaskInfo
+from digenrl.vocabulary import Key
 
 __all__ = ["Entry", "Batch", "node_batch", "IterationTemplate", "IterationSource"]
 
-Key = Hashable
 Entry = tuple[Key, TaskInfo, Sequence[int]]
 Batch = tuple[list[Entry], list[Key]]
 

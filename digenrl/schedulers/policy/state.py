@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping
+from typing import Any, Mapping
 
-from digenrl.vocabulary import DENOISE, GRAD, ROLLOUT
+from digenrl.vocabulary import Key, DENOISE, GRAD, ROLLOUT
 
 __all__ = ["Key", "TaskInfo", "WorkerInfo", "Decision", "Facts", "ADDED", "HELD", "READY",
            "RELEASED", "DONE", "FORGOTTEN", "QUEUED", "STEP_EWMA", "first_step", "tracked",
@@ -23,7 +23,6 @@ __all__ = ["Key", "TaskInfo", "WorkerInfo", "Decision", "Facts", "ADDED", "HELD"
 #: slowdown shows within a few steps.
 STEP_EWMA = 0.5
 
-Key = Hashable
 
 # Task states inside the policy.
 ADDED, HELD, READY, RELEASED, DONE, FORGOTTEN = ("added", "held", "ready", "released",
