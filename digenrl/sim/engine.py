@@ -4,13 +4,24 @@ It plays the part of the Dask scheduler and workers: tasks become ready when the
 inputs exist, the policy decides releases, a worker runs its GPU tasks one at a time in
 release order (tasks without a GPU run beside them), and finishing a task makes its
 dependents ready. Task durations come from a cost function; moving an input between
-workers costs what the transfer function says. The driver's behaviour is modelled too:
-iterations are submitted within the same window as :class:`digenrl.runner.Runner` uses.
+workers costs what the transfer function says.
 
-The same :class:`~digenrl.schedulers.policy.SchedulingPolicy` object the Dask plugin
-uses makes every decision, so what the simulator shows is what the plugin does. Each
-iteration's tasks are the graph builders' (:mod:`digenrl.sim.template` repeats them,
-shifted, for later iterations of one shape).
+What it shares with a run on Dask, and where it differs (stated here once):
+
+* **Shared:** the same :class:`~digenrl.schedulers.policy.SchedulingPolicy` makes every
+  decision from the same events, and each iteration's rollout, train and tail tasks are
+  the graph builders' (:func:`~digenrl.graph.structure.iteration_nodes`;
+  :mod:`digenrl.sim.template` repeats them, shifted, for later iterations of one shape).
+  Given the same tasks at the same times, it releases what the plugin releases.
+* **Different:** the driver (:class:`digenrl.driver.Pipeline`) submits an iteration in
+  three pieces, each once what it reads exists (:mod:`digenrl.graph.pieces`), and
+  publishes each version from its state read back (a ``restore`` task, with a
+  ``checkpoint`` task beside it); the simulator submits whole iterations, at most
+  ``max_staleness + 1`` beyond the oldest unfinished one (the window that bounds the
+  driver's rollouts too), with each optimizer step reading the previous one's state
+  directly and no ``restore`` or ``checkpoint`` tasks. So its tasks exist as soon as the
+  window admits them, not a driver round trip after their inputs, and it charges none of
+  the read-back and checkpoint work, which runs beside the GPU tasks on the trainers.
 """
 
 from __future__ import annotations
