@@ -156,7 +156,7 @@ class VersionPieces:
         """Its read-back (``state``, None when no tail starts from it) and publish are
         in: from ``stored``."""
         if self.weights is not Weights.STORED:
-            raise _illegal(f"version {self.version}", "publish", self.weights, [Weights.STORED])
+            raise _illegal(f"version {self.version}", "publish it", self.weights, [Weights.STORED])
         self.weights, self.published, self.state = Weights.PUBLISHED, published, state
 
     def take_state(self) -> Any:

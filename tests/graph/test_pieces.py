@@ -95,7 +95,7 @@ def test_a_stored_version_is_read_back_once_and_evaluated_once():
         rec.release()
     rec.publish("weights", "state")
     assert pieces.is_published(4) and pieces.in_weights(Weights.STORED) == []
-    with pytest.raises(IllegalTransition, match="version 4: cannot publish in state 'published'"):
+    with pytest.raises(IllegalTransition, match="version 4: cannot publish it in state 'published'"):
         rec.publish("again")
     with pytest.raises(IllegalTransition, match="version 4: cannot restore it from the store"):
         pieces.stored(4)
