@@ -30,7 +30,7 @@ from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
                              load_prompt_file, read_source)
-from digenrl.tasks.ocr import check_installed as ocr_missing
+from digenrl.tasks.ocr import check_installed as check_ocr_installed
 from digenrl.tasks.ocr import target_problem
 from digenrl.tasks.rewards import REWARDS
 from digenrl.tracking import check_trackers
@@ -169,9 +169,7 @@ def check_rewards(reward: RewardConfig) -> None:
     for name in reward.components:
         choice(name, "reward.components", known)
     for name in _ocr_rewards(reward):
-        missing = ocr_missing()
-        if missing is not None:
-            raise ConfigError(f"{sub_path('reward.models', name)}.kind: expected {missing}")
+        check_ocr_installed(f"{sub_path('reward.models', name)}.kind")
 
 
 def _ocr_rewards(reward: RewardConfig) -> list[str]:

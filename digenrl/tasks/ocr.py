@@ -49,6 +49,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from digenrl.checks import ConfigError
+
 __all__ = ["TEXT_KEY", "OCR_EXTRA", "ocr_target", "target_problem", "ocr_score",
            "check_installed", "model_files", "OcrReader", "QUOTES"]
 
@@ -131,21 +133,21 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - distance / len(gt)
 
 
-def check_installed() -> str | None:
-    """None when the OCR reward's libraries import and the rapidocr wheel holds its
-    models, else one line saying what is missing and how to install it."""
+def check_installed(field: str) -> None:
+    """The OCR reward's libraries import and the rapidocr wheel holds its models; else a
+    :class:`~digenrl.checks.ConfigError` naming ``field`` (the reward's ``kind``) in one
+    line saying what is missing and how to install it."""
     for module, dist in _MODULES:
         try:
             __import__(module)
         except ImportError as e:
             why = " ".join(str(e).split())[:160]
-            return (f"the {dist} package (the OCR reward's extra: {OCR_EXTRA}), got an "
-                    f"ImportError: {why}")
+            raise ConfigError(f"{field}: expected the {dist} package (the OCR reward's "
+                              f"extra: {OCR_EXTRA}), got an ImportError: {why}") from None
     missing = [str(p) for p in model_files() if not p.is_file()]
     if missing:
-        return (f"the rapidocr wheel's detection and recognition models (reinstall it: "
-                f"{OCR_EXTRA}), got none at {missing[0]}")
-    return None
+        raise ConfigError(f"{field}: expected the rapidocr wheel's detection and recognition "
+                          f"models (reinstall it: {OCR_EXTRA}), got none at {missing[0]}")
 
 
 def model_files() -> tuple[Path, Path]:

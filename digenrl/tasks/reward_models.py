@@ -411,9 +411,7 @@ def model_reward(name: str, config: RewardModelConfig) -> RewardSpec:
     if config.kind == "ocr":
         from digenrl.tasks.ocr import check_installed
 
-        missing = check_installed()
-        if missing is not None:
-            raise ConfigError(f"reward.models.{name}.kind: expected {missing}")
+        check_installed(f"reward.models.{name}.kind")
         return RewardSpec(name, ModelTextReward(name, config), "gpu",
                           "Flow-GRPO's OCR score of the prompt's quoted text (RapidOCR's "
                           "PP-OCR models)", takes_metadata=True)
