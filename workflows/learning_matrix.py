@@ -10,11 +10,13 @@ Each cell runs ``workflows/configs/tiny.yaml`` with ``algorithm.*`` of its row, 
 learning rate, beta and the other per-algorithm settings are the algorithm's defaults).
 Its gain is the mean reward of the last four iterations minus the first four's, in
 standard errors of that difference from the per-sample rewards
-(:func:`digenrl.learning.learning`); a cell learns with a gain above 3 standard errors and
-no late iteration's reward spread below a third of the first iteration's. Writes
-``matrix.md`` (the table), ``matrix.json`` (every curve) and ``matrix.png`` into
-``--out``; exits 1 when some cell does not learn. A full matrix is 7 rows x 3 seeds x 2
-prompt sets x 2 modes = 84 runs, about 1.5 minutes each on two CPU cores.
+(:func:`digenrl.learning.learning`); a cell learns with a gain above 3 standard errors
+and no late iteration's reward spread below a third of the first iteration's. Writes
+``matrix.md`` (the table), ``matrix.json`` (every curve, written after each cell) and
+``matrix.png`` into ``--out``; a cell already in ``--out``'s ``matrix.json`` is not run
+again, so an interrupted matrix goes on where it stopped (with the same settings). Exits
+1 when some cell does not learn. A full matrix is 7 rows x 3 seeds x 2 prompt sets x 2
+modes = 84 runs, about 1.5 minutes each on two CPU cores.
 """
 
 from __future__ import annotations
@@ -61,14 +63,20 @@ def cell_config(cell: str, seed: int, prompt_set: str, mode: str, iterations: in
 def run_matrix(cells, seeds, prompt_sets, modes, iterations: int, out: Path,
                extra: dict | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    done = out / "matrix.json"
+    rows = json.loads(done.read_text()) if done.exists() else []
+    ran = {(r["cell"], r["mode"], r["prompt_set"], r["seed"]) for r in rows}
     for mode in modes:
+        if all((c, mode, p, s) in ran for c in cells for p in prompt_sets for s in seeds):
+            continue
         first = cell_config(cells[0], seeds[0], prompt_sets[0], mode, iterations, extra)
         handle = start_cluster(first.cluster, pools=first.schedule.options().pools)
         try:
             for cell in cells:
                 for prompt_set in prompt_sets:
                     for seed in seeds:
+                        if (cell, mode, prompt_set, seed) in ran:
+                            continue
                         cfg = cell_config(cell, seed, prompt_set, mode, iterations, extra)
                         store = out / "stores" / f"{cell}-{mode}-{prompt_set}-{seed}.zarr"
                         shutil.rmtree(store, ignore_errors=True)
