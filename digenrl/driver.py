@@ -77,8 +77,9 @@ class IterationSummary:
 class RunResult:
     store: str
     iterations: list[IterationSummary] = field(default_factory=list)
-    final: Any = None
-    final_weights: Any = None  # the Flow-GRPO workload's last PolicyWeights
+    #: What the workload's ``finish`` made of the last version's weights once every
+    #: iteration is stored (the RL workload: its ``PolicyWeights``; set once, at the end)
+    final_weights: Any = None
 
 
 class Workload(Protocol):
@@ -344,7 +345,7 @@ class Driver:
     def _run(self, store: RunStore, start: int, committed: int) -> RunResult:
         writer = StoreWriter(store, self.commit_interval)
         try:
-            result = self._iterate(writer, start, committed)
+            result, last_weights = self._iterate(writer, start, committed)
         except BaseException:
             # What is complete reaches the store, however the run ends.
             try:
@@ -353,14 +354,15 @@ class Driver:
                 logger.exception("could not commit the run's last complete iterations")
             raise
         writer.close()
-        result.final = self.w.finish(self.handle.client, store, result.final)
+        result.final_weights = self.w.finish(self.handle.client, store, last_weights)
         store.update_attrs(finished=self.w.iterations)
         return result
 
-    def _iterate(self, writer: StoreWriter, start: int, committed: int) -> RunResult:
+    def _iterate(self, writer: StoreWriter, start: int,
+                 committed: int) -> tuple[RunResult, Future]:
         """Run iterations ``start ..`` to the end, handing each from ``committed`` on
-        (those before are in the store already) to ``writer`` once it is complete;
-        ``result.final`` is then the last version's published weights."""
+        (those before are in the store already) to ``writer`` once it is complete; the
+        run's result and the future of the last version's published weights."""
         w, client = self.w, self.handle.client
         #: The CPU the run's processes spend, read as each iteration is committed.
         self.cpu_meter = CpuMeter(client)
@@ -384,8 +386,7 @@ class Driver:
             for version, mean, count in summary.evaluations:
                 logger.info("evaluation of policy version %d  reward %.4f  (%d held-out "
                             "prompts)", version, mean, count)
-        result.final = pipeline.weights(w.iterations)
-        return result
+        return result, pipeline.weights(w.iterations)
 
     def _stalled(self) -> str | None:
         """The scheduler's diagnosis once this run can no longer progress (None while

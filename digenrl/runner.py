@@ -434,5 +434,4 @@ class Runner:
             finally:
                 if self.cluster is None:
                     handle.close()
-        result.final_weights = result.final
         return result
