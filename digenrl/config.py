@@ -4,7 +4,7 @@ Every check names the field (dotted path from the top of the config), what was e
 and what arrived. The checks here are the config's own: types, ranges and rules between
 fields. What a config names elsewhere (a model folder's family, prompt sets and files,
 registered rewards, LoRA target modules, the tokenizers' view of the prompts) is
-checked by :func:`digenrl.resolve.check_world`, which every entry point calls before it
+checked by :func:`digenrl.run.world.check_world`, which every entry point calls before it
 starts any cluster. Nothing here imports torch, Dask or another digenrl module but the
 schedule's switches and the algorithms' shapes (plain data, :mod:`digenrl.algorithms`),
 so the scheduler plugin and the simulator can read a configuration too.
@@ -165,7 +165,7 @@ class ModelConfig:
             if self.num_frames is not None:
                 require((self.num_frames - 1) % 4 == 0, f"{p}.num_frames",
                          "4k + 1 frames (the video VAE's temporal factor)", self.num_frames)
-            return  # the folder's own checks: digenrl.resolve.check_world
+            return  # the folder's own checks: digenrl.run.world.check_world
         positive_int(self.latent_channels, f"{p}.latent_channels")
         require(isinstance(self.vae_channels, tuple) and len(self.vae_channels) >= 1
                  and all(is_int(c) and c > 0 and c % 8 == 0 for c in self.vae_channels),
@@ -442,9 +442,9 @@ class RolloutConfig:
 
 #: Wire formats of a remote reward: JSON (images as base64 PNG), MessagePack (PNG bytes),
 #: or pickle for servers written for flow_grpo's convention (unpickling runs code); or
-#: openai, a VLM judge's chat completions (digenrl.tasks.judges).
+#: openai, a VLM judge's chat completions (digenrl.serving.judges).
 REMOTE_PROTOCOLS = ("json", "msgpack", "pickle", "openai")
-#: How a VLM judge's answer becomes a score (digenrl.tasks.judges).
+#: How a VLM judge's answer becomes a score (digenrl.serving.judges).
 JUDGE_SCORES = ("logprobs", "number")
 #: The most requests a judge reward keeps in flight (and connections kept per server).
 REMOTE_MAX_CONCURRENCY = 64

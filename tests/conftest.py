@@ -127,7 +127,7 @@ def pipelined_config(**overrides):
 def checked_config(**overrides):
     """small_config checked against what it names (model folder, prompt files, rewards,
     LoRA targets), as every entry point checks a config before it starts a cluster."""
-    from digenrl.resolve import check_world
+    from digenrl.run.world import check_world
 
     cfg = small_config(**overrides)
     check_world(cfg)
@@ -135,7 +135,7 @@ def checked_config(**overrides):
 
 
 def _cluster(rollout: int, trainer: int):
-    from digenrl.cluster import start_cluster
+    from digenrl.run.cluster import start_cluster
 
     return start_cluster(ClusterConfig(rollout_workers=rollout, trainer_workers=trainer,
                                        dashboard_address=":0"))
@@ -188,7 +188,7 @@ def small_emulated_profile(time_scale: float):
 
 
 def _emulated_2x2():
-    from digenrl.cluster import start_emulated_cluster
+    from digenrl.run.cluster import start_emulated_cluster
     from digenrl.vocabulary import ROLLOUT, TRAINER
 
     p = small_emulated_profile(1.0)
@@ -248,7 +248,7 @@ def shared_runs(tmp_path_factory):
     the first time a test asks for it and reused by every later test that asks for the
     same work on the same cluster (runs are deterministic: the same config and seed
     give the same bits, so a second run would only repeat the first)."""
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
     from digenrl.store import open_run
 
     runs: dict[tuple[str, str], SharedRun] = {}

@@ -17,7 +17,7 @@ REWARD_ATOL = 0.05
 
 def test_adaptive_chunks_change_the_batching_not_the_samples(cluster_2x2, reference_run,
                                                              tmp_path):
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
     from digenrl.store import open_run
 
     cfg = small_config(iterations=REFERENCE_ITERATIONS, **{"rollout.chunking": "adaptive"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from digenrl.config import RunConfig, load_config
-from digenrl.learning import learning
+from digenrl.figures.learning import learning
 
 from conftest import DETERMINISTIC_METRICS, small_config
 

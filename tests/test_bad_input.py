@@ -25,12 +25,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.checks import sub_path
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict
 from digenrl.graph.build import GraphContext
 from digenrl.graph.structure import rollout_nodes, train_nodes
-from digenrl.runner import FlowGRPOWorkload
+from digenrl.run.runner import RLWorkload
 from digenrl.schedulers.policy import TaskInfo, validate_task
 
 from conftest import SMALL, pipeline_config, small_config
@@ -76,7 +76,7 @@ def assert_runnable_before_work(cfg: RunConfig) -> None:
     assert all(math.isfinite(s) for s in sigmas) and list(sigmas) == sorted(sigmas, reverse=True)
     if cfg.denoise_tasks_per_iteration > 2_000:
         return  # valid, merely large: building its graphs here would only take long
-    w = FlowGRPOWorkload(cfg)
+    w = RLWorkload(cfg)
     options = cfg.schedule.options()
     for i in range(min(cfg.iterations, 3)):
         plan = w.plan(i)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.prompts import draw_prompts
 from digenrl.store import open_run
 
@@ -105,7 +105,7 @@ def test_the_command_prints_one_line_and_no_traceback(cluster_1x1, config_file, 
     module first), its whole stderr checked."""
     out = tmp_path / "run.zarr"
     code = ("import sys, faulty_rewards\n"
-            "from digenrl.cli import main\n"
+            "from digenrl.commands.cli import main\n"
             "sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get(
         "PYTHONPATH", "")])}

@@ -3,8 +3,8 @@
 import csv
 
 
-from digenrl.bench import bench_config, format_table
-from digenrl.cli import main
+from digenrl.commands.bench import bench_config, format_table
+from digenrl.commands.cli import main
 
 from conftest import small_config
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from digenrl.driver import Driver
+from digenrl.run.driver import Driver
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.emulate import EmulatedWorkload, set_slowdown
 from digenrl.store import open_run

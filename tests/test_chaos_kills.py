@@ -19,8 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from digenrl.checkpoints import complete_checkpoints, read_checkpoint, read_weights
-from digenrl.runner import Runner
+from digenrl.store.checkpoints import complete_checkpoints, read_checkpoint, read_weights
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 from digenrl.vocabulary import ROLLOUT, TRAINER
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from digenrl.cli import build_parser, config_from_args, main
+from digenrl.commands.cli import build_parser, config_from_args, main
 
 #: No scheduler listens here: reaching it would be a connection error, not a field error.
 UNREACHABLE = "tcp://127.0.0.1:1"
@@ -54,7 +54,7 @@ def test_an_unreachable_scheduler_is_a_clear_error(tmp_path, capsys):
 
 
 def test_a_timed_out_connection_to_the_runs_scheduler_is_a_lost_scheduler():
-    from digenrl.cli import _lost_scheduler
+    from digenrl.commands.cli import _lost_scheduler
 
     timed_out = OSError("Timed out trying to connect to tcp://127.0.0.1:8786 after 10 s")
     try:  # as the driver meets it: raised while handling another error
@@ -79,7 +79,7 @@ def test_futures_cancelled_together_for_the_lost_scheduler_are_a_lost_scheduler(
     from distributed.client import (CancelledFuturesGroup, FutureCancelledError,
                                     FuturesCancelledError)
 
-    from digenrl.cli import _lost_scheduler
+    from digenrl.commands.cli import _lost_scheduler
 
     def cancelled(reason):
         errors = [FutureCancelledError(("checkpoint", 4), reason, "Client lost the connection")]

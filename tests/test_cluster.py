@@ -6,7 +6,7 @@ import time
 import pytest
 from distributed import get_task_stream
 
-from digenrl.cluster import pool_counts, start_cluster
+from digenrl.run.cluster import pool_counts, start_cluster
 from digenrl.config import ClusterConfig
 
 try:
@@ -19,7 +19,7 @@ except Exception:
 
 @pytest.mark.skipif(HAVE_DASK_CUDA, reason="dask-cuda imports here; this tests its absence")
 def test_gpus_without_dask_cuda_fall_back_to_the_cpu_cluster(caplog):
-    caplog.set_level(logging.WARNING, logger="digenrl.cluster")
+    caplog.set_level(logging.WARNING, logger="digenrl.run.cluster")
     handle = start_cluster(ClusterConfig(gpus=True, rollout_workers=1, trainer_workers=2,
                                          dashboard_address=":0"))
     try:
@@ -50,8 +50,8 @@ def test_a_local_cluster_without_a_dashboard_opens_no_http_port(tmp_path, caplog
     8787, or any free port) and the run would log a link to a page that is not there:
     here the scheduler opens only its own port (the nannies, which run in this process
     too, their comm ports), lists no dashboard, and a run on it logs no dashboard line."""
-    from digenrl.cluster import HeadlessScheduler
-    from digenrl.runner import Runner
+    from digenrl.run.cluster import HeadlessScheduler
+    from digenrl.run.runner import Runner
 
     from conftest import small_config
 
@@ -85,7 +85,7 @@ def test_an_emulated_cluster_without_a_dashboard_gives_no_link_and_listens_on_lo
 
     import psutil
 
-    from digenrl.cluster import start_emulated_cluster
+    from digenrl.run.cluster import start_emulated_cluster
 
     handle = start_emulated_cluster(1, 1, {}, dashboard_address=None)
     try:
@@ -111,7 +111,7 @@ def test_a_started_clusters_workers_stop_their_heartbeats_before_it_closes():
     """ClusterHandle.close stops every worker's heartbeat before the scheduler goes: a
     heartbeat under way while it closes logs Dask's "Failed to communicate with
     scheduler during heartbeat" traceback after the command's output."""
-    from digenrl.cluster import start_emulated_cluster, stop_heartbeats
+    from digenrl.run.cluster import start_emulated_cluster, stop_heartbeats
 
     handle = start_emulated_cluster(1, 1, {}, dashboard_address=None)
     try:
@@ -134,7 +134,7 @@ def _now() -> float:
 
 def test_a_local_clusters_workers_report_the_hosts_clock(cluster_1x1):
     """All processes of a local cluster read one clock, so a worker reports the times it
-    reads (``digenrl.cluster.OneClockWorker``): a task's compute span, as the task
+    reads (``digenrl.run.cluster.OneClockWorker``): a task's compute span, as the task
     records get it, holds the time the task read while it ran, whatever offset a
     heartbeat estimated. Dask's own worker would shift the span by that estimate."""
     client = cluster_1x1.client

@@ -6,7 +6,7 @@ import pytest
 
 from digenrl.algorithms import ALGORITHMS
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config
-from digenrl.resolve import check_world
+from digenrl.run.world import check_world
 
 TINY = Path(__file__).parent.parent / "workflows" / "configs" / "tiny.yaml"
 

@@ -25,10 +25,10 @@ import pytest
 import yaml
 from distributed import Client, LocalCluster
 
-from digenrl.cli import main
-from digenrl.cluster import DASK_CONFIG, pool_counts, worker_resources
+from digenrl.commands.cli import main
+from digenrl.run.cluster import DASK_CONFIG, pool_counts, worker_resources
 from digenrl.config import ClusterConfig
-from digenrl.deploy import (PRELOAD, Deployment, command_line, dask_env, job_script,
+from digenrl.commands.deploy import (PRELOAD, Deployment, command_line, dask_env, job_script,
                             jobqueue_launcher, jobqueue_settings, k8s_manifest, k8s_yaml,
                             resources_argument, slurm_job_scripts, slurm_submit_script)
 from digenrl.schedulers.plugin import PLUGIN_NAME

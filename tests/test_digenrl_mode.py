@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from digenrl.report import summarise
-from digenrl.runner import Runner
+from digenrl.commands.report import summarise
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import assert_same_results, pipelined_config, small_config

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import yaml
 
-from digenrl.checkpoints import complete_checkpoints, read_weights
-from digenrl.cli import main
-from digenrl.runner import Runner
+from digenrl.store.checkpoints import complete_checkpoints, read_weights
+from digenrl.commands.cli import main
+from digenrl.run.runner import Runner
 from digenrl.store import StoreError, committed_iterations, open_run, read_attrs
 
 from conftest import (REFERENCE_ITERATIONS, SMALL, assert_complete, assert_same_results,

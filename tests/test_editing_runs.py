@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from digenrl.config import ConfigError
-from digenrl.plots import beside_sources
+from digenrl.figures.plots import beside_sources
 from digenrl.prompts import load_prompt_file
-from digenrl.report import write_report
-from digenrl.runner import Runner
+from digenrl.commands.report import write_report
+from digenrl.run.runner import Runner
 from digenrl.store import SOURCES_ATTRIBUTE, open_run, read_attrs
 
 from conftest import (assert_complete, checked_config, pipeline_config, source_picture,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from digenrl.config import ConfigError, apply_overrides, config_from_dict, config_to_dict
-from digenrl.report import summarise
-from digenrl.runner import Runner
+from digenrl.commands.report import summarise
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import pipeline_config, small_config

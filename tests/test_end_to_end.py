@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from digenrl.report import summarise
-from digenrl.runner import Runner
+from digenrl.commands.report import summarise
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import small_config

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from digenrl.config import ConfigError
-from digenrl.report import write_report
+from digenrl.commands.report import write_report
 from digenrl.vocabulary import GRAD, ROLLOUT, ROLLOUT_KINDS
 
 from conftest import REFERENCE_ITERATIONS, assert_same_results, checked_config, small_config
@@ -103,7 +103,7 @@ def test_report_writes_the_curve_and_a_grid_per_version(evaluated, tmp_path):
 
 
 def test_evaluation_without_held_out_prompts_is_refused(tmp_path, capsys):
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     with pytest.raises(ConfigError) as e:
         checked_config(**{"eval.every": 2, "data.prompts": ["a cat", "a dog"]})
@@ -120,7 +120,7 @@ def test_evaluation_without_held_out_prompts_is_refused(tmp_path, capsys):
 
 def test_a_resumed_run_stores_each_evaluation_once(cluster_1x1, evaluated, eval_file,
                                                     tmp_path):
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
     from digenrl.store import open_run
 
     out = str(tmp_path / "resumed.zarr")

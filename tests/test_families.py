@@ -210,7 +210,7 @@ def test_the_command_line_refuses_a_bad_folder_before_any_work(case, tiny_pipeli
     no cluster contacted (the scheduler named is unreachable) nor store written."""
     import shutil
 
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     folder = tmp_path / "folder"
     shutil.copytree(tiny_pipelines["wan"], folder)
@@ -251,11 +251,11 @@ def test_a_run_stored_before_the_model_fields_existed_still_resumes():
     """A stored config without the newer model and store fields compares as their
     defaults; a real difference is still refused."""
     from digenrl.config import config_to_dict
-    from digenrl.runner import FlowGRPOWorkload
+    from digenrl.run.runner import RLWorkload
 
     from conftest import small_config
 
-    workload = FlowGRPOWorkload(small_config())
+    workload = RLWorkload(small_config())
     stored = config_to_dict(small_config())
     for name in ("height", "width", "num_frames", "negative_prompt", "max_sequence_length",
                  "text_encoder_dtype"):

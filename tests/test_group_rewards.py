@@ -269,7 +269,7 @@ def test_a_registered_group_reward_scores_its_group_whole():
 
 
 def test_the_reward_server_refuses_a_group_reward_in_one_line(capsys):
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     assert main(["reward-server", "tests_brightness_spread"]) == 2
     err = capsys.readouterr().err

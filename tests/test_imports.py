@@ -215,11 +215,11 @@ def test_the_walk_sees_top_level_and_function_local_imports(graph):
     # Top level: the graph binds task functions.
     assert "digenrl.tasks.rollout" in graph["digenrl.graph.build"]
     # Inside a function: the command line loads the runner only to run.
-    assert "digenrl.runner" in graph["digenrl.cli"]
+    assert "digenrl.run.runner" in graph["digenrl.commands.cli"]
     # Imports for annotations only are no dependency: a rule names its core's type.
     assert "digenrl.schedulers.policy.core" not in graph["digenrl.schedulers.policy.rules"]
     # A submodule's package runs first: models/__init__ for anyone outside it.
-    assert "digenrl.models" in graph["digenrl.lora"]
+    assert "digenrl.models" in graph["digenrl.models.lora"]
     assert "digenrl.models" not in graph["digenrl.models.registry"]
 
 
@@ -232,7 +232,7 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_local_import():
 def test_the_config_imports_only_its_pure_leaves(graph):
     extra = graph["digenrl.config"] - CONFIG_LEAVES
     assert not extra, f"digenrl/config.py imports {sorted(extra)}: a check that needs " \
-                      f"another layer belongs in digenrl/resolve.py"
+                      f"another layer belongs in digenrl/run/world.py"
     # ... and the leaves import nothing of the project but each other.
     for leaf in CONFIG_LEAVES:
         assert graph[leaf] <= CONFIG_LEAVES, (leaf, graph[leaf])
@@ -245,15 +245,17 @@ def test_every_import_follows_the_layer_table(graph):
 
 def test_the_layer_table_refuses_an_arrow_against_it(tmp_path):
     """A copy of the package with one module added to the graph layer that imports the
-    driver inside a function: the table's check names that import, and nothing else."""
+    driver inside a function: the table's check names that import (and the run package's
+    file it runs), and nothing else."""
     import shutil
 
     copy = tmp_path / "digenrl"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     (copy / "graph" / "probe.py").write_text(
-        "def submit():\n    from digenrl.driver import Driver\n    return Driver\n")
+        "def submit():\n    from digenrl.run.driver import Driver\n    return Driver\n")
     wrong = layer_violations(import_graph(copy), ARCHITECTURE.read_text())
-    assert wrong == ["digenrl.graph.probe (graph) imports digenrl.driver (run)"]
+    assert wrong == ["digenrl.graph.probe (graph) imports digenrl.run (run)",
+                     "digenrl.graph.probe (graph) imports digenrl.run.driver (run)"]
 
 
 def test_the_scheduling_layer_loads_no_model_library_and_no_task_code(graph):
@@ -279,7 +281,7 @@ def test_no_import_cycles(graph):
 def test_building_a_config_loads_nothing_but_the_config(tmp_path):
     """A config with a model folder, prompt files and model rewards is built without
     importing torch, a model family, the prompts or the rewards (what it names is
-    checked by digenrl.resolve, before a run)."""
+    checked by digenrl.run.world, before a run)."""
     import json
     import subprocess
     import sys
@@ -315,7 +317,7 @@ def test_the_driver_imports_no_model_package():
 
     probe = """
 import json, sys
-import digenrl.cli, digenrl.runner
+import digenrl.commands.cli, digenrl.run.runner
 from digenrl.config import load_config
 from digenrl.models import family, flow_sigmas
 cfg = load_config("workflows/configs/tiny.yaml")

@@ -5,7 +5,7 @@ import numpy as np
 
 from digenrl.graph.keys import advantage_key, decode_key, reward_key, stats_key
 from digenrl.graph.plan import IterationPlan
-from digenrl.runner import IterationResults
+from digenrl.run.runner import IterationResults
 from digenrl.tasks.types import (AdvantageOut, DecodeOut, IterationStats, MicroStats,
                                  RewardOut)
 

@@ -27,8 +27,8 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler
 
 from digenrl.config import ConfigError, RemoteRewardConfig
-from digenrl.tasks.judges import DEFAULT_QUESTIONS, OpenAIJudge
-from digenrl.tasks.remote import decode_image
+from digenrl.serving.judges import DEFAULT_QUESTIONS, OpenAIJudge
+from digenrl.serving.remote import decode_image
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardError, evaluate_rewards
 

@@ -23,10 +23,10 @@ PACKAGE = ROOT / "digenrl"
 NOT_KINDS = {
     ("digenrl/seeding.py", "NOISE_DRAW"): "the draw of a sample's starting noise",
     ("digenrl/seeding.py", "INIT_DRAW"): "the draw of the initial weights",
-    ("digenrl/store.py", "EVAL_GROUP"): "the store's group of held-out evaluations",
-    ("digenrl/store.py", "REWARD_COLUMN"): "a sample's reward, a column of the store",
-    ("digenrl/store.py", "ADVANTAGE_COLUMN"): "a sample's advantage, a column of the store",
-    ("digenrl/reward_server.py", "SERVED_KEY"): "the reward server's status field",
+    ("digenrl/store/__init__.py", "EVAL_GROUP"): "the store's group of held-out evaluations",
+    ("digenrl/store/__init__.py", "REWARD_COLUMN"): "a sample's reward, a column of the store",
+    ("digenrl/store/__init__.py", "ADVANTAGE_COLUMN"): "a sample's advantage, a column of the store",
+    ("digenrl/serving/server.py", "SERVED_KEY"): "the reward server's status field",
     ("digenrl/schedulers/dashboard.py", "REWARD_CURVE"): "the dashboard's reward curve column",
 }
 
@@ -83,5 +83,5 @@ def binding(node):
                      "digenrl/seeding.py:7: 'reward'"]
     assert defined == {"NOISE_DRAW"}
     # The same definition anywhere else is a kind spelled out.
-    found, _ = kind_literals(source, "digenrl/runner.py")
-    assert "digenrl/runner.py:3: 'noise'" in found
+    found, _ = kind_literals(source, "digenrl/run/runner.py")
+    assert "digenrl/run/runner.py:3: 'noise'" in found

@@ -8,7 +8,7 @@ import torch
 from digenrl.config import ConfigError, config_from_dict
 from digenrl.graph.build import GraphContext
 from digenrl.models import build_transformer, predict_velocity
-from digenrl.resolve import check_world
+from digenrl.run.world import check_world
 from digenrl.tasks import rollout, train
 from digenrl.tasks.resident import resident
 from digenrl.tasks.types import AdvantageOut
@@ -136,7 +136,7 @@ def test_bad_values_fail_naming_the_field(changes, message):
 
 
 def test_export_help_says_how_to_load_the_result(capsys):
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["export", "--help"])

@@ -9,13 +9,13 @@ import pytest
 import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.config import load_config
-from digenrl.export import LORA_WEIGHTS
-from digenrl.lora import trainable_spec
+from digenrl.commands.export import LORA_WEIGHTS
+from digenrl.models.lora import trainable_spec
 from digenrl.models import build_transformer, family, latent_shape, model_seed, predict_velocity
 from digenrl.tasks.resident import resident
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import committed_iterations, open_run, read_attrs
 
 from conftest import (REFERENCE_ITERATIONS, assert_same_results, pipeline_config,

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.config import ConfigError, RewardModelConfig, load_config, tiny_model_fields
 from digenrl.tasks.rewards import REWARDS, register_reward
 

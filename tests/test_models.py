@@ -7,8 +7,8 @@ from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transfo
 
 from digenrl.config import ConfigError, ModelConfig, RunConfig, SamplerConfig
 from digenrl.models import PromptEncoder, build_transformer, build_vae, flow_sigmas
-from digenrl.resolve import check_world
-from digenrl.runner import Runner
+from digenrl.run.world import check_world
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import small_config

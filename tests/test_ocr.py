@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from digenrl.config import ConfigError
 from digenrl.prompts import HELD_OUT_SETS, PROMPT_SETS
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 from digenrl.tasks import reward_models
 from digenrl.tasks.ocr import ocr_target, target_problem
@@ -230,7 +230,7 @@ def test_a_missing_extra_stops_a_run_and_a_server_in_one_line(tmp_path):
                 "extra: pip install -e \".[ocr]\"), got an ImportError: No module named "
                 "rapidocr")
     # One process (its imports take seconds) runs both commands in turn.
-    code = ("import sys; from digenrl.cli import main; "
+    code = ("import sys; from digenrl.commands.cli import main; "
             f"codes = [main(['run', {str(config)!r}, '--check']), "
             f"main(['reward-server', 'ocr', '--config', {str(config)!r}])]; "
             "print(codes)")
@@ -246,7 +246,7 @@ def test_a_missing_extra_stops_a_run_and_a_server_in_one_line(tmp_path):
 def test_a_reward_server_serves_the_in_process_ocr_scores(ocr_spec, tmp_path):
     """``digenrl reward-server ocr --config``: the same images and prompts (one sample's
     target in its metadata's "text") get the in-process scores, the model loaded once."""
-    from digenrl.tasks.remote import RemoteReward
+    from digenrl.serving.remote import RemoteReward
 
     from test_reward_server import Server
 
@@ -274,7 +274,7 @@ def test_runs_with_the_ocr_reward_store_it_and_evaluate_it(cluster_1x1, tmp_path
     """The tiny model on the ocr prompt set with OCR beside brightness, evaluated on the
     held-out texts every version: every OCR score in [0, 1], each reward's column stored
     (the total their weighted sum), and the evaluation's OCR accuracy per version."""
-    from digenrl.report import summarise
+    from digenrl.commands.report import summarise
 
     tracking = "tensorboard" if importlib.util.find_spec("tensorboard") else None
     cfg = small_config(**{"iterations": 2, "data.prompt_set": "ocr", "eval.every": 1,
@@ -326,7 +326,7 @@ def test_the_ocr_workflow_config_passes_the_checks_of_a_run():
     the built-in model: the test pipelines' tokenizers know only the animal prompts):
     its reward, the target text of every training and held-out prompt."""
     from digenrl.config import load_config
-    from digenrl.resolve import check_world
+    from digenrl.run.world import check_world
 
     cfg = load_config("workflows/configs/ocr.yaml")
     check_world(cfg)

@@ -5,7 +5,7 @@ log-probs (ratio_dev), and only the workers that ran encode tasks build text enc
 import numpy as np
 import pytest
 
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import pipeline_config

@@ -14,7 +14,7 @@ import pytest
 
 from digenrl.config import ConfigError
 from digenrl.prompts import epoch_indices, epoch_order, load_prompt_file, prompt_source
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 from conftest import assert_complete, checked_config, small_config

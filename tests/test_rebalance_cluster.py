@@ -17,9 +17,9 @@ def _address(client, name):
 
 def test_a_slow_rollout_worker_loses_its_timesteps_and_nothing_changes(
         cluster_2x2, reference_run, tmp_path):
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
     from digenrl.store import open_run
-    from digenrl.why import why
+    from digenrl.commands.why import why
 
     client = cluster_2x2.client
     slow = _address(client, "rollout-1")

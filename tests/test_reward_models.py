@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from digenrl.config import ConfigError, RewardModelConfig
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 from digenrl.tasks import reward_models
 from digenrl.tasks.reward_models import ModelReward, model_reward, reward_model_loads
@@ -231,7 +231,7 @@ def test_names_of_model_rewards_are_checked(clip_folder):
 ])
 def test_an_aesthetic_head_that_does_not_fit_stops_the_run_before_it_starts(
         clip_folder, head_files, tmp_path, head, message):
-    from digenrl.runner import FlowGRPOWorkload
+    from digenrl.run.runner import RLWorkload
 
     path = head_files.get(head, tmp_path / f"{head}.pth")
     if head == "keys":
@@ -241,7 +241,7 @@ def test_an_aesthetic_head_that_does_not_fit_stops_the_run_before_it_starts(
     cfg = small_config(**{"reward.components": {"aesthetic": 1.0}, "reward.models": {
         "aesthetic": {"kind": "aesthetic", "path": str(clip_folder), "head": str(path)}}})
     with pytest.raises(ConfigError) as e:
-        FlowGRPOWorkload(cfg)
+        RLWorkload(cfg)
     assert str(e.value).startswith(f"reward.models.aesthetic.head: {message}"), str(e.value)
     assert "\n" not in str(e.value)
 
@@ -251,7 +251,7 @@ def test_a_reward_server_serves_a_model_reward(clip_folder, tmp_path):
     ones bit for bit (served in requests of 2, scored in-process in slices of 3 and 2:
     every pass is padded to batch_size), and the server loaded the model once (before
     serving)."""
-    from digenrl.tasks.remote import RemoteReward
+    from digenrl.serving.remote import RemoteReward
 
     from test_reward_server import Server
 
@@ -277,7 +277,7 @@ def test_a_served_score_does_not_depend_on_the_requests_sharing_its_pass(clip_fo
     model's batch_size (4), a request spread over two passes where it does not fit: every
     served score equals the in-process one bit for bit, and fewer passes ran than
     requests were answered."""
-    from digenrl.tasks.remote import RemoteReward
+    from digenrl.serving.remote import RemoteReward
 
     from test_reward_server import Server
 
@@ -316,7 +316,7 @@ def test_a_served_score_does_not_depend_on_the_requests_sharing_its_pass(clip_fo
 
 
 def test_reward_server_model_arguments_are_checked(capsys, clip_folder, tmp_path):
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({"reward": {"models": {"pick": {"path": str(clip_folder)}},

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 from digenrl.config import ConfigError, RemoteRewardConfig
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import committed_iterations, open_run
-from digenrl.tasks.remote import RemoteReward, RemoteRewardError, encode_image
+from digenrl.serving.remote import RemoteReward, RemoteRewardError, encode_image
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import (RewardError, brightness, evaluate_rewards,
                                    jpeg_compressibility)
@@ -450,7 +450,7 @@ def test_remote_settings_are_checked_naming_the_field(remote, message):
 
 
 def test_an_unset_token_variable_stops_the_run_before_it_starts(monkeypatch):
-    from digenrl.runner import FlowGRPOWorkload
+    from digenrl.run.runner import RLWorkload
 
     monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
     cfg = small_config(**{"reward.components": {"served": 1.0},
@@ -458,7 +458,7 @@ def test_an_unset_token_variable_stops_the_run_before_it_starts(monkeypatch):
                                                        "token_env": "NO_SUCH_TOKEN"}}})
     with pytest.raises(ConfigError, match=r"^reward.remote.served.token_env: expected a set "
                                           r"environment variable .* got 'NO_SUCH_TOKEN'"):
-        FlowGRPOWorkload(cfg)
+        RLWorkload(cfg)
 
 
 def test_a_remote_reward_takes_no_gpu_slot():
@@ -489,7 +489,7 @@ def test_a_remote_reward_takes_no_gpu_slot():
      "--read-timeout: expected a finite number > 0, got 0.0"),
 ])
 def test_reward_server_arguments_are_checked(capsys, argv, message):
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     assert main(["reward-server", *argv]) == 2
     err = capsys.readouterr().err

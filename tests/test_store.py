@@ -7,7 +7,7 @@ import pytest
 import xarray as xr
 import zarr
 
-from digenrl.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
+from digenrl.store.checkpoints import (complete_checkpoints, drop_checkpoints, read_checkpoint,
                                  read_weights, write_checkpoint, write_weights)
 from digenrl.records import SIMULATED_COLUMNS, TASK_COLUMNS, task_columns
 from digenrl.store import GROUPS, RunStore, StoreError, open_run, write_all
@@ -145,7 +145,7 @@ def test_a_checkpoint_of_several_chunks_per_part_and_negative_zeros_reads_back_b
         store_path, monkeypatch):
     """Each part's row spans several chunks, the last one partial, each written on its
     own; parts equal to the fill value (zeros, and -0.0) are stored as they are."""
-    import digenrl.checkpoints as checkpoints
+    import digenrl.store.checkpoints as checkpoints
     monkeypatch.setattr(checkpoints, "_CHECKPOINT_CHUNK", 8)
     RunStore.create(store_path, {})
     rng = np.random.default_rng(2)

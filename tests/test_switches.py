@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from digenrl.cli import build_parser, config_from_args
+from digenrl.commands.cli import build_parser, config_from_args
 from digenrl.config import ConfigError, ScheduleConfig, reference_markdown
 from digenrl.schedulers.options import MODES, ScheduleOptions, check_fields
 from digenrl.schedulers.switches import MODE_NAMES, SWITCHES, Switch, declare

@@ -1,4 +1,4 @@
-"""Experiment trackers (digenrl/tracking.py): a run logged to TensorBoard, W&B (offline)
+"""Experiment trackers (digenrl/run/tracking.py): a run logged to TensorBoard, W&B (offline)
 and MLflow (a local SQLite database), stopped and resumed, read back with each tracker's
 own reader and compared with the store; trackers that cannot start stop the run before
 any cluster, and one that fails or falls behind mid-run costs the store nothing."""
@@ -21,7 +21,7 @@ import pytest
 from conftest import small_config
 from digenrl.config import TRACKERS, ConfigError, config_from_dict
 from digenrl.store import open_run, read_attrs
-from digenrl.tracking import BACKENDS, QUEUE_LENGTH, Backend, Tracker, _Worker
+from digenrl.run.tracking import BACKENDS, QUEUE_LENGTH, Backend, Tracker, _Worker
 
 #: The run every reading test shares: three iterations, stopped after the second and
 #: resumed; version 2 evaluated (stored with iteration 1); a two-sample grid every
@@ -71,7 +71,7 @@ def tracked(cluster_1x1, tmp_path_factory) -> Tracked:
     """One run logged to every tracker installed, stopped after iteration 1 (by the
     driver's callback, after that iteration was committed and handed to the trackers)
     and resumed to the end."""
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
 
     tmp = tmp_path_factory.mktemp("tracked")
     backends = [name for name in TRACKERS if installed(name)]
@@ -193,7 +193,7 @@ def test_mlflow_shows_the_stores_curves_as_one_run(tracked):
 def run_cli(tmp_path, capsys, *settings) -> tuple[int, list[str]]:
     """``digenrl run`` against a scheduler nobody runs: only what fails before any
     cluster is reached can answer."""
-    from digenrl.cli import main
+    from digenrl.commands.cli import main
 
     args = ["run", "--out", str(tmp_path / "run.zarr"), "--scheduler", "tcp://127.0.0.1:1",
             "--no-progress"]
@@ -323,7 +323,7 @@ class Slow(Backend):
 
 
 def test_a_tracker_that_falls_behind_never_holds_up_the_driver(caplog):
-    from digenrl.tracking import IterationLog
+    from digenrl.run.tracking import IterationLog
 
     backend = Slow()
     worker = _Worker(backend)
@@ -349,7 +349,7 @@ def test_what_the_trackers_show_of_an_iteration():
     spread over the iteration and captioned with prompt and reward; each evaluation's
     mean and its first held-out samples."""
     from digenrl.store import STRIP_FRAMES
-    from digenrl.tracking import IterationLog
+    from digenrl.run.tracking import IterationLog
 
     tracking = small_config(**{"tracking.images": 3, "tracking.image_every": 2}).tracking
     n, frames, h, w = 8, 9, 4, 5

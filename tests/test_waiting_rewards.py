@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import waiting_rewards  # noqa: F401 -- registers slow_brightness
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 from digenrl.vocabulary import REWARD
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.schedulers.policy.trail import key_parts
 
 from conftest import pipelined_config

@@ -1,4 +1,4 @@
-"""Task results on the wire (digenrl/tasks/wire.py): every type that travels between
+"""Task results on the wire (digenrl/serving/wire.py): every type that travels between
 workers goes through Dask's "dask" serializer as plain data plus frames (a large tensor or
 array in a frame of its own, the small ones sharing one), comes back bit for bit, and a
 header naming anything else is refused."""
@@ -19,7 +19,8 @@ from distributed.protocol import deserialize, dumps, loads, serialize, to_serial
 from digenrl.config import config_from_dict
 from digenrl.graph.build import GraphContext
 from digenrl.models import Conditioning, to_uint8
-from digenrl.tasks import rollout, train, wire
+from digenrl.serving import wire
+from digenrl.tasks import rollout, train
 from digenrl.tasks.advantage import advantage
 from digenrl.tasks.types import (TRAVELLING, DecodeOut, GradOut, IterationStats, MicroStats,
                                  PolicyWeights, RewardOut)

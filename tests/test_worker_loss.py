@@ -22,10 +22,10 @@ import torch
 import zarr
 from distributed import Client
 
-from digenrl.checkpoints import complete_checkpoints, read_checkpoint, read_weights
+from digenrl.store.checkpoints import complete_checkpoints, read_checkpoint, read_weights
 from digenrl.graph.keys import publish_key
 from digenrl.graph.structure import Dep, rollout_nodes, train_nodes
-from digenrl.runner import FlowGRPOWorkload, Runner
+from digenrl.run.runner import RLWorkload, Runner
 from digenrl.store import StoreError, open_run
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state
 from digenrl.tasks.resident import PLUGIN_NAME
@@ -190,7 +190,7 @@ def test_every_model_task_reads_its_weights_as_an_input():
     input, so Dask moves them to the worker before the task starts, and the worker's
     resident model is keyed by that version. Nothing is cached by position or order."""
     for kl in (0.0, 0.01):
-        w = FlowGRPOWorkload(small_config(**{"train.kl_beta": kl, "schedule.stale_groups": 1}))
+        w = RLWorkload(small_config(**{"train.kl_beta": kl, "schedule.stale_groups": 1}))
         for i in range(3):
             plan = w.plan(i)
             nodes = rollout_nodes(w.layout, plan) + train_nodes(w.layout, plan)
@@ -266,9 +266,9 @@ def test_the_driver_holds_nothing_of_a_committed_iteration(cluster_1x1, monkeypa
     futures kept only by the reference cycles of those timeouts would stay held."""
     import gc
 
-    import digenrl.driver
+    import digenrl.run.driver
 
-    monkeypatch.setattr(digenrl.driver, "STALL_POLL", 0.001)
+    monkeypatch.setattr(digenrl.run.driver, "STALL_POLL", 0.001)
     client = cluster_1x1.client
     held: dict[int, list] = {}
 

@@ -5,7 +5,7 @@
 
 import sys
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

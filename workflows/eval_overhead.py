@@ -23,7 +23,7 @@ import logging
 import statistics
 import sys
 
-from digenrl.bench import bench_config
+from digenrl.commands.bench import bench_config
 from digenrl.config import apply_overrides, config_from_dict, config_to_dict, load_config
 from digenrl.store import open_run
 from digenrl.vocabulary import EVAL, GRAD, OPTIMIZE, ROLLOUT_KINDS

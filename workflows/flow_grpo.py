@@ -14,11 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
-from digenrl.cli import build_parser, config_from_args
-from digenrl.cluster import start_cluster
+from digenrl.commands.cli import build_parser, config_from_args
+from digenrl.run.cluster import start_cluster
 from digenrl.config import ConfigError, config_to_dict
-from digenrl.resolve import check_world
-from digenrl.runner import Runner
+from digenrl.run.world import check_world
+from digenrl.run.runner import Runner
 
 log = logging.getLogger("digenrl.workflow")
 

@@ -10,7 +10,7 @@ Each cell runs ``workflows/configs/tiny.yaml`` with ``algorithm.*`` of its row, 
 learning rate, beta and the other per-algorithm settings are the algorithm's defaults).
 Its gain is the mean reward of the last four iterations minus the first four's, in
 standard errors of that difference from the per-sample rewards
-(:func:`digenrl.learning.learning`); a cell learns with a gain above 3 standard errors
+(:func:`digenrl.figures.learning.learning`); a cell learns with a gain above 3 standard errors
 and no late iteration's reward spread below a third of the first iteration's. Writes
 ``matrix.md`` (the table), ``matrix.json`` (every curve, written after each cell) and
 ``matrix.png`` into ``--out``; a cell already in ``--out``'s ``matrix.json`` is not run
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import yaml
 
-from digenrl.cluster import start_cluster
+from digenrl.run.cluster import start_cluster
 from digenrl.config import load_config
-from digenrl.learning import learning
-from digenrl.runner import Runner
+from digenrl.figures.learning import learning
+from digenrl.run.runner import Runner
 from digenrl.store import open_run
 
 CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"

@@ -4,7 +4,7 @@ full fine-tuning, on a FLUX-shaped transformer small enough for a CPU.
     python workflows/lora_memory.py [--rank 16] [--width 512] [--dtype float32]
 
 Each mode runs in a fresh process doing what a trainer worker does for one version:
-build the transformer (``digenrl.lora.build_policy``, frozen weights cast to
+build the transformer (``digenrl.models.lora.build_policy``, frozen weights cast to
 ``--dtype``), take one micro-step's gradient through the family's ``predict_velocity``
 and one AdamW step (``digenrl.tasks.train.adamw_update``) on the trainable tensors. It
 reports the process's peak resident memory and the bytes of the trainable tensors (what
@@ -43,7 +43,7 @@ def one_version(folder: str, rank: int, dtype: str, width: int) -> dict:
     import torch
 
     from digenrl.config import ModelConfig, TrainConfig
-    from digenrl.lora import build_policy, cast_for_forward, trainable_parameters, \
+    from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters, \
         trainable_spec
     from digenrl.models import predict_velocity
     from digenrl.models.base import Conditioning

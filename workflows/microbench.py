@@ -38,18 +38,18 @@ the default models, before and after :func:`digenrl.process.freeze_collector`. `
 starts the local cluster of two rollout and two trainer workers a run starts, lets it
 settle, and prints the CPU all its processes (the driver's, with the scheduler and the
 nannies, and the workers') use per second while no run uses it, with the event loops'
-tick (:data:`digenrl.cluster.DASK_CONFIG`) as configured and at 0.1 s, each in a fresh
+tick (:data:`digenrl.run.cluster.DASK_CONFIG`) as configured and at 0.1 s, each in a fresh
 process, alternating. ``imports`` prints,
-each in a fresh process, the CPU-seconds of a driver's imports (``digenrl.cli``,
-``digenrl.runner``, and the default family asked for its latent shape and sigmas) and
+each in a fresh process, the CPU-seconds of a driver's imports (``digenrl.commands.cli``,
+``digenrl.run.runner``, and the default family asked for its latent shape and sigmas) and
 the CPU-seconds and modules a worker forked from the preloading server
-(:data:`digenrl.cluster.WORKER_PRELOAD`) spends building the default transformer and VAE
+(:data:`digenrl.run.cluster.WORKER_PRELOAD`) spends building the default transformer and VAE
 (the imports a build needs beyond the preload). ``commit`` appends iterations shaped like
 a small run's (30 task columns of 30 rows, 30 per-iteration variables) to a fresh store
 with :class:`digenrl.store.RunStore`, its writes awaited together (as it commits) and one
 after another, alternating, and prints CPU-seconds per commit. ``checkpoint`` writes the
 default model's trainer state (its weights and two AdamW moments, 56 MB) as checkpoints
-to a fresh store, with :func:`digenrl.checkpoints.write_checkpoint` and as one zarr
+to a fresh store, with :func:`digenrl.store.checkpoints.write_checkpoint` and as one zarr
 write of the whole array with zarr's default settings (the attributes set after it),
 alternating, and prints the user and system CPU-seconds per checkpoint. ``ocr`` scores
 text rendered with PIL (the ocr prompt set's texts, DejaVu Sans, dark on light) with the
@@ -111,7 +111,7 @@ def dispatch(hops: int, rounds: int) -> None:
     from dask._task_spec import Task, TaskRef
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
-    from digenrl.cluster import start_cluster
+    from digenrl.run.cluster import start_cluster
     from digenrl.config import ClusterConfig
     from digenrl.graph.keys import task_meta
     from digenrl.schedulers.options import MODES, ScheduleOptions
@@ -200,10 +200,10 @@ _COLLECT = """
 import gc, json, statistics, time
 import distributed, torch
 from digenrl.config import ModelConfig
-from digenrl.lora import Trainable, build_policy
+from digenrl.models.lora import Trainable, build_policy
 from digenrl.models import build_vae
 from digenrl.process import freeze_collector
-import digenrl.runner, digenrl.tasks.resident  # (what the driver and a worker import)
+import digenrl.run.runner, digenrl.tasks.resident  # (what the driver and a worker import)
 models = [build_policy(ModelConfig(), Trainable(), 0), build_vae(ModelConfig(), 0)]
 
 def passes():
@@ -238,7 +238,7 @@ def collector(rounds: int) -> None:
 
 def _weights():
     from digenrl.config import ModelConfig
-    from digenrl.lora import Trainable, build_policy, trainable_parameters
+    from digenrl.models.lora import Trainable, build_policy, trainable_parameters
     from digenrl.tasks.types import PolicyWeights
 
     model = build_policy(ModelConfig(), Trainable(), 0)
@@ -275,7 +275,7 @@ def _last_fetch(dask_worker) -> float:
 def transfer(rounds: int) -> None:
     import logging
 
-    from digenrl.cluster import start_cluster
+    from digenrl.run.cluster import start_cluster
     from digenrl.config import ClusterConfig
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -399,7 +399,7 @@ def eventloop(gpus: int, iterations: int) -> None:
     from digenrl.sim.engine import collector_off
     from digenrl.sim.profile import load_profile
     from digenrl.sim.simulate import simulate
-    from digenrl.variants import variant_schedule
+    from digenrl.figures.variants import variant_schedule
 
     profile = load_profile("flux12b-16gpu").scaled(gpus)
     s = variant_schedule("digenrl")
@@ -425,7 +425,7 @@ def eventloop(gpus: int, iterations: int) -> None:
 def _idle_cores(tick: str, seconds: float) -> float:
     """Cores the local 2+2 cluster uses while idle, with the tick interval ``tick``
     (empty: as configured), in this process."""
-    from digenrl import cluster
+    from digenrl.run import cluster
     from digenrl.config import ClusterConfig
 
     if tick:
@@ -442,7 +442,7 @@ def _idle_cores(tick: str, seconds: float) -> float:
 
 
 def idle(rounds: int, seconds: float = 20.0) -> None:
-    from digenrl.cluster import DASK_CONFIG
+    from digenrl.run.cluster import DASK_CONFIG
 
     ticks = {f"as configured ({DASK_CONFIG['distributed.admin.tick.interval']})": "",
              "0.1 s": "100ms"}
@@ -460,7 +460,7 @@ def idle(rounds: int, seconds: float = 20.0) -> None:
 _DRIVER_IMPORTS = """
 import json, sys, time
 from digenrl.config import load_config
-import digenrl.cli, digenrl.runner
+import digenrl.commands.cli, digenrl.run.runner
 from digenrl.models import family, flow_sigmas
 cfg = load_config("workflows/configs/tiny.yaml")
 family(cfg.model).latent_shape(); flow_sigmas(cfg.sampler, cfg.model)
@@ -469,12 +469,12 @@ print(json.dumps({"cpu": time.process_time()}))
 
 _WORKER_BUILD = """
 import importlib, json, sys, time
-from digenrl.cluster import WORKER_PRELOAD
+from digenrl.run.cluster import WORKER_PRELOAD
 for m in WORKER_PRELOAD:
     importlib.import_module(m)
 before, t = set(sys.modules), time.process_time()
 from digenrl.config import ModelConfig
-from digenrl.lora import Trainable, build_policy
+from digenrl.models.lora import Trainable, build_policy
 from digenrl.models import build_vae
 build_policy(ModelConfig(), Trainable(), 0), build_vae(ModelConfig(), 0)
 print(json.dumps({"cpu": time.process_time() - t, "modules": len(set(sys.modules) - before)}))
@@ -542,7 +542,8 @@ def _checkpoint_cpu(chunkwise: bool, writes: int) -> tuple[float, float]:
     import resource
     import tempfile
 
-    from digenrl import checkpoints, store
+    from digenrl import store
+    from digenrl.store import checkpoints
 
     params = {n: t.numpy() for n, t in _weights().tensors.items()}
     parts = {p: params for p in ("params", "exp_avg", "exp_avg_sq")}

@@ -72,9 +72,9 @@ def diff(a: dict, b: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from digenrl.cluster import start_cluster
+    from digenrl.run.cluster import start_cluster
     from digenrl.config import load_config
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config")

@@ -249,7 +249,7 @@ def run_digenrl(mode: str, folder: Path, data: Path, out: Path, iterations: int,
     import yaml
 
     from digenrl.config import config_from_dict
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
     from digenrl.store import open_run
     from digenrl.vocabulary import OPTIMIZE
 

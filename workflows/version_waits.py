@@ -29,7 +29,7 @@ import argparse
 
 import numpy as np
 
-from digenrl.analysis import busy_seconds, store_pools
+from digenrl.figures.analysis import busy_seconds, store_pools
 from digenrl.store import open_run
 from digenrl.vocabulary import GRAD, OPTIMIZE, PUBLISH, ROLLOUT_KINDS
 

@@ -16,7 +16,7 @@ from digenrl.graph.dask_graph import IterationGraph, bind, init_outputs, iterati
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import (GraphLayout, Node, eval_nodes, init_nodes,
                                      iteration_nodes)
-from digenrl.lora import trainable_spec
+from digenrl.models.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
 from digenrl.tasks import advantage as adv_tasks
@@ -53,7 +53,7 @@ class GraphContext:
     def from_config(cls, config: RunConfig) -> "GraphContext":
         """The context of ``config``. Building the graph checks nothing of the world:
         what ``config`` names outside itself (the model folder, prompts, rewards, LoRA
-        targets) is checked before, by :func:`~digenrl.resolve.check_world`, which the
+        targets) is checked before, by :func:`~digenrl.run.world.check_world`, which the
         workload calls first."""
         sigmas = flow_sigmas(config.sampler, config.model)
         _check_sigmas(sigmas, config)

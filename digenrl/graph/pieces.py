@@ -1,5 +1,5 @@
 """The pieces of a run in the cluster, as states (docs/architecture.md, "Where state
-lives"): pure code, no Dask. The driver's :class:`~digenrl.driver.Pipeline` decides
+lives"): pure code, no Dask. The driver's :class:`~digenrl.run.driver.Pipeline` decides
 when a piece goes in and what it reads; this records what is in and holds the futures
 (any objects) each state needs, and a transition from a state it does not follow
 raises :class:`IllegalTransition`.

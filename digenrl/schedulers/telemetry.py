@@ -103,7 +103,7 @@ class Telemetry:
             "nbytes": int(kwargs.get("nbytes") or 0),
             # Dask attaches a fetch to one dependent of the fetched data (not
             # necessarily the task that waited for it), so the analysis attributes
-            # fetches by time on the worker (digenrl.analysis.dispatch_overhead).
+            # fetches by time on the worker (digenrl.figures.analysis.dispatch_overhead).
             "transfer": fetch,
             "transfer_start": fetch_start,
             "transfer_stop": fetch_stop,

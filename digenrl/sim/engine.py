@@ -13,7 +13,7 @@ What it shares with a run on Dask, and where it differs (stated here once):
   the graph builders' (:func:`~digenrl.graph.structure.iteration_nodes`;
   :mod:`digenrl.sim.template` repeats them, shifted, for later iterations of one shape).
   Given the same tasks at the same times, it releases what the plugin releases.
-* **Different:** the driver (:class:`digenrl.driver.Pipeline`) submits an iteration in
+* **Different:** the driver (:class:`digenrl.run.driver.Pipeline`) submits an iteration in
   three pieces, each once what it reads exists (:mod:`digenrl.graph.pieces`), and
   publishes each version from its state read back (a ``restore`` task, with a
   ``checkpoint`` task beside it); the simulator submits whole iterations, at most

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
-from digenrl.analysis import ideal_bound
+from digenrl.figures.analysis import ideal_bound
 from digenrl.checks import require
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
@@ -282,7 +282,7 @@ class Profile:
         return total + t(OPTIMIZE, 0)
 
     def ideal_images_per_s(self, capacity: float | None = None) -> float:
-        """Images/s with every GPU busy (:func:`~digenrl.analysis.ideal_bound` of an
+        """Images/s with every GPU busy (:func:`~digenrl.figures.analysis.ideal_bound` of an
         iteration's work): ``capacity`` is the sum of the workers' speeds
         (default: the profile's workers at their declared speeds; transient slowdowns
         are not counted, so the bound stays the one the hardware allows)."""

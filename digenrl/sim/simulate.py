@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from digenrl.analysis import ideal_fraction
+from digenrl.figures.analysis import ideal_fraction
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
 from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
-from digenrl.variants import variant_schedule
+from digenrl.figures.variants import variant_schedule
 from digenrl.vocabulary import COLOCATED, DENOISE, NOISE, ROLLOUT, TRAINER
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
@@ -155,7 +155,7 @@ def simulate_variants(profile: Profile, variants, iterations: int, *,
                       dispatch_latency: float = 0.005, queued_latency: float = 0.0,
                       latencies: Mapping[str, tuple[float, float]] | None = None,
                       skip: int = 1, drain: int = 1) -> list[tuple[str, SimulationReport]]:
-    """Every named variant (:data:`digenrl.variants.VARIANTS`) of ``profile``.
+    """Every named variant (:data:`digenrl.figures.variants.VARIANTS`) of ``profile``.
     ``latencies``: per variant, the (dispatch, queued) latencies to use instead of the
     common ones."""
     out = []

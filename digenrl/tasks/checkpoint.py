@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from distributed import get_worker
 
-from digenrl.checkpoints import read_checkpoint, write_checkpoint
+from digenrl.store.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
 

@@ -8,7 +8,7 @@ docs/sources.md):
   when it has one, else the text between the first pair of double quotes of its prompt
   (``A sign that says "Open Late"`` -> ``Open Late``; typographic quotes “...” count too).
   A prompt with neither, or a target of nothing but spaces, is refused before any work
-  starts (:func:`target_problem`, which :func:`digenrl.resolve.check_world` asks of every
+  starts (:func:`target_problem`, which :func:`digenrl.run.world.check_world` asks of every
   prompt an OCR reward scores).
 * **The score** (:func:`ocr_score`): spaces removed and case folded from both the target
   and the recognised text (the image's lines joined in reading order); 1 when the

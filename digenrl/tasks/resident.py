@@ -20,7 +20,7 @@ import torch
 from distributed import WorkerPlugin
 
 from digenrl.config import ModelConfig
-from digenrl.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
+from digenrl.models.lora import Trainable, build_policy, cast_for_forward, trainable_parameters
 from digenrl.metering import model_time
 from digenrl.models import Conditioning, build_vae, family
 from digenrl.models.parts import BUILDING

@@ -3,8 +3,8 @@ judge, a model resident on the workers, or another reward ranked within each pro
 group.
 
 :func:`resolve_rewards` is the one place they meet; the registry
-(:mod:`digenrl.tasks.rewards`), the reward-server client (:mod:`digenrl.tasks.remote`),
-the judges (:mod:`digenrl.tasks.judges`) and the model rewards
+(:mod:`digenrl.tasks.rewards`), the reward-server client (:mod:`digenrl.serving.remote`),
+the judges (:mod:`digenrl.serving.judges`) and the model rewards
 (:mod:`digenrl.tasks.reward_models`) each know only what they score.
 """
 
@@ -61,7 +61,7 @@ def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
     """The spec of the reward ``name`` scored by the server ``config`` describes (a
     ``cpu`` reward taking metadata). Reads the token from ``config.token_env`` now: an
     unset variable is a :class:`ConfigError` before any work starts."""
-    from digenrl.tasks.remote import RemoteReward
+    from digenrl.serving.remote import RemoteReward
 
     token = None
     if config.token_env is not None:
@@ -71,7 +71,7 @@ def remote_reward(name: str, config: RemoteRewardConfig) -> RewardSpec:
                               f"variable holding the server's token, got "
                               f"{config.token_env!r} (not set)")
     if config.protocol == "openai":
-        from digenrl.tasks.judges import openai_judge
+        from digenrl.serving.judges import openai_judge
 
         return RewardSpec(name, openai_judge(name, config, token), "wait",
                           f"judged by {config.model} at {config.url}", takes_metadata=True)

@@ -13,7 +13,7 @@ module), and ``"wait"`` neither: it waits for something outside the worker (a re
 server, a judge), so its task leaves the worker's thread pool for as long as it waits
 (Dask's ``secede``) and the waiting rewards of an iteration all wait at once, beside the
 GPU work and the other tasks of the worker. A reward named under ``reward.remote`` is scored by a
-reward server (:mod:`digenrl.tasks.remote`), one named under ``reward.models`` by a model
+reward server (:mod:`digenrl.serving.remote`), one named under ``reward.models`` by a model
 resident on the worker (:mod:`digenrl.tasks.reward_models`);
 :func:`~digenrl.tasks.reward_sources.resolve_rewards` makes their specs, and from there
 on they are rewards like the others (a remote reward is a ``wait`` one, a model reward a

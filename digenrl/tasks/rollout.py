@@ -20,7 +20,7 @@ import torch
 
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.config import ModelConfig, SamplerConfig
-from digenrl.lora import Trainable
+from digenrl.models.lora import Trainable
 from digenrl.models import Conditioning, decode_latents, latent_shape, predict_velocity
 from digenrl.prompts import PromptInputs
 from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed

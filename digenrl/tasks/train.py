@@ -40,7 +40,7 @@ import torch
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.config import AlgorithmConfig, ModelConfig, SamplerConfig, TrainConfig
 from digenrl.metering import model_time
-from digenrl.lora import Trainable, build_policy, trainable_parameters
+from digenrl.models.lora import Trainable, build_policy, trainable_parameters
 from digenrl.models import Conditioning
 from digenrl.tasks.algorithms import math_of
 from digenrl.tasks.algorithms.common import MicroResult, Policies, policy_loss
@@ -62,7 +62,7 @@ class TrainSpec:
     seed: int  # the model seed: builds version 0 and the resident transformer
     sigmas: tuple[float, ...]
     normaliser: int  # trained rows (samples, or pairs) per iteration x micro-steps per chunk
-    trainable: Trainable = Trainable()  # all weights, or LoRA adapters (digenrl/lora.py)
+    trainable: Trainable = Trainable()  # all weights, or LoRA adapters (digenrl/models/lora.py)
     #: The algorithm's shape (None: Flow-GRPO with the sampler's trained steps) and its
     #: settings.
     shape: Algorithm | None = None

@@ -9,7 +9,7 @@ import torch
 from dask.sizeof import sizeof
 
 from digenrl.models.base import Conditioning
-from digenrl.tasks import wire
+from digenrl.serving import wire
 
 __all__ = ["PolicyWeights", "TrainerState", "Latents", "StepOut", "DecodeOut", "RewardOut",
            "AdvantageOut", "MicroStats", "GradOut", "IterationStats", "Conditioning"]

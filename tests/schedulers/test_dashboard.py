@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.cluster import start_cluster
+from digenrl.run.cluster import start_cluster
 from digenrl.config import ClusterConfig
-from digenrl.runner import Runner
+from digenrl.run.runner import Runner
 from digenrl.schedulers.palette import KIND_COLOURS
 
 from chromium import CHROMIUM, INSTALL_HINT, Browser

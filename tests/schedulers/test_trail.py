@@ -13,7 +13,7 @@ from digenrl.schedulers.policy.trail import (TRAIL_LENGTH, Entry, note, parse_tr
                                              trail_text)
 from digenrl.sim.profile import load_profile
 from digenrl.sim.simulate import simulate
-from digenrl.variants import variant_schedule
+from digenrl.figures.variants import variant_schedule
 from digenrl.vocabulary import DENOISE, GRAD, ROLLOUT, TRAINER
 
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import yaml
 
-from digenrl.bench import bench_profile, format_table
-from digenrl.cli import main
-from digenrl.driver import Driver
+from digenrl.commands.bench import bench_profile, format_table
+from digenrl.commands.cli import main
+from digenrl.run.driver import Driver
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.emulate import EmulatedWorkload
 from digenrl.store import open_run

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.variants import VARIANTS
+from digenrl.figures.variants import VARIANTS
 from digenrl.sim.profile import Slowdown, list_profiles, load_profile
 from digenrl.sim.simulate import simulate_variants
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from digenrl.report import write_report
+from digenrl.commands.report import write_report
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.profile import load_profile
 from digenrl.sim.simulate import simulate

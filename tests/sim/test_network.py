@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.sim.network import (CircuitFabric, FatTree, Placement, allreduce_time,
                                  format_network_study, network_case, network_study,
                                  weight_sync_time)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from digenrl.cli import main
+from digenrl.commands.cli import main
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.profile import load_profile
 from digenrl.sim.simulate import simulate
@@ -168,7 +168,7 @@ def test_rollout_assisted_training_recovers_a_split_too_large_for_rollout(flux):
 
 
 def test_split_advice_is_the_split_that_balances_the_pools():
-    from digenrl.analysis import SplitAdvice
+    from digenrl.figures.analysis import SplitAdvice
 
     advice = SplitAdvice.of(3.0, 1.0, (8, 8))
     assert advice.best == (12, 4)
@@ -207,7 +207,7 @@ def test_simulate_refuses_bad_input(capsys, argv, message):
 def test_dispatch_overhead_separates_transfers_and_queued_tasks():
     import pandas as pd
 
-    from digenrl.analysis import dispatch_overhead
+    from digenrl.figures.analysis import dispatch_overhead
 
     # One worker: a task released to a free GPU (waits 10 ms, 4 of them fetching inputs),
     # then one queued behind it (starts 2 ms after the first stops).
@@ -225,7 +225,7 @@ def test_dispatch_overhead_separates_transfers_and_queued_tasks():
 def test_dispatch_overhead_pools_a_workers_fetches_by_time():
     import pandas as pd
 
-    from digenrl.analysis import dispatch_overhead
+    from digenrl.figures.analysis import dispatch_overhead
 
     # Worker w fetches new weights from 0.010 to 0.050 while its first task waits to
     # start; Dask attached the fetch to the second task (another reader of the weights).

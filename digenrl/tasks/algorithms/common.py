@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from digenrl.lora import adapters_off
+from digenrl.models.lora import adapters_off
 from digenrl.models import Conditioning, predict_velocity
 from digenrl.seeding import stable_seed
 

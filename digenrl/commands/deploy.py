@@ -7,8 +7,8 @@ jobs as a dask-jobqueue launcher, and ``digenrl deploy k8s`` a manifest for the
 dask-kubernetes operator: a ``DaskCluster`` (the scheduler) and one ``DaskWorkerGroup``
 per pool. Nothing here needs dask-jobqueue or dask-kubernetes installed: the texts are
 rendered from what their formats are, and the worker's flags from the facts the local
-cluster uses (:func:`digenrl.cluster.worker_resources`, the configured threads per
-worker, the preload module and :data:`digenrl.cluster.DASK_CONFIG`).
+cluster uses (:func:`digenrl.run.cluster.worker_resources`, the configured threads per
+worker, the preload module and :data:`digenrl.run.cluster.DASK_CONFIG`).
 
 Every worker serves one GPU (``dask cuda worker`` starts one worker per GPU it sees) and
 advertises ``GPU=1`` and its pool; with ``gpus=False`` the workers are ``dask worker``
@@ -28,7 +28,7 @@ import yaml
 from dask.utils import format_bytes, parse_bytes
 
 from digenrl.checks import require
-from digenrl.cluster import DASK_CONFIG, worker_resources
+from digenrl.run.cluster import DASK_CONFIG, worker_resources
 from digenrl.config import ClusterConfig
 from digenrl.schedulers import preload
 from digenrl.vocabulary import POOLS, ROLLOUT, TRAINER
@@ -421,7 +421,7 @@ import dask
 from dask_jobqueue import SLURMCluster
 from dask_jobqueue.slurm import SLURMJob
 
-#: The Dask settings a digenrl run relies on (digenrl.cluster.DASK_CONFIG).
+#: The Dask settings a digenrl run relies on (digenrl.run.cluster.DASK_CONFIG).
 DASK_CONFIG = {_literal(DASK_CONFIG)}
 SCHEDULER_OPTIONS = {_literal(scheduler_options)}
 #: Each pool's job settings (one job: its workers, GPUs, CPUs, memory and pool tag).

@@ -1,7 +1,7 @@
 """The named schedule variants: every mode and ablation the benchmark compares.
 
 A variant is a set of ``schedule.*`` overrides on top of the base work. ``digenrl bench``
-runs them on one cluster (:mod:`digenrl.bench`), ``digenrl simulate`` in the simulator
+runs them on one cluster (:mod:`digenrl.commands.bench`), ``digenrl simulate`` in the simulator
 (:mod:`digenrl.sim.simulate`); both read them, and their schedule settings, from here.
 """
 

@@ -14,7 +14,7 @@ and metadata (``{KEY}``). Sampling is greedy (``temperature: 0``). The score is 
   answer's text, ``(number - LOW) / (HIGH - LOW)`` with ``number_range: [LOW, HIGH]``.
 
 A reward task's images are asked at once, at most ``concurrency`` requests in flight,
-through the process's pooled connections (:func:`digenrl.tasks.remote.post`: the same
+through the process's pooled connections (:func:`digenrl.serving.remote.post`: the same
 timeout, retries and one-line failures as a reward server). An answer that gives no
 score -- no choices, no logprobs when asked for, neither "yes" nor "no" among the top
 tokens, no number or one outside the range -- fails the reward in one line naming the
@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from digenrl.config import RemoteRewardConfig
-from digenrl.tasks.remote import RemoteRewardError, encode_image, post
+from digenrl.serving.remote import RemoteRewardError, encode_image, post
 
 __all__ = ["OpenAIJudge", "openai_judge", "yes_probability", "first_number",
            "DEFAULT_QUESTIONS", "DEFAULT_MAX_TOKENS"]

@@ -5,7 +5,7 @@ unfinished one plus ``max_staleness + 1`` more), collects each iteration once it
 optimizer step has checkpointed the next version, appends it to the store with the task
 records and utilisation of its window, and submits the next. A :class:`Workload` says
 what the graph's tasks are and what of their results goes into the store: the real
-Flow-GRPO workload (:mod:`digenrl.runner`) or an emulated one (:mod:`digenrl.sim.emulate`).
+RL workload (:mod:`digenrl.run.runner`) or an emulated one (:mod:`digenrl.sim.emulate`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 from distributed import Future, wait
 
 from digenrl import __version__
-from digenrl.analysis import optimize_stop, pools_served, window_metrics
-from digenrl.checkpoints import complete_checkpoints, drop_checkpoints
-from digenrl.cluster import ClusterHandle
+from digenrl.figures.analysis import optimize_stop, pools_served, window_metrics
+from digenrl.store.checkpoints import complete_checkpoints, drop_checkpoints
+from digenrl.run.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import checkpoint_key, kind_of, publish_key, restore_key
@@ -44,7 +44,7 @@ from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, commit
                            evaluation_means, read_attrs)
 from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
                                 TRAINER)
-from digenrl.weight_receipts import WeightReceipts, drain as drain_weight_receipts
+from digenrl.run.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
            "check_store", "library_versions"]
@@ -195,7 +195,7 @@ class Driver:
         self.on_iteration = on_iteration
         #: Seconds between two commits to the store (:class:`StoreWriter`).
         self.commit_interval = commit_interval
-        #: The experiment trackers (a :class:`digenrl.tracking.Tracker`, or None), handed
+        #: The experiment trackers (a :class:`digenrl.run.tracking.Tracker`, or None), handed
         #: each iteration's rows once they are committed.
         self.tracker = tracker
         self.run_id = uuid.uuid4().hex[:12]

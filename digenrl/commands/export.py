@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from digenrl.config import RunConfig, config_from_dict
-from digenrl.lora import build_policy, trainable_spec
+from digenrl.models.lora import build_policy, trainable_spec
 from digenrl.models import family, model_seed
-from digenrl.checkpoints import complete_checkpoints, read_checkpoint, read_weights
+from digenrl.store.checkpoints import complete_checkpoints, read_checkpoint, read_weights
 from digenrl.store import StoreError, read_attrs
 
 if TYPE_CHECKING:

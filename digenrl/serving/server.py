@@ -1,6 +1,6 @@
 """``digenrl reward-server``: any registered reward, served over HTTP (Tornado).
 
-Speaks the protocol of :mod:`digenrl.tasks.remote` (the one the client uses): ``POST``
+Speaks the protocol of :mod:`digenrl.serving.remote` (the one the client uses): ``POST``
 any path with ``{"images", "prompts", "metadata"}``, answered ``{"scores": [...]}``.
 ``GET`` answers what it serves and has done, which is also how to see that it is up:
 ``reward``; ``requests`` and ``images`` scored; ``forward_passes``, the batches it scored
@@ -50,7 +50,7 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
 from digenrl.checks import finite, positive_int, require
-from digenrl.tasks.remote import ProtocolError, decode_request, encode_response
+from digenrl.serving.remote import ProtocolError, decode_request, encode_response
 from digenrl.tasks.rewards import RewardSpec
 
 __all__ = ["RewardServer", "Batcher", "serve", "serve_options", "TOKEN_ENV", "DEFAULT_MAX_BYTES",

@@ -3,7 +3,7 @@ library (``tracking.backends``).
 
 The store is the run's record; a tracker shows what the store committed. Its life:
 
-* :func:`check_trackers` (from :func:`digenrl.resolve.check_world`): each tracker's
+* :func:`check_trackers` (from :func:`digenrl.run.world.check_world`): each tracker's
   library is installed and a ``tracking.dir`` the config names is a folder that can be
   written.
 * :meth:`Tracker.start` (the runner, before any cluster starts): a tracker run per
@@ -97,7 +97,7 @@ class Grid:
         draws a grid), drawn once whichever tracker's thread asks first."""
         with self._lock:
             if self._picture is None:
-                from digenrl.plots import grid_image
+                from digenrl.figures.plots import grid_image
 
                 self._picture = grid_image(self.images, self.prompts, self.rewards,
                                            self.valid, self.title)
@@ -166,7 +166,7 @@ def _eval_grid(rows: Mapping[str, np.ndarray], version: int, count: int) -> Grid
     """The first ``count`` held-out prompts' samples of evaluated ``version``."""
     if "image" not in rows:
         return None
-    from digenrl.plots import EVAL_GRID_TITLE
+    from digenrl.figures.plots import EVAL_GRID_TITLE
 
     mine = np.flatnonzero(rows["version"] == version)
     mine = mine[np.argsort(rows["prompt_index"][mine], kind="stable")][:count]
@@ -557,7 +557,7 @@ class Tracker:
             return cls(tracking, [], {})
         check_trackers(tracking)
         if tracking.image_every > 0:
-            import digenrl.plots  # noqa: F401  (matplotlib loads now, not in the driver's loop)
+            import digenrl.figures.plots  # noqa: F401  (matplotlib loads now, not in the driver's loop)
         folder = tracking_dir(tracking, out)
         try:
             folder.mkdir(parents=True, exist_ok=True)

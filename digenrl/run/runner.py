@@ -1,13 +1,13 @@
 """The training workload: what ``digenrl run`` computes and writes.
 
-:class:`FlowGRPOWorkload` (named after the default algorithm; it runs whichever
-``algorithm.name`` selects) binds the iteration DAG to the real task functions (a
+:class:`RLWorkload` (reinforcement-learning post-training with whichever
+``algorithm.name`` selects: Flow-GRPO and its dynamics, DiffusionNFT, AWM, DPO) binds the iteration DAG to the real task functions (a
 diffusers model on every worker) and turns each iteration's decoded images, rewards,
 advantages and statistics (gathered by sample in an :class:`IterationResults`) into the
 ``samples``, ``steps`` and ``metrics`` rows of the store, and the held-out evaluations
 stored with the iteration into ``eval`` rows. A decoupled algorithm keeps no trajectory:
 its runs write no ``steps`` rows (the group stays empty). :class:`Runner` runs it with
-the generic :class:`~digenrl.driver.Driver`.
+the generic :class:`~digenrl.run.driver.Driver`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any, Callable
 import numpy as np
 
 from digenrl.algorithms import ALGORITHMS
-from digenrl.checkpoints import write_weights
-from digenrl.cluster import ClusterHandle, start_cluster
+from digenrl.store.checkpoints import write_weights
+from digenrl.run.cluster import ClusterHandle, start_cluster
 from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
                             config_to_dict)
-from digenrl.driver import Driver, IterationSummary, RunResult, check_store, library_versions
+from digenrl.run.driver import Driver, IterationSummary, RunResult, check_store, library_versions
 from digenrl.graph.build import GraphContext
 from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
@@ -32,7 +32,7 @@ from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
 from digenrl.graph.plan import IterationPlan
 from digenrl.models import model_seed
 from digenrl.prompts import load_prompt_file, prompt_source, source_table
-from digenrl.resolve import check_world
+from digenrl.run.world import check_world
 from digenrl.schedulers.chunking import ChunkingSpec
 from digenrl.schedulers.options import MODES
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
@@ -41,17 +41,17 @@ from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
-from digenrl.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
+from digenrl.run.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD,
                                 GROUP_REWARD, RESTORE, REWARD, STATS, Key)
 
-__all__ = ["FlowGRPOWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
+__all__ = ["RLWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
            "library_versions"]
 
 logger = logging.getLogger("digenrl")
 
 
-class FlowGRPOWorkload:
+class RLWorkload:
     """Post-training of the configured model with the configured algorithm."""
 
     collected: tuple[str, ...] = (DECODE, REWARD, GROUP_REWARD, ADVANTAGE, STATS, EVAL,
@@ -103,7 +103,7 @@ class FlowGRPOWorkload:
     def attrs(self) -> dict[str, Any]:
         attrs: dict[str, Any] = {
             "config": config_to_dict(self.config), "derived": self.config.derived(),
-            "workload": "flow-grpo", "algorithm": self.config.algorithm.name,
+            "workload": "rl", "algorithm": self.config.algorithm.name,
             "prompt_files": self._prompt_files()}
         if self.sources:
             attrs[SOURCES_ATTRIBUTE] = [{"path": s.path, "sha256": s.sha256}
@@ -414,7 +414,7 @@ class Runner:
         self.resume = resume
         self.cluster = cluster
         self.on_iteration = on_iteration
-        self.workload = FlowGRPOWorkload(config)
+        self.workload = RLWorkload(config)
 
     def run(self) -> RunResult:
         # A store that cannot be written or resumed, or a tracker that cannot start,

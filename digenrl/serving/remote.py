@@ -31,7 +31,7 @@ or a 5xx, waiting ``backoff`` seconds before the first retry and doubling (at mo
 request's fault and is not retried. After the retries the failure is one line naming
 the server's URL. It runs inside the reward task, on a worker thread (never the event
 loop), and a remote reward is a ``cpu`` reward: the task holds no GPU slot while it
-waits. ``protocol: openai`` asks a VLM judge instead (:mod:`digenrl.tasks.judges`).
+waits. ``protocol: openai`` asks a VLM judge instead (:mod:`digenrl.serving.judges`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``digenrl bench``: every mode and ablation on the same work and cluster, in one go.
 
-Each variant (:mod:`digenrl.variants`) is the base work with some schedule switches
+Each variant (:mod:`digenrl.figures.variants`) is the base work with some schedule switches
 changed; all run on the one cluster the benchmark starts, one after another, and are
 measured over the same window (after the first iteration, which includes start-up).
 The table gives images/s, images/GPU/s, the fraction of the ideal bound (GPU work /
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from digenrl.analysis import (WindowStats, dispatch_overhead, gpu_capacity, ideal_bound,
+from digenrl.figures.analysis import (WindowStats, dispatch_overhead, gpu_capacity, ideal_bound,
                               store_pools, window_stats)
 from digenrl.config import (ConfigError, RunConfig, apply_overrides, config_from_dict,
                             config_to_dict)
 from digenrl.store import open_run
-from digenrl.variants import VARIANTS, variant_schedule
+from digenrl.figures.variants import VARIANTS, variant_schedule
 from digenrl.vocabulary import COLOCATED, ROLLOUT, TRAINER
 
 __all__ = ["BenchResult", "bench_config", "bench_profile", "format_table", "measure_store"]
@@ -69,7 +69,7 @@ def measure_store(path: str | Path, skip: int = 1,
 def _run_variants(variants: Sequence[str], out_dir: str | Path, make: Callable, handle,
                   skip: int, drain: int, table: Mapping[str, Mapping[str, Any]]
                   ) -> list[BenchResult]:
-    from digenrl.driver import Driver
+    from digenrl.run.driver import Driver
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ def _run_variants(variants: Sequence[str], out_dir: str | Path, make: Callable, 
 
 
 def _timeline(store: Path, png: Path, name: str) -> None:
-    from digenrl.plots import timeline_png
+    from digenrl.figures.plots import timeline_png
 
     ds = open_run(store)
     attrs = ds["tasks"].attrs["digenrl"]
@@ -107,8 +107,8 @@ def bench_config(base: RunConfig, variants: Sequence[str], out_dir: str | Path, 
                  cluster=None, skip: int = 1, drain: int = 0,
                  extra: Mapping[str, Mapping[str, Any]] | None = None) -> list[BenchResult]:
     """Variants of a Flow-GRPO config on one cluster (the real model)."""
-    from digenrl.cluster import start_cluster
-    from digenrl.runner import FlowGRPOWorkload
+    from digenrl.run.cluster import start_cluster
+    from digenrl.run.runner import RLWorkload
 
     table = {**VARIANTS, **(extra or {})}
     _check_variants(variants, table, skip, drain, base.iterations)
@@ -116,7 +116,7 @@ def bench_config(base: RunConfig, variants: Sequence[str], out_dir: str | Path, 
                for v in variants}  # every variant is validated before any work starts
     handle = cluster or start_cluster(base.cluster, pools=True)
     try:
-        return _run_variants(variants, out_dir, lambda v: FlowGRPOWorkload(configs[v]),
+        return _run_variants(variants, out_dir, lambda v: RLWorkload(configs[v]),
                              handle, skip, drain, table)
     finally:
         if cluster is None:
@@ -127,7 +127,7 @@ def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iter
                   time_scale: float | None = None, cluster=None, skip: int = 1,
                   drain: int = 0, dashboard_address: str | None = ":8787") -> list[BenchResult]:
     """Variants on emulated GPUs following a cost profile."""
-    from digenrl.cluster import start_emulated_cluster
+    from digenrl.run.cluster import start_emulated_cluster
     from digenrl.sim.emulate import EmulatedWorkload
 
     _check_variants(variants, VARIANTS, skip, drain, iterations)

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 import numpy as np  # noqa: E402
 
-from digenrl.analysis import utilisation_timeline  # noqa: E402
+from digenrl.figures.analysis import utilisation_timeline  # noqa: E402
 from digenrl.schedulers.palette import KIND_COLOURS  # noqa: E402
 from digenrl.store import REWARD_COLUMN  # noqa: E402
 

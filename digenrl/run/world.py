@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from digenrl.checks import ConfigError, choice, require, sub_path
 from digenrl.config import RewardConfig, RunConfig
-from digenrl.lora import check_targets
+from digenrl.models.lora import check_targets
 from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
@@ -33,7 +33,7 @@ from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts
 from digenrl.tasks.ocr import check_installed as check_ocr_installed
 from digenrl.tasks.ocr import target_problem
 from digenrl.tasks.rewards import REWARDS
-from digenrl.tracking import check_trackers
+from digenrl.run.tracking import check_trackers
 
 __all__ = ["check_world", "check_rewards", "check_prompt_inputs"]
 

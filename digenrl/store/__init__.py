@@ -9,7 +9,7 @@ file replacement. Readers that use the consolidated metadata (xarray and zarr do
 default) therefore only ever see complete iterations, whenever the writer stops; run
 attributes are changed in that same file, in place, so readers never lose that view.
 Reopening a store to append (a resumed run) first cuts whatever the last commit did not
-hold. The trainer checkpoints a run keeps in the same store are :mod:`digenrl.checkpoints`'s.
+hold. The trainer checkpoints a run keeps in the same store are :mod:`digenrl.store.checkpoints`'s.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import yaml
 
 from digenrl.config import (ConfigError, RewardModelConfig, RunConfig, apply_overrides,
                             config_from_dict, load_config)
-from digenrl.driver import RunStalled
+from digenrl.run.driver import RunStalled
 from digenrl.schedulers.switches import MODE_NAMES, switches
 from digenrl.store import StoreError, committed_iterations
 from digenrl.tasks.rewards import RewardError
@@ -93,7 +93,7 @@ def _add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from digenrl.variants import DEFAULT_VARIANTS, VARIANTS
+    from digenrl.figures.variants import DEFAULT_VARIANTS, VARIANTS
 
     parser = argparse.ArgumentParser(prog="digenrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -275,7 +275,7 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from digenrl.runner import Runner
+    from digenrl.run.runner import Runner
 
     if args.out is not None and args.resume is not None or (
             args.out is None and args.resume is None and not args.check):
@@ -312,10 +312,10 @@ def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool
     """``digenrl run --check``: everything a run checks before starting a cluster."""
     from digenrl.algorithms import ALGORITHMS
     from digenrl.config import config_to_dict
-    from digenrl.driver import check_store, resume_point
-    from digenrl.runner import FlowGRPOWorkload
+    from digenrl.run.driver import check_store, resume_point
+    from digenrl.run.runner import RLWorkload
 
-    workload = FlowGRPOWorkload(config)
+    workload = RLWorkload(config)
     start = computed_from = 0
     if out is not None:
         start = check_store(workload, out, overwrite=overwrite, resume=resume)
@@ -483,7 +483,7 @@ StableDiffusion3Pipeline):
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from digenrl.export import export
+    from digenrl.commands.export import export
 
     done = export(args.store, args.dir, args.version)
     kind = "LoRA adapters" if done.lora else "transformer"
@@ -492,7 +492,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from digenrl.report import write_report
+    from digenrl.commands.report import write_report
 
     written, text = write_report(args.store, args.out)
     print(text)
@@ -502,15 +502,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_why(args: argparse.Namespace) -> int:
-    from digenrl.why import why
+    from digenrl.commands.why import why
 
     print(why(args.store, args.key))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from digenrl.bench import bench_config, bench_profile, format_table
-    from digenrl.resolve import check_world
+    from digenrl.commands.bench import bench_config, bench_profile, format_table
+    from digenrl.run.world import check_world
 
     config = config_from_args(args)
     check_world(config)  # before the cluster starts
@@ -551,10 +551,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         return 0
-    from digenrl.bench import bench_profile, measure_store
+    from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
-    from digenrl.variants import VARIANTS
+    from digenrl.figures.variants import VARIANTS
 
     try:
         profile = load_profile(args.profile)
@@ -654,7 +654,7 @@ def _check_reused(store: Path, profile, iterations: int) -> None:
 
 def _add_deploy_parser(sub) -> None:
     """``digenrl deploy slurm|k8s``: print a deployment to copy (see docs/clusters.md)."""
-    from digenrl.deploy import Deployment
+    from digenrl.commands.deploy import Deployment
 
     default = Deployment()
     deploy = sub.add_parser("deploy", help="print a SLURM or Kubernetes deployment of a "
@@ -716,7 +716,7 @@ def _add_deploy_parser(sub) -> None:
 def _cmd_deploy(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
-    from digenrl import deploy as dp
+    from digenrl.commands import deploy as dp
 
     given = {f.name: getattr(args, f.name) for f in fields(dp.Deployment)
              if getattr(args, f.name, None) not in (None, [])}
@@ -735,7 +735,7 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
 def _cmd_reward_server(args: argparse.Namespace) -> int:
     import importlib
 
-    from digenrl import reward_server as rs
+    from digenrl.serving import server as rs
     from digenrl.tasks.reward_sources import resolve_rewards
     from digenrl.tasks.rewards import REWARDS, get_reward
 
@@ -747,7 +747,7 @@ def _cmd_reward_server(args: argparse.Namespace) -> int:
                               f"({e})") from None
     models: Mapping[str, RewardModelConfig] = {}
     if args.config is not None:
-        from digenrl.resolve import check_rewards
+        from digenrl.run.world import check_rewards
 
         reward = load_config(args.config).reward
         check_rewards(reward)

@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 
 from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from digenrl.analysis import (busy_shares, dispatch_overhead, split_advice, store_pools,
+from digenrl.figures.analysis import (busy_shares, dispatch_overhead, split_advice, store_pools,
                               window_stats)
 from digenrl.sim.measured import measured_profile
 from digenrl.config import EvalConfig, stored_section
@@ -52,7 +52,7 @@ def summarise(ds, profile: Path | None = None) -> str:
     sched = attrs["schedule"]
     algorithm = attrs.get("algorithm", DEFAULT_ALGORITHM)
     coupled = algorithm not in ALGORITHMS or ALGORITHMS[algorithm].coupled
-    lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'flow-grpo')} workload, "
+    lines = [f"run {attrs.get('run')}: {attrs.get('workload', 'rl')} workload, "
              f"algorithm {algorithm} ({'coupled' if coupled else 'decoupled'}), mode "
              f"{sched['mode']} (gap={sched['gap']} tsp={sched['tsp']} tag={sched['tag']} "
              f"rat={sched.get('rat', False)} max_staleness={sched['max_staleness']}), {n} complete iterations"]
@@ -129,7 +129,7 @@ def summarise(ds, profile: Path | None = None) -> str:
 
 
 def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[list[Path], str]:
-    from digenrl import plots
+    from digenrl.figures import plots
 
     ds = open_run(store)
     out = Path(out_dir) if out_dir is not None else Path(str(store).rstrip("/") + "-report")
