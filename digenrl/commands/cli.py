@@ -553,7 +553,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
-    from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
+    from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_reports, measured_latencies,
+                                      simulate_variants)
     from digenrl.figures.variants import VARIANTS
 
     try:
@@ -613,8 +614,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             stats, overhead = measure_store(out / f"{v}.zarr", skip=1, drain=1)
             measured[v] = (stats.images_per_s, overhead)
     emulated = {v: m[0] for v, m in measured.items()}
-    latencies = {v: (m[1]["fresh_ms"] / 1000 / scale, m[1]["queued_ms"] / 1000 / scale)
-                 for v, m in measured.items()}
+    latencies = {v: measured_latencies(m[1], scale) for v, m in measured.items()}
     fixed = simulate_variants(profile, variants, args.iterations, dispatch_latency=latency)
     calibrated = simulate_variants(profile, variants, args.iterations, latencies=latencies)
     print(format_reports(calibrated, emulated, {n: r.images_per_s for n, r in fixed}))

@@ -22,6 +22,8 @@ What it shares with a run on Dask, and where it differs (stated here once):
   directly and no ``restore`` or ``checkpoint`` tasks. So its tasks exist as soon as the
   window admits them, not a driver round trip after their inputs, and it charges none of
   the read-back and checkpoint work, which runs beside the GPU tasks on the trainers.
+  With the Dask latencies an emulated run measured, the two agree on its iterations'
+  time within 5% (``tests/sim/test_emulate.py``, the simulator against the driver).
 """
 
 from __future__ import annotations

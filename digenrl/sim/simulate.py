@@ -168,6 +168,15 @@ def simulate_variants(profile: Profile, variants, iterations: int, *,
     return out
 
 
+def measured_latencies(overhead: Mapping[str, float],
+                       time_scale: float) -> tuple[float, float]:
+    """The (dispatch, queued) latencies, in the profile's time, that an emulated run
+    measured (its ``dispatch_overhead``: milliseconds of wall clock at ``time_scale``):
+    what :func:`simulate` charges to stand for that run's Dask."""
+    return (overhead["fresh_ms"] / 1000 / time_scale,
+            overhead["queued_ms"] / 1000 / time_scale)
+
+
 def format_reports(reports, emulated: Mapping[str, float] | None = None,
                    uncalibrated: Mapping[str, float] | None = None) -> str:
     """A table of simulated variants; with ``emulated`` (variant -> images/s measured on
