@@ -13,11 +13,8 @@ from distributed import wait
 
 from digenrl.config import ClusterConfig, ConfigError
 from digenrl.run.cluster import pool_counts
-from digenrl.run.world import check_world
 from digenrl.tasks import collective
 from digenrl.vocabulary import TRAINER
-
-from conftest import small_config
 
 #: Long enough for two processes of a loaded machine to meet; the failure tests use SHORT.
 TIMEOUT = 60.0
@@ -98,7 +95,7 @@ def group_name() -> str:
 
 def test_members_form_a_group_that_later_tasks_reuse(trainers):
     """Both trainers join generation 1, all-reduce, and a second task on each uses the
-    same group: the same formation, no second rendezvous."""
+    same group: the same formation, no second rendezvous; a join again forms anew."""
     client, members, addresses = trainers
     name = group_name()
     first = on_each(client, addresses, members, _join_and_sum, name, members, 1, TIMEOUT)
@@ -109,6 +106,11 @@ def test_members_form_a_group_that_later_tasks_reuse(trainers):
     assert first[1][1] == formation
     again = on_each(client, addresses, members, _sum_again, name, 1)
     assert again == [(0, formation, 1, 30.0), (1, formation, 1, 30.0)]
+    # Joining the same generation again is a new formation, on a new store: the second
+    # member never takes the first formation's address, still published when it arrives.
+    rejoined = on_each(client, addresses, members, _join_and_sum, name, members, 1, TIMEOUT)
+    assert [r[3] for r in rejoined] == [3.0, 3.0]
+    assert rejoined[0][1] == rejoined[1][1] != formation
 
 
 def test_a_member_that_never_arrives_fails_the_join_within_the_timeout(trainers):
@@ -180,6 +182,10 @@ def test_a_backend_the_worker_cannot_run_is_refused_before_any_rendezvous(traine
 
 
 def test_bad_collective_settings_are_refused_naming_the_field():
+    # (Imported here: the workers import this module for its tasks, and need neither.)
+    from conftest import small_config
+    from digenrl.run.world import check_world
+
     with pytest.raises(ConfigError, match=r"^cluster\.collective_timeout: expected a finite "
                                           r"number > 0"):
         ClusterConfig(collective_timeout=0).validate("cluster")

@@ -65,6 +65,7 @@ worker's GPU under NCCL, the CPU under gloo.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -339,7 +340,8 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
     finally:
         if rank != 0:
             # The announcement is used (or given up): a later join draws a new token.
-            client.set_metadata(key + ["arrived", me], None)
+            with contextlib.suppress(OSError):   # (a lost scheduler: the error above stands)
+                client.set_metadata(key + ["arrived", me], None)
 
 
 def _poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str]) -> T:
