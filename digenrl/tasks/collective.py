@@ -33,12 +33,14 @@ group is created with ``timeout=timedelta(seconds=timeout)``: a collective whose
 lost fails after that long instead of hanging. With gloo it raises in the task; with NCCL
 torch's watchdog ends the worker process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's
 default), which the nanny restarts. The gang rule then takes the step's other members
-back, and the group is formed again. The timeout is ``cluster.collective_timeout``.
+back; the step runs again on a group joined anew. The timeout is
+``cluster.collective_timeout``.
 
 **Generations.** The live group of a name is reused by every later task of its
 generation (:func:`group`: no second rendezvous). A group is rebuilt (a member lost,
 replaced, or any change of members) by joining a newer generation, which tears the old
-group down first. A task of an older generation than the live group never runs on it:
+group down first (joining the same generation again forms it anew too: each join is a
+formation of its own). A task of an older generation than the live group never runs on it:
 :func:`group` and :func:`join` raise :class:`StaleGeneration`. A collective that failed
 leaves its group unusable; the members join a newer generation.
 
