@@ -144,7 +144,8 @@ def test_a_collective_fails_within_the_timeout_when_a_member_is_missing(trainers
 
 def test_a_newer_generation_rebuilds_the_group_and_the_older_one_is_refused(trainers):
     """Generation 2 with the same members is a new formation that works (with a declared
-    subgroup), and a task of generation 1 afterwards raises StaleGeneration."""
+    subgroup), and a task of generation 1 afterwards raises StaleGeneration; a group of
+    another name cannot be joined beside it."""
     client, members, addresses = trainers
     name = group_name()
     first = on_each(client, addresses, members, _join_and_sum, name, members, 1, TIMEOUT)
@@ -164,6 +165,9 @@ def test_a_newer_generation_rebuilds_the_group_and_the_older_one_is_refused(trai
         stale.result(timeout=BOUND)
     with pytest.raises(collective.StaleGeneration):
         on_each(client, addresses, members[:1], _join, name, members, 1, TIMEOUT)
+    # Another group beside it is refused at once: one default process group per process.
+    with pytest.raises(collective.CollectiveError, match="in one collective group at a time"):
+        on_each(client, addresses, members[:1], _join, group_name(), members, 1, TIMEOUT)
     # The live group is unharmed by the refused tasks.
     assert on_each(client, addresses, members, _sum_again, name, 2) == [
         (0, second[0][1], 2, 30.0), (1, second[0][1], 2, 30.0)]
