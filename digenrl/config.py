@@ -33,6 +33,7 @@ from digenrl.schedulers.switches import DEFAULT_MODE, MODE_NAMES, SWITCHES, Swit
 
 __all__ = [
     "ConfigError",
+    "COLLECTIVE_BACKENDS",
     "ModelConfig",
     "SamplerConfig",
     "AlgorithmConfig",
@@ -68,6 +69,9 @@ _SCHEMES = ("tcp", "tls", "ucx", "ws", "wss")
 _SCHEDULER = re.compile(rf"^(?:(?P<scheme>{'|'.join(_SCHEMES)})://)?"
                         r"(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d{1,5}))?$")
 #: A byte size as Dask's ``parse_bytes`` reads it: a number and an optional unit.
+#: The process-group backends a collective group may ask for (``cluster.collective_backend``):
+#: ``auto`` is NCCL on a worker whose torch sees a CUDA device, gloo elsewhere.
+COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl")
 _BYTES = re.compile(r"^\s*(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?\s*(b|[kmgtp]i?b?)?\s*$",
                     re.IGNORECASE)
 
@@ -930,6 +934,10 @@ class ClusterConfig:
     """Memory limit per local worker (Dask syntax, e.g. 4GiB, or auto)."""
     connect_timeout: float = 10.0
     """Seconds to wait for an existing scheduler."""
+    collective_timeout: float = 300.0
+    """Seconds a collective group (torch.distributed among workers, digenrl.tasks.collective) waits: for its members to meet through the scheduler, and for each collective, which fails after that long when a member is lost instead of hanging."""
+    collective_backend: str = "auto"
+    """The collective groups' torch.distributed backend: gloo, nccl, or auto (nccl on a worker whose torch sees a CUDA device, gloo elsewhere). A backend a worker cannot run is refused in one line naming this field."""
 
     def validate(self, p: str) -> None:
         if self.scheduler is not None:
@@ -946,6 +954,8 @@ class ClusterConfig:
         positive_int(self.threads_per_worker, f"{p}.threads_per_worker")
         positive_int(self.torch_threads, f"{p}.torch_threads")
         finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
+        finite(self.collective_timeout, f"{p}.collective_timeout", 0.0, lo_open=True)
+        choice(self.collective_backend, f"{p}.collective_backend", COLLECTIVE_BACKENDS)
         if self.dashboard_address is not None:
             m = isinstance(self.dashboard_address, str) and _ADDRESS.match(self.dashboard_address)
             require(isinstance(m, re.Match) and int(m.group("port") or m.group("bare")) <= 65535,

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from digenrl.algorithms import ALGORITHMS
 from digenrl.config import ConfigError, RunConfig, config_from_dict, config_to_dict, load_config
@@ -63,6 +64,16 @@ def test_derived_totals():
      r"schedule.tag: expected false or null in colocated mode"),
     ({"schedule.max_staleness": -1}, r"schedule.max_staleness: expected an integer from 0 to 8"),
     ({"cluster.scheduler": "nowhere"}, r"cluster.scheduler: expected a scheduler address"),
+    ({"cluster.collective_timeout": 0},
+     r"cluster.collective_timeout: expected a finite number > 0.0, got 0"),
+    ({"cluster.collective_backend": "mpi"},
+     r"cluster.collective_backend: expected one of \['auto', 'gloo', 'nccl'\], got 'mpi'"),
+    # A cluster started here runs this process's torch: refused before it starts.
+    pytest.param({"cluster.collective_backend": "nccl"},
+                 r"cluster.collective_backend: expected a backend the workers can run \(this "
+                 r"torch sees no CUDA device: gloo or auto\), got 'nccl'",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                          reason="this machine's torch sees a CUDA device")),
     # Combinations an algorithm cannot run (docs/algorithm.md).
     ({"algorithm.name": "ppo"},
      r"algorithm.name: expected one of \['awm', 'diffusion_nft', 'dpo', 'flow_grpo'\], got 'ppo'"),

@@ -9,9 +9,10 @@ under ``reward.remote`` / ``reward.models`` / ``reward.group``, a group reward's
 reward, the prompt groups a group reward needs, an OCR reward's libraries and the text
 each prompt it scores names); the held-out prompts an evaluation needs;
 the LoRA target modules of the transformer; settings that ask images of a video model
-or videos of an image model; the libraries of the experiment trackers and their folder
-(:func:`check_trackers`; whether a tracker starts is known only once the runner starts
-it, still before any cluster).
+or videos of an image model; a collective backend this process's torch cannot run, when
+the run starts its own cluster (whose workers run the same torch); the libraries of the
+experiment trackers and their folder (:func:`check_trackers`; whether a tracker starts
+is known only once the runner starts it, still before any cluster).
 
 :func:`check_world` is what every entry point calls before it starts a cluster:
 ``digenrl run`` (with ``--check`` too), the runner's workload before it builds a graph
@@ -30,6 +31,7 @@ from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
 from digenrl.prompts import (PROMPT_SETS, has_held_out_prompts, held_out_prompts,
                              load_prompt_file, read_source)
+from digenrl.tasks.collective import resolve_backend
 from digenrl.tasks.ocr import check_installed as check_ocr_installed
 from digenrl.tasks.ocr import target_problem
 from digenrl.tasks.rewards import REWARDS
@@ -65,6 +67,9 @@ def check_world(config: RunConfig) -> None:
     if model.path is not None:
         _check_prompts(config)
     _check_sample_kind(config)
+    if config.cluster.scheduler is None:
+        # The workers of a cluster started here run this process's torch.
+        resolve_backend(config.cluster.collective_backend)
 
 
 def _check_sample_kind(config: RunConfig) -> None:

@@ -1,0 +1,436 @@
+"""Collective groups among Dask workers: ``torch.distributed`` process groups formed and
+used inside Dask tasks.
+
+Dask stays the control plane: it decides where and when each task runs, and the
+scheduler is the only place the members meet. Every call here runs in a task's thread on
+a worker, never on the worker's event loop (each blocks: on the scheduler's metadata, on
+a store, on the other members).
+
+**Members and ranks.** A group is named (``"trainer"``), has a *generation* (an int) and
+an ordered member list: worker names in the order the scheduling policy lists its pool
+(by name), so that member ``i`` is the worker the gang rule
+(``digenrl/schedulers/policy/rules/gang.py``) runs member ``i`` of a gang on. A member's
+rank is its index in that list. Every member runs :func:`join` in a task of its own
+(pinned to its worker), with the same name, members and generation.
+
+**Rendezvous.** Through the scheduler's metadata (``Client.set_metadata`` /
+``get_metadata`` from the task's thread), under ``(METADATA, name, generation)``:
+
+1. each member other than rank 0 announces itself: ``arrived/<its name>`` = a token new
+   to this join;
+2. rank 0 waits until every other member has announced, starts a
+   ``torch.distributed.TCPStore`` on a port the OS picks (nothing fixed: no port, no
+   shared file) and publishes ``store`` = its ``host:port``, a token naming this
+   formation and the token of every member it answers;
+3. each member waits for a published store that names its own token (an address
+   published for an earlier join of the same generation is never used), and the
+   default process group is created on it (``init_process_group``) with its rank, the
+   group's size and ``timeout``.
+
+**Timeouts.** Each wait of the rendezvous gives up after ``timeout`` seconds
+(:class:`RendezvousTimeout`, naming the members that did not come), and the process
+group is created with ``timeout=timedelta(seconds=timeout)``: a collective whose peer is
+lost fails after that long instead of hanging. With gloo it raises in the task; with NCCL
+torch's watchdog ends the worker process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's
+default), which the nanny restarts. The gang rule then takes the step's other members
+back; the step runs again on a group joined anew. The timeout is
+``cluster.collective_timeout``.
+
+**Generations.** The live group of a name is reused by every later task of its
+generation (:func:`group`: no second rendezvous). A group is rebuilt (a member lost,
+replaced, or any change of members) by joining a newer generation, which tears the old
+group down first (joining the same generation again forms it anew too: each join is a
+formation of its own). A task of an older generation than the live group never runs on it:
+:func:`group` and :func:`join` raise :class:`StaleGeneration`. A collective that failed
+leaves its group unusable; the members join a newer generation.
+
+**One group per process.** ``torch.distributed`` has one default process group per
+process at a time (``destroy_process_group`` then ``init_process_group`` rebuilds it),
+and every other group is made from it with ``new_group``, by every member of the default
+group, in the same order. So a worker is in one group at a time here: the group is the
+default process group, and joining another name while one is live is refused (leave it
+first, :func:`leave`). Groups that overlap are *subgroups* of one group: ``join(...,
+subgroups={"trainer": [...]})`` makes each declared subgroup with ``new_group`` on every
+member at the end of the formation, in name order, and :meth:`Group.subgroup` gives a
+member its handle. A group spanning trainers and rollout workers, for a weight broadcast,
+is made this way: one group over both pools (the trainers first, in their pool's order,
+then the rollout workers in theirs) with the trainers' FSDP group as its subgroup
+``"trainer"``; the broadcast runs on the whole group from rank 0, a trainer.
+
+**Backends.** ``cluster.collective_backend``: ``gloo``, ``nccl``, or ``auto`` (NCCL on a
+worker whose torch sees a CUDA device, gloo elsewhere). A backend the worker cannot run
+is refused in one line naming that field before anything is announced
+(:func:`resolve_backend`; the world check asks the same of the driver's torch when the
+run starts its own cluster). A group's tensors live on :attr:`Group.device`: the
+worker's GPU under NCCL, the CPU under gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from digenrl.checks import choice, finite, is_int, require
+from digenrl.config import COLLECTIVE_BACKENDS
+
+__all__ = ["Group", "join", "group", "leave", "live", "resolve_backend", "CollectiveError",
+           "StaleGeneration", "NotJoined", "RendezvousTimeout", "METADATA", "BACKEND_FIELD",
+           "TIMEOUT_FIELD"]
+
+logger = logging.getLogger(__name__)
+
+#: The scheduler metadata key under which every group's rendezvous is kept.
+METADATA = "digenrl-collective"
+#: The config fields a group's backend and timeout come from (named in the errors).
+BACKEND_FIELD = "cluster.collective_backend"
+TIMEOUT_FIELD = "cluster.collective_timeout"
+
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """A collective group cannot be joined or used; the message says why."""
+
+
+class StaleGeneration(CollectiveError):
+    """A task of an older generation than the live group of its name."""
+
+
+class NotJoined(CollectiveError):
+    """No live group of that name and generation in this process."""
+
+
+class RendezvousTimeout(CollectiveError):
+    """The members did not all meet within the timeout."""
+
+
+@dataclass(eq=False)
+class Group:
+    """A live collective group, as one member holds it."""
+
+    name: str
+    generation: int
+    members: tuple[str, ...]
+    rank: int
+    backend: str
+    timeout: float
+    #: The token rank 0 drew for this formation: the same on every member of it.
+    formation: str
+    #: The store's ``host:port`` (rank 0's worker host).
+    address: str
+    process_group: Any
+    #: Each declared subgroup's process group, None where this member is not in it.
+    subgroups: dict[str, Any] = field(default_factory=dict)
+    #: How many tasks have used this group through :func:`group`.
+    uses: int = 0
+    _store: Any = field(default=None, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this group's tensors must be: the worker's GPU under NCCL, else the CPU."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def subgroup(self, name: str) -> Any:
+        """The process group of the declared subgroup ``name``, to which this member
+        belongs."""
+        if name not in self.subgroups:
+            raise CollectiveError(f"collective group {self.name!r} generation "
+                                  f"{self.generation} declares no subgroup {name!r} "
+                                  f"(declared: {sorted(self.subgroups)})")
+        pg = self.subgroups[name]
+        if pg is None:
+            raise CollectiveError(f"worker {self.members[self.rank]!r} is not a member of "
+                                  f"subgroup {name!r} of collective group {self.name!r}")
+        return pg
+
+
+#: The live group of this process (at most one: torch's default process group).
+_LIVE: dict[str, Group] = {}
+#: Held while a group is formed, used up or torn down.
+_LOCK = threading.RLock()
+
+
+def resolve_backend(requested: str) -> str:
+    """The backend ``requested`` (``cluster.collective_backend``) means in this process:
+    ``auto`` is NCCL where torch sees a CUDA device and has NCCL, gloo elsewhere. Raises
+    :class:`~digenrl.checks.ConfigError` naming the field for one this process cannot
+    run."""
+    choice(requested, BACKEND_FIELD, COLLECTIVE_BACKENDS)
+    distributed = dist.is_available()
+    cuda = torch.cuda.is_available()
+    nccl = distributed and cuda and dist.is_nccl_available()
+    if requested == "auto":
+        requested = "nccl" if nccl else "gloo"
+    if requested == "nccl":
+        why = ("this torch has no torch.distributed" if not distributed
+               else "this torch sees no CUDA device" if not cuda
+               else "this torch has no NCCL")
+        require(nccl, BACKEND_FIELD, f"a backend the workers can run ({why}: gloo or auto)",
+                requested)
+    else:
+        require(distributed and dist.is_gloo_available(), BACKEND_FIELD,
+                "a backend the workers can run (this torch has no gloo)", requested)
+    return requested
+
+
+def live() -> Group | None:
+    """The group this process is in now, if any."""
+    with _LOCK:
+        return next(iter(_LIVE.values()), None)
+
+
+def group(name: str, generation: int) -> Group:
+    """The live group ``name`` of ``generation`` in this process, for a task that uses
+    it (no rendezvous). Raises :class:`StaleGeneration` when the live group is newer,
+    :class:`NotJoined` when there is none of that generation."""
+    with _LOCK:
+        g = _LIVE.get(name)
+        if g is not None and g.generation > generation:
+            raise _stale(g, generation)
+        if g is None or g.generation != generation:
+            have = (f"its live generation is {g.generation}" if g is not None else
+                    f"this process is in {_describe(live())}")
+            raise NotJoined(f"collective group {name!r} generation {generation} was not "
+                            f"joined on worker {_worker_name()!r} ({have}): join it first")
+        g.uses += 1
+        return g
+
+
+def leave(name: str | None = None) -> str | None:
+    """Tear down the live group ``name`` (any live group with None) in this process.
+    Returns the name of the group left, None when there was none."""
+    with _LOCK:
+        g = live()
+        if g is None or (name is not None and g.name != name):
+            return None
+        _tear_down(g)
+        return g.name
+
+
+def join(name: str, members: Sequence[str], generation: int, *, backend: str,
+         timeout: float, subgroups: Mapping[str, Sequence[str]] | None = None) -> Group:
+    """Form generation ``generation`` of the group ``name`` with ``members`` (worker
+    names, in their pool's order) from inside a Dask task on each member, and keep it in
+    this process for later tasks (:func:`group`). ``backend`` and ``timeout`` are the
+    run's ``cluster.collective_backend`` and ``cluster.collective_timeout``;
+    ``subgroups`` declares named subsets of the members to make process groups of (see
+    the module's text). A live group of the same name and an older or the same
+    generation is torn down first; one of a newer generation raises
+    :class:`StaleGeneration`."""
+    worker = _worker()
+    me = str(worker.name)
+    members = _check_members(members)
+    require(isinstance(name, str) and bool(name) and "/" not in name, "name",
+            "a non-empty group name without '/'", name, CollectiveError)
+    require(is_int(generation) and generation >= 0, "generation", "an integer >= 0",
+            generation, CollectiveError)
+    finite(timeout, TIMEOUT_FIELD, 0.0, lo_open=True)
+    require(me in members, "members", f"a list naming this worker ({me!r})", list(members),
+            CollectiveError)
+    subs = _check_subgroups(subgroups or {}, members)
+    backend = resolve_backend(backend)
+    with _LOCK:
+        current = live()
+        if current is not None:
+            if current.name != name:
+                raise CollectiveError(
+                    f"worker {me!r} is in {_describe(current)}: a process is in one "
+                    f"collective group at a time (leave it first, or make one group "
+                    f"spanning both with subgroups)")
+            if current.generation > generation:
+                raise _stale(current, generation)
+            _tear_down(current)
+        if dist.is_initialized():
+            raise CollectiveError(
+                f"torch.distributed's default process group of worker {me!r} was "
+                f"initialised outside digenrl.tasks.collective: a collective group "
+                f"cannot be formed beside it")
+        g = _form(worker, name, members, generation, backend, float(timeout), subs)
+        _LIVE[name] = g
+        logger.info("worker %s joined %s as rank %d (backend %s, store %s)", me,
+                    _describe(g), g.rank, backend, g.address)
+        return g
+
+
+# ------------------------------------------------------------------------- formation
+
+
+def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, backend: str,
+          timeout: float, subgroups: dict[str, tuple[str, ...]]) -> Group:
+    from distributed import get_client
+    from distributed.comm import get_address_host
+
+    client = get_client()
+    me = str(worker.name)
+    rank = members.index(me)
+    key = [METADATA, name, str(generation)]
+    deadline = time.monotonic() + timeout
+    what = f"collective group {name!r} generation {generation}"
+    token = uuid.uuid4().hex
+    store = None
+    try:
+        if rank == 0:
+            others = members[1:]
+
+            def arrivals() -> dict[str, str] | None:
+                got = client.get_metadata(key + ["arrived"], default=None) or {}
+                if not all(got.get(m) for m in others):
+                    return None
+                return {m: str(got[m]) for m in others}
+
+            tokens = _poll(arrivals, deadline, lambda: (
+                f"{what}: members {_missing(client, key, others)} did not arrive within "
+                f"{timeout:g} s ({TIMEOUT_FIELD})"))
+            tokens[me] = token
+            store = dist.TCPStore(get_address_host(worker.address), 0, world_size=len(members),
+                                  is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=timeout))
+            address = f"{get_address_host(worker.address)}:{store.port}"
+            formation = token
+            client.set_metadata(key + ["store"], {"address": address, "formation": formation,
+                                                  "backend": backend, "tokens": tokens})
+        else:
+            client.set_metadata(key + ["arrived", me], token)
+
+            def answer() -> dict | None:
+                got = client.get_metadata(key + ["store"], default=None)
+                ok = isinstance(got, dict) and (got.get("tokens") or {}).get(me) == token
+                return got if ok else None
+
+            published = _poll(answer, deadline, lambda: (
+                f"{what}: rank 0 ({members[0]!r}) published no store for worker {me!r} "
+                f"within {timeout:g} s ({TIMEOUT_FIELD})"))
+            address, formation = published["address"], published["formation"]
+            if published["backend"] != backend:
+                raise CollectiveError(
+                    f"{what}: rank 0 ({members[0]!r}) runs {published['backend']}, worker "
+                    f"{me!r} {backend}: every member runs one backend (set {BACKEND_FIELD})")
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size=len(members), is_master=False,
+                                  timeout=timedelta(seconds=max(deadline - time.monotonic(),
+                                                                1.0)))
+        device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                  else None)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=len(members),
+                                timeout=timedelta(seconds=timeout), device_id=device)
+        made = {}
+        for sub, names in sorted(subgroups.items()):
+            pg = dist.new_group([members.index(m) for m in names],
+                                timeout=timedelta(seconds=timeout), backend=backend)
+            made[sub] = None if pg is dist.GroupMember.NON_GROUP_MEMBER else pg
+        return Group(name, generation, members, rank, backend, timeout, formation, address,
+                     dist.group.WORLD, made, _store=store)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    finally:
+        if rank != 0:
+            # The announcement is used (or given up): a later join draws a new token.
+            with contextlib.suppress(OSError):   # (a lost scheduler: the error above stands)
+                client.set_metadata(key + ["arrived", me], None)
+
+
+def _poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str]) -> T:
+    """``read()`` until it gives something, at growing intervals (5 ms to 100 ms), or
+    :class:`RendezvousTimeout` with ``message()`` once ``deadline`` passes."""
+    pause = 0.005
+    while True:
+        value = read()
+        if value is not None:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousTimeout(message())
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.1)
+
+
+def _missing(client: Any, key: list[str], others: Sequence[str]) -> list[str]:
+    got = client.get_metadata(key + ["arrived"], default=None) or {}
+    return [m for m in others if not got.get(m)]
+
+
+def _tear_down(g: Group) -> None:
+    """Destroy ``g``'s process groups (its subgroups with it) and stop its store."""
+    _LIVE.pop(g.name, None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    g.process_group, g.subgroups, g._store = None, {}, None
+    if g.rank == 0:
+        try:   # its store is gone: the scheduler forgets its address
+            from distributed import get_client
+
+            get_client().set_metadata([METADATA, g.name, str(g.generation), "store"], None)
+        except (ValueError, OSError) as e:   # no scheduler to tell (outside a task)
+            logger.debug("the rendezvous of %s stays on the scheduler (%s)", _describe(g), e)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def _worker() -> Any:
+    from distributed import get_worker
+
+    try:
+        return get_worker()
+    except ValueError:
+        raise CollectiveError("a collective group is joined from inside a Dask task on "
+                              "each member (no worker runs this call)") from None
+
+
+def _worker_name() -> str:
+    try:
+        return str(_worker().name)
+    except CollectiveError:
+        return "(not a worker)"
+
+
+def _check_members(members: Any) -> tuple[str, ...]:
+    ok = (isinstance(members, Sequence) and not isinstance(members, str) and len(members) > 0
+          and all(isinstance(m, str) and m for m in members)
+          and len(set(members)) == len(members))
+    require(ok, "members", "a non-empty list of distinct worker names", members,
+            CollectiveError)
+    return tuple(members)
+
+
+def _check_subgroups(subgroups: Any, members: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    require(isinstance(subgroups, Mapping), "subgroups",
+            "a mapping of subgroup names to lists of members", subgroups, CollectiveError)
+    out = {}
+    for sub, names in subgroups.items():
+        require(isinstance(sub, str) and bool(sub), "subgroups", "non-empty names", sub,
+                CollectiveError)
+        names = _check_members(names)
+        require(set(names) <= set(members), f"subgroups.{sub}",
+                f"members of the group ({list(members)})", list(names), CollectiveError)
+        out[sub] = names
+    return out
+
+
+def _describe(g: Group | None) -> str:
+    if g is None:
+        return "no collective group"
+    return f"collective group {g.name!r} generation {g.generation}"
+
+
+def _stale(g: Group, generation: int) -> StaleGeneration:
+    return StaleGeneration(f"collective group {g.name!r}: a task of generation "
+                           f"{generation} cannot run on the live generation {g.generation} "
+                           f"(the group was rebuilt since)")
