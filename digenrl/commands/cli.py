@@ -554,7 +554,18 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
-    from digenrl.figures.variants import VARIANTS
+    from digenrl.figures.variants import VARIANTS, variant_schedule
+
+    def fits(p, show: bool = True) -> None:
+        """Each variant's GPUs hold their roles (a co-located variant: both), before
+        anything is simulated; the memory per GPU printed where the profile models it."""
+        try:
+            for v in variants:
+                p.check_memory(colocated=not variant_schedule(v).options().pools)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
+        if show and p.model.params:
+            print(p.memory().line())
 
     try:
         profile = load_profile(args.profile)
@@ -584,8 +595,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if splits:
         best: dict[str, tuple[float, str]] = {}
         for r, t in splits:
+            fits(profile.split(r, t), show=False)
+        for r, t in splits:
             p = profile.split(r, t)
             name = f"{p.rollout_workers} rollout + {p.trainer_workers} trainer"
+            fits(p)
             reports = simulate_variants(p, variants, args.iterations, dispatch_latency=latency)
             print(f"{name}:\n{format_reports(reports)}\n")
             for v, rep in reports:
@@ -594,6 +608,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         for v, (rate, name) in best.items():
             print(f"best split for {v}: {name} ({rate:.4f} images/s)")
         return 0
+    fits(profile)
     if not args.validate:
         print(format_reports(simulate_variants(profile, variants, args.iterations,
                                                dispatch_latency=latency)))

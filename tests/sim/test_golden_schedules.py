@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.figures.variants import VARIANTS
-from digenrl.sim.profile import Slowdown, list_profiles, load_profile
+from digenrl.figures.variants import VARIANTS, variant_schedule
+from digenrl.sim.profile import ProfileError, Slowdown, list_profiles, load_profile
 from digenrl.sim.simulate import simulate_variants
 
 PINNED = Path(__file__).with_name("golden_schedules.json")
@@ -53,9 +53,22 @@ def _small(name: str):
                                                for s in p.slowdowns))
 
 
+def _fitting(profile) -> tuple[str, ...]:
+    """The benchmark variants whose GPUs hold the profile's model (a co-located variant
+    holds both roles on each GPU; a profile without ``model.params`` fits every one)."""
+    out = []
+    for v in VARIANTS:
+        try:
+            profile.check_memory(colocated=not variant_schedule(v).options().pools)
+        except ProfileError:
+            continue
+        out.append(v)
+    return tuple(out)
+
+
 def _cases():
     """(case name, profile, variants, simulate keywords)."""
-    cases = [(name, _small(name), tuple(VARIANTS), {}) for name in list_profiles()]
+    cases = [(name, p, _fitting(p), {}) for name, p in ((n, _small(n)) for n in list_profiles())]
     flux = _small("flux12b-16gpu")
     cases.append(("flux12b-16gpu+remote-reward",
                   dataclasses.replace(flux, costs=dataclasses.replace(flux.costs,
