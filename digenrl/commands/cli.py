@@ -533,6 +533,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                     else profile.trainer_workers)
             except ProfileError as e:
                 raise ConfigError(f"--rollout-workers/--trainer-workers: {e}") from None
+        _check_memory(profile, variants)
         results = bench_profile(profile, variants, args.out, iterations=config.iterations,
                                 time_scale=args.time_scale, skip=args.skip, drain=args.drain,
                                 dashboard_address=config.cluster.dashboard_address)
@@ -554,16 +555,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
     from digenrl.sim.simulate import DASK_ROUND_TRIP, format_reports, simulate_variants
-    from digenrl.figures.variants import VARIANTS, variant_schedule
+    from digenrl.figures.variants import VARIANTS
 
     def fits(p, show: bool = True) -> None:
-        """Each variant's GPUs hold their roles (a co-located variant: both), before
-        anything is simulated; the memory per GPU printed where the profile models it."""
-        try:
-            for v in variants:
-                p.check_memory(colocated=not variant_schedule(v).options().pools)
-        except ProfileError as e:
-            raise ConfigError(str(e)) from None
+        _check_memory(p, variants)
         if show and p.model.params:
             print(p.memory().line())
 
@@ -637,6 +632,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           + "; ".join(f"{v} dispatch {m[1]['fresh_ms']:.1f}, queued {m[1]['queued_ms']:.1f}"
                       for v, m in measured.items()))
     return 0
+
+
+def _check_memory(profile, variants) -> None:
+    """Each variant's GPUs hold their roles of ``profile`` (a co-located variant: both
+    on each GPU), checked before anything is simulated or started."""
+    from digenrl.figures.variants import VARIANTS, variant_schedule
+    from digenrl.sim.profile import ProfileError
+
+    try:
+        for v in variants:
+            if v in VARIANTS:
+                profile.check_memory(colocated=not variant_schedule(v).options().pools)
+    except ProfileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parse_splits(text: str) -> list[tuple[int, int]]:

@@ -1,7 +1,8 @@
 """Pinned schedules: every decision the simulator makes on the shipped profiles.
 
 For each shipped profile (its work cut to a quarter of the prompts, so the whole file
-runs in seconds) under every benchmark variant, the digest of the sorted
+runs in seconds) under every benchmark variant whose GPUs hold its model (a profile
+with a ``model`` section may not fit the co-located design), the digest of the sorted
 ``(key, worker, start)`` records of a short simulation is compared with the digest
 pinned in ``golden_schedules.json``. Any change in what runs where and when fails here,
 including one that leaves the throughput figures alone. A few extra cases reach the

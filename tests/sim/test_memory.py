@@ -176,3 +176,13 @@ def test_simulate_prints_the_memory_per_gpu_and_refuses_a_variant_that_does_not_
     assert out[0] == ("memory per GPU of 80 GB: rollout 58.9 GB, trainer 45.7 GB (state over "
                       "12), colocated 97.8 GB (state over 16)")
     assert out[1].endswith("collectives") and out[3].startswith("digenrl")
+
+
+def test_emulated_gpus_that_cannot_hold_the_model_are_refused_before_a_cluster(tmp_path):
+    from digenrl.commands.bench import bench_profile
+
+    with pytest.raises(ProfileError, match=r"^profile\.model\.gpu_memory_gb: expected at "
+                                           r"least the 87\.6 GB a co-located GPU holds"):
+        bench_profile(small("qwenimage20b-full-32gpu"), ["digenrl", "colocated"],
+                      tmp_path / "out", iterations=3, dashboard_address=None)
+    assert not (tmp_path / "out").exists()
