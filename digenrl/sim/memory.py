@@ -22,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from digenrl.checks import require
 
-__all__ = ["Model", "MemoryPerGpu", "BF16_BYTES", "TRAINER_BYTES_PER_PARAM", "SHARDINGS",
-           "GB"]
+__all__ = ["Model", "MemoryPerGpu", "BF16_BYTES", "FP32_BYTES", "TRAINER_BYTES_PER_PARAM",
+           "SHARDINGS", "GB"]
 
 #: Bytes of one parameter in the weights a rollout GPU samples with (bf16).
 BF16_BYTES = 2
+#: Bytes of one parameter's gradient as FSDP reduces it (fp32).
+FP32_BYTES = 4
 #: Bytes a trainer holds per parameter: fp32 master weights, fp32 gradients and the two
 #: fp32 AdamW moments.
 TRAINER_BYTES_PER_PARAM = 16
@@ -76,7 +78,7 @@ class Model:
     @property
     def grad_bytes(self) -> float:
         """The fp32 gradients of one optimizer step."""
-        return 4 * self.params * GB
+        return FP32_BYTES * self.params * GB
 
     def rollout_gb(self) -> float:
         return self.weight_bytes / GB + self.rollout_activations_gb
