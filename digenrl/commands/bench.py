@@ -132,6 +132,8 @@ def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iter
 
     _check_variants(variants, VARIANTS, skip, drain, iterations)
     schedules = {v: variant_schedule(v) for v in variants}
+    for sched in schedules.values():  # each variant's GPUs hold the model, before any cluster
+        profile.check_memory(colocated=not sched.options().pools)
     handle = cluster or start_emulated_cluster(
         profile.rollout_workers, profile.trainer_workers, profile.speeds(), dashboard_address)
 

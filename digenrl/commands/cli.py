@@ -533,6 +533,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                     else profile.trainer_workers)
             except ProfileError as e:
                 raise ConfigError(f"--rollout-workers/--trainer-workers: {e}") from None
+        _check_memory(profile, variants)
         results = bench_profile(profile, variants, args.out, iterations=config.iterations,
                                 time_scale=args.time_scale, skip=args.skip, drain=args.drain,
                                 dashboard_address=config.cluster.dashboard_address)
@@ -556,6 +557,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_reports, measured_latencies,
                                       simulate_variants)
     from digenrl.figures.variants import VARIANTS
+
+    def fits(p, show: bool = True) -> None:
+        _check_memory(p, variants)
+        if show and p.model.params:
+            print(p.memory().line())
 
     try:
         profile = load_profile(args.profile)
@@ -585,8 +591,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if splits:
         best: dict[str, tuple[float, str]] = {}
         for r, t in splits:
+            fits(profile.split(r, t), show=False)
+        for r, t in splits:
             p = profile.split(r, t)
             name = f"{p.rollout_workers} rollout + {p.trainer_workers} trainer"
+            fits(p)
             reports = simulate_variants(p, variants, args.iterations, dispatch_latency=latency)
             print(f"{name}:\n{format_reports(reports)}\n")
             for v, rep in reports:
@@ -595,6 +604,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         for v, (rate, name) in best.items():
             print(f"best split for {v}: {name} ({rate:.4f} images/s)")
         return 0
+    fits(profile)
     if not args.validate:
         print(format_reports(simulate_variants(profile, variants, args.iterations,
                                                dispatch_latency=latency)))
@@ -622,6 +632,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
           + "; ".join(f"{v} dispatch {m[1]['fresh_ms']:.1f}, queued {m[1]['queued_ms']:.1f}"
                       for v, m in measured.items()))
     return 0
+
+
+def _check_memory(profile, variants) -> None:
+    """Each variant's GPUs hold their roles of ``profile`` (a co-located variant: both
+    on each GPU), checked before anything is simulated or started."""
+    from digenrl.figures.variants import VARIANTS, variant_schedule
+    from digenrl.sim.profile import ProfileError
+
+    try:
+        for v in variants:
+            if v in VARIANTS:
+                profile.check_memory(colocated=not variant_schedule(v).options().pools)
+    except ProfileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parse_splits(text: str) -> list[tuple[int, int]]:

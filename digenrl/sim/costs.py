@@ -6,7 +6,8 @@ multiplied by any slowdown in force), except that
 
 * a ``reward`` scored remotely (``costs.reward_on: remote``) takes no GPU time;
 * the gradient all-reduce among the trainers is paid once per iteration, by the
-  reduction root (the other ``reduce`` tasks only sum).
+  reduction root (the other ``reduce`` tasks only sum); with ``model.sharding: fsdp``
+  it is a reduce-scatter of the fp32 gradients (:class:`Collectives`).
 
 On top of that, before a task starts its worker pays, in seconds not scaled by its speed
 (network and memory traffic, not compute):
@@ -16,7 +17,13 @@ On top of that, before a task starts its worker pays, in seconds not scaled by i
   ``encode`` reads none), or a ``grad`` micro-step lent to it (rollout-assisted
   training);
 * in the co-located mode, each switch between rollout and training work costs
-  ``colocated.phase_switch``.
+  ``colocated.phase_switch``;
+* with ``model.sharding: fsdp`` (:class:`Collectives`), every micro-step of a worker in
+  the sharded group (a trainer; in the co-located mode, every GPU) pays the all-gather
+  of the weights for its forward and its backward; a rollout worker's first read of a
+  version waits for the bucketed broadcast of the weights from the trainers instead of
+  ``weight_bytes / bandwidth``, and in the co-located mode every GPU's first rollout
+  read of a version waits for the all-gather of the bf16 weights it samples with.
 
 :class:`TaskCosts` holds the compute seconds; :class:`Extras` the extra costs, applied to
 each worker's :class:`WorkerHeld`. The simulator calls both in-process; the emulator
@@ -31,11 +38,54 @@ from typing import Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
+from digenrl.sim.network import (FatTree, Placement, allgather_time,
+                                 bucketed_broadcast_time)
 from digenrl.sim.profile import Profile
 from digenrl.vocabulary import (Key, GRAD, GROUP_REWARD, READS_NO_WEIGHTS, REDUCE, REWARD,
                                 ROLLOUT_KINDS, TRAINING_KINDS)
 
-__all__ = ["TaskCosts", "Extras", "WorkerHeld", "phase_of", "reduction_root"]
+__all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "reduction_root"]
+
+#: MiB: ``network.sync_bucket_mb`` in bytes.
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Seconds of the collectives a profile with ``model.sharding: fsdp`` pays, on the
+    fat-tree of :mod:`digenrl.sim.network` (its GPUs 8 to a node, trainers first, NICs
+    at ``network.bandwidth``), with ``ranks`` GPUs in the sharded group.
+
+    ``allgather``: per micro-step, the bf16 weights gathered for the forward and again
+    for the backward (``2 x (ranks-1)/ranks x weight_bytes`` per rank);
+    ``reduce_scatter``: per iteration, the fp32 gradients (``(ranks-1)/ranks x
+    grad_bytes`` per rank); ``publish``: per version, the bf16 weights to the rollout
+    workers (disaggregated: a bucketed broadcast; co-located: an all-gather on every
+    GPU)."""
+
+    ranks: int
+    allgather: float
+    reduce_scatter: float
+    publish: float
+
+    @classmethod
+    def of(cls, profile: Profile, *, colocated: bool) -> "Collectives | None":
+        """None unless ``profile`` shards its training with FSDP."""
+        if not profile.model.fsdp:
+            return None
+        net, c = profile.network, profile.costs
+        fabric = FatTree(nic_bandwidth=net.bandwidth, latency=net.latency)
+        ranks = profile.gpus if colocated else profile.trainer_workers
+        gather = allgather_time(fabric, ranks, c.weight_bytes).seconds
+        if colocated:
+            publish = gather
+        else:
+            publish = bucketed_broadcast_time(
+                Placement.of(profile, fabric.gpus_per_node), fabric, c.weight_bytes,
+                net.sync_bucket_mb * MIB)
+        return cls(ranks=ranks, allgather=2 * gather,
+                   reduce_scatter=allgather_time(fabric, ranks, c.grad_bytes).seconds,
+                   publish=publish)
 
 
 
@@ -63,7 +113,9 @@ class TaskCosts:
         self.profile = profile
         self.colocated = colocated
         self.remote_reward = profile.costs.reward_on == "remote"
-        self.allreduce = profile.allreduce_seconds()
+        collectives = Collectives.of(profile, colocated=colocated)
+        self.allreduce = (profile.allreduce_seconds() if collectives is None
+                          else collectives.reduce_scatter)
         self.roots = {plan.iteration: reduction_root(layout, plan) for plan in plans}
         # (kind, samples) -> seconds: they depend on nothing else.
         self._seconds: dict[tuple[str, int], float] = {}
@@ -89,6 +141,7 @@ class WorkerHeld:
     versions: set[int] = field(default_factory=set)   # policy versions it has the weights of
     phase: str | None = None                           # co-located: rollout or train
     synced: float = 0.0                                # seconds it has waited for weights
+    gathered: float = 0.0                              # seconds in FSDP's all-gathers
 
 
 @dataclass(frozen=True)
@@ -97,23 +150,40 @@ class Extras:
 
     weight_sync: float = 0.0     # a rollout worker's first read of a policy version
     phase_switch: float = 0.0    # co-located: a switch between rollout and training work
+    allgather: float = 0.0       # fsdp: a micro-step on a worker of the sharded group
+    every_worker_syncs: bool = False  # co-located fsdp: every GPU gathers each version
 
     @classmethod
     def of(cls, profile: Profile, *, colocated: bool) -> "Extras":
+        fsdp = Collectives.of(profile, colocated=colocated)
         if colocated:
-            return cls(phase_switch=profile.colocated.phase_switch)
-        return cls(weight_sync=profile.weight_sync_seconds())
+            if fsdp is None:
+                return cls(phase_switch=profile.colocated.phase_switch)
+            return cls(phase_switch=profile.colocated.phase_switch, weight_sync=fsdp.publish,
+                       allgather=fsdp.allgather, every_worker_syncs=True)
+        if fsdp is None:
+            return cls(weight_sync=profile.weight_sync_seconds())
+        return cls(weight_sync=fsdp.publish, allgather=fsdp.allgather)
 
     def pay(self, held: WorkerHeld, kind: str, version: int, rollout_worker: bool) -> float:
         """Seconds a worker holding ``held`` pays before a task of ``kind`` reading policy
         ``version`` (``rollout_worker``: a worker of the rollout pool; trainers hold
         every version they publish). Updates ``held``."""
         extra = 0.0
-        if (self.weight_sync and rollout_worker and kind not in READS_NO_WEIGHTS
-                and (kind in ROLLOUT_KINDS or kind == GRAD) and version not in held.versions):
+        if self.every_worker_syncs:  # co-located: every GPU samples from its own gather
+            reads = kind in ROLLOUT_KINDS and kind not in READS_NO_WEIGHTS
+        else:
+            reads = (rollout_worker and kind not in READS_NO_WEIGHTS
+                     and (kind in ROLLOUT_KINDS or kind == GRAD))
+        if self.weight_sync and reads and version not in held.versions:
             held.versions.add(version)
             held.synced += self.weight_sync
             extra += self.weight_sync
+        if self.allgather and kind == GRAD and (self.every_worker_syncs or not rollout_worker):
+            # A micro-step in the sharded group gathers the weights for its forward and
+            # its backward (a rollout worker lent one holds the version's weights whole).
+            held.gathered += self.allgather
+            extra += self.allgather
         if self.phase_switch:
             phase = phase_of(kind)
             if phase is not None:

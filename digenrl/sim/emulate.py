@@ -100,6 +100,7 @@ class EmulatedWorkload:
         self.layout = profile.layout(options.max_staleness, stale_groups)
         self.images_per_iteration = profile.images_per_iteration
         self.colocated = not options.pools
+        profile.check_memory(colocated=self.colocated)
         self._plans = profile.plans(iterations)
         self.costs = TaskCosts(profile, self.layout, self._plans, colocated=self.colocated)
         self.extras = Extras.of(profile, colocated=self.colocated)

@@ -76,7 +76,8 @@ from digenrl.sim.profile import Profile, load_profile
 from digenrl.vocabulary import GRAD, OPTIMIZE
 
 __all__ = ["FatTree", "CircuitFabric", "Placement", "PatternTime", "NetworkCase",
-           "allreduce_time", "weight_sync_time", "network_case", "network_study",
+           "allreduce_time", "weight_sync_time", "ring_time", "allgather_time",
+           "bucketed_broadcast_time", "network_case", "network_study",
            "format_network_study", "run_network_study", "DEFAULT_GPUS",
            "DEFAULT_OVERSUBSCRIPTIONS", "DEFAULT_SWITCHING_DELAYS"]
 
@@ -325,6 +326,53 @@ def weight_sync_time(placement: Placement, fabric: Fabric, weight_bytes: float, 
     # The shared node's copy runs beside the network transfer; the gather follows it.
     total = max(inter + gather, intra)
     return PatternTime(total - inter, inter)
+
+
+def ring_time(fabric: Fabric, first: int, ranks: int, hop_bytes: float, steps: int, *,
+              closed: bool = True) -> PatternTime:
+    """A pipelined ring (``closed``) or chain over GPUs ``first .. first+ranks-1`` (nodes
+    filled in order) in which every hop carries ``hop_bytes`` in ``steps`` algorithm
+    steps: NVLink when every rank is on one node, else the network's most loaded link
+    (each hop between nodes loads a NIC each way; on the fat-tree, leaf links too)."""
+    _integer("ring_time", "ranks", ranks, 1)
+    _number("ring_time", "hop_bytes", hop_bytes, 0, False)
+    if ranks < 2 or hop_bytes == 0:
+        return PatternTime(0.0, 0.0)
+    g = fabric.gpus_per_node
+    gpus = list(range(first, first + ranks))
+    pairs = list(zip(gpus, gpus[1:] + (gpus[:1] if closed else [])))
+    flows = [(a // g, a % g, b // g, b % g, hop_bytes) for a, b in pairs if a // g != b // g]
+    if not flows:
+        return PatternTime(hop_bytes / fabric.nvlink_bandwidth + steps * fabric.latency, 0.0)
+    return PatternTime(0.0, fabric.load_seconds(flows) + steps * fabric.step_latency(flows))
+
+
+def allgather_time(fabric: Fabric, ranks: int, nbytes: float, first: int = 0) -> PatternTime:
+    """Ring all-gather (or reduce-scatter: the same traffic) of ``nbytes`` among
+    ``ranks`` GPUs, each holding ``1/ranks`` of them: every rank sends and receives
+    ``(ranks-1)/ranks`` of the bytes in ``ranks-1`` steps."""
+    return ring_time(fabric, first, ranks, (ranks - 1) / ranks * nbytes, ranks - 1)
+
+
+def bucketed_broadcast_time(placement: Placement, fabric: Fabric, weight_bytes: float,
+                            bucket_bytes: float) -> float:
+    """Seconds to broadcast the FSDP-sharded ``weight_bytes`` from the trainers to every
+    rollout worker in buckets of ``bucket_bytes``: each bucket is filled by an
+    all-gather among the trainers, then sent by the trainer nearest the rollout pool
+    down a pipelined chain through every rollout worker (NCCL's broadcast); the next
+    bucket is filled while one is in flight, so the two stages overlap:
+    ``fill_1 + sum(max(send_i, fill_i+1)) + send_n``."""
+    _number("bucketed_broadcast_time", "weight_bytes", weight_bytes, 0, False)
+    _number("bucketed_broadcast_time", "bucket_bytes", bucket_bytes, 0, True)
+    _check_fit(placement, fabric)
+    if weight_bytes == 0:
+        return 0.0
+    full, rest = divmod(weight_bytes, bucket_bytes)
+    buckets = [bucket_bytes] * int(full) + ([rest] if rest else [])
+    t, r = placement.trainers, placement.rollouts
+    fill = [allgather_time(fabric, t, b).seconds for b in buckets]
+    send = [ring_time(fabric, t - 1, r + 1, b, r, closed=False).seconds for b in buckets]
+    return fill[0] + sum(max(s, f) for s, f in zip(send, fill[1:])) + send[-1]
 
 
 def _delay(d: float) -> str:

@@ -8,7 +8,10 @@ decoupled algorithm's ``trained_steps`` are the micro-steps of a chunk (noise le
 drawn afresh), its ``denoise`` steps are ODE steps, and a micro-step reads only the
 chunk's final latent. A ``costs.group_reward_per_sample`` above 0 (none by default) adds
 a reward that scores whole prompt groups: a ``group_reward`` task per group, after its
-chunks' rewards, on the GPU like the rewards (``reward_on``). The emulator
+chunks' rewards, on the GPU like the rewards (``reward_on``). A ``model`` section
+(:mod:`digenrl.sim.memory`) gives the model's size, whether training shards it with FSDP
+(whose collectives :mod:`digenrl.sim.costs` then charges) and the GPUs' memory, which
+each role must fit in. The emulator
 (real Dask, tasks that sleep) and the simulator (discrete events) read the same profile
 through :meth:`Profile.task_seconds`, so they model the same work.
 """
@@ -28,6 +31,7 @@ from digenrl.figures.analysis import ideal_bound
 from digenrl.checks import require
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
+from digenrl.sim.memory import Model, MemoryPerGpu
 from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD,
                                 ROLLOUT,
                                 TRAINER)
@@ -75,6 +79,9 @@ class Costs:
     optimizer_step: float = 1.0
     weight_bytes: float = 0.0          # synchronised to each rollout worker per version
     grad_bytes: float = 0.0            # all-reduced among trainers once per iteration
+                                       # (both derived from model.params with
+                                       # model.sharding fsdp: bf16 weights, fp32
+                                       # gradients, reduce-scattered)
     latent_bytes_per_sample: float = 0.0
     #: One prompt group's ``encode`` task: its prompt through the text encoders (a GPU
     #: slot on a rollout worker). 0, the default: encoding is not modelled and the graph
@@ -87,6 +94,9 @@ class Costs:
 class Network:
     bandwidth: float = 50e9            # bytes/s per worker link (400 Gb/s InfiniBand)
     latency: float = 5e-6              # seconds per message
+    #: With ``model.sharding: fsdp``: the bucket of the weights' broadcast to the
+    #: rollout workers, MiB (the next bucket is filled while one is in flight).
+    sync_bucket_mb: float = 512.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,9 @@ class Profile:
     slowdowns: tuple[Slowdown, ...] = ()
     #: The algorithm whose graph the profile runs (``algorithm.name``).
     algorithm: str = DEFAULT_ALGORITHM
+    #: The model's size, how training shards it and the GPUs' memory
+    #: (:mod:`digenrl.sim.memory`); unset: no memory model, no sharded collectives.
+    model: Model = field(default_factory=Model)
 
     # ------------------------------------------------------------------ shape
 
@@ -290,6 +303,15 @@ class Profile:
             capacity = sum(self.speeds().values())
         return ideal_bound(self.images_per_iteration, self.gpu_seconds_per_iteration(), capacity)
 
+    def memory(self) -> MemoryPerGpu:
+        """Each role's gigabytes per GPU on the profile's pools."""
+        return self.model.per_gpu(self.rollout_workers, self.trainer_workers)
+
+    def check_memory(self, *, colocated: bool) -> None:
+        """Refuse (:class:`ProfileError`, one line) GPUs too small for their roles."""
+        self.model.check(self.rollout_workers, self.trainer_workers, colocated=colocated,
+                         error=ProfileError)
+
     def pools(self) -> dict[str, tuple[int, float]]:
         return {ROLLOUT: (self.rollout_workers, self.rollout_speed),
                 TRAINER: (self.trainer_workers, self.trainer_speed)}
@@ -356,12 +378,26 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
           costs.denoise_per_sample)
     _need(costs.reward_on in ("gpu", "remote"), "profile.costs.reward_on", "'gpu' or 'remote'",
           costs.reward_on)
+    network = _section(Network, data.get("network"), "profile.network")
+    _need(network.sync_bucket_mb > 0, "profile.network.sync_bucket_mb", "a number > 0",
+          network.sync_bucket_mb)
+    model = _section(Model, data.get("model"), "profile.model")
+    model.validate(ProfileError)
+    if model.fsdp:  # the collectives' bytes follow from the size: one fact, one place
+        for k in ("weight_bytes", "grad_bytes"):
+            _need(k not in data["costs"], f"profile.costs.{k}",
+                  "no value with model.sharding fsdp (derived from model.params)",
+                  data["costs"].get(k))
+        costs = dataclasses.replace(costs, weight_bytes=model.weight_bytes,
+                                    grad_bytes=model.grad_bytes)
+    model.check(ints["rollout_workers"], ints["trainer_workers"], colocated=False,
+                error=ProfileError)
     return Profile(
         name=str(data["name"]), description=str(data.get("description", "")),
         sources=tuple(str(s) for s in data.get("sources", ())), **ints,
         rollout_speed=_pos(data.get("rollout_speed", 1.0), "profile.rollout_speed"),
         trainer_speed=_pos(data.get("trainer_speed", 1.0), "profile.trainer_speed"),
-        costs=costs, network=_section(Network, data.get("network"), "profile.network"),
+        costs=costs, network=network, model=model,
         colocated=_section(ColocatedCosts, data.get("colocated"), "profile.colocated"),
         time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"),
         worker_speeds=worker_speeds, slowdowns=tuple(slowdowns), algorithm=algorithm)

@@ -48,6 +48,9 @@ class SimulationReport:
     wall_s: float                 # how long the simulation itself took
     tasks: int
     result: SimResult | None = None
+    #: With ``model.sharding: fsdp``: the share of the GPUs' simulated time spent in
+    #: collectives (all-gathers, the reduce-scatter, the weights' publish), as charged.
+    collective_share: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -81,13 +84,14 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     assumes the profile's network bandwidth. ``trail``: decisions kept per task in the
     records' ``decisions`` column (0, the default, records none).
     """
+    colocated = not options.pools
+    profile.check_memory(colocated=colocated)
     options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
     if slowdown is None and profile.slowdowns:
         slowdown = profile.slowdown_factor
     layout = profile.layout(options.max_staleness, stale_groups)
     plans = profile.plans(iterations)
     workers = _workers(profile, speeds)
-    colocated = not options.pools
     costs = TaskCosts(profile, layout, plans, colocated=colocated)
     extras = Extras.of(profile, colocated=colocated)
     held = {w.name: WorkerHeld() for w in workers}
@@ -120,7 +124,12 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     result = sim.run(layout, plans)
     wall = time.perf_counter() - t
     synced = sum(h.synced for h in held.values())
-    return _report(profile, options, result, iterations, skip, drain, wall, synced)
+    report = _report(profile, options, result, iterations, skip, drain, wall, synced)
+    if profile.model.fsdp:
+        charged = (synced + sum(h.gathered for h in held.values())
+                   + costs.allreduce * len(result.completed))
+        report.collective_share = charged / (result.end * len(workers))
+    return report
 
 
 def _report(profile: Profile, options: ScheduleOptions, result: SimResult, iterations: int,
@@ -188,6 +197,9 @@ def format_reports(reports, emulated: Mapping[str, float] | None = None,
         head += f"{'emulated':>10}{'diff':>8}"
     if uncalibrated:
         head += f"{'fixed-latency diff':>20}"
+    shares = any(r.collective_share is not None for _, r in reports)
+    if shares:
+        head += f"{'collectives':>13}"
     lines = [head, "-" * len(head)]
     for name, r in reports:
         u = "/".join(f"{r.utilisation[p]:.2f}" if p in r.utilisation else "-"
@@ -199,5 +211,11 @@ def format_reports(reports, emulated: Mapping[str, float] | None = None,
             line += f"{e:>10.4f}{100 * (r.images_per_s - e) / e:>7.1f}%"
             if uncalibrated and name in uncalibrated:
                 line += f"{100 * (uncalibrated[name] - e) / e:>19.1f}%"
+        if shares:
+            share = r.collective_share
+            line += f"{'-' if share is None else f'{100 * share:.1f}%':>13}"
         lines.append(line)
+    if shares:
+        lines.append("collectives: the share of the GPUs' simulated time in FSDP's all-gathers, "
+                     "the gradients' reduce-scatter and the weights' publish")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Pinned schedules: every decision the simulator makes on the shipped profiles.
 
 For each shipped profile (its work cut to a quarter of the prompts, so the whole file
-runs in seconds) under every benchmark variant, the digest of the sorted
+runs in seconds) under every benchmark variant whose GPUs hold its model (a profile
+with a ``model`` section may not fit the co-located design), the digest of the sorted
 ``(key, worker, start)`` records of a short simulation is compared with the digest
 pinned in ``golden_schedules.json``. Any change in what runs where and when fails here,
 including one that leaves the throughput figures alone. A few extra cases reach the
@@ -30,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from digenrl.figures.variants import VARIANTS
-from digenrl.sim.profile import Slowdown, list_profiles, load_profile
+from digenrl.figures.variants import VARIANTS, variant_schedule
+from digenrl.sim.profile import ProfileError, Slowdown, list_profiles, load_profile
 from digenrl.sim.simulate import simulate_variants
 
 PINNED = Path(__file__).with_name("golden_schedules.json")
@@ -53,9 +54,22 @@ def _small(name: str):
                                                for s in p.slowdowns))
 
 
+def _fitting(profile) -> tuple[str, ...]:
+    """The benchmark variants whose GPUs hold the profile's model (a co-located variant
+    holds both roles on each GPU; a profile without ``model.params`` fits every one)."""
+    out = []
+    for v in VARIANTS:
+        try:
+            profile.check_memory(colocated=not variant_schedule(v).options().pools)
+        except ProfileError:
+            continue
+        out.append(v)
+    return tuple(out)
+
+
 def _cases():
     """(case name, profile, variants, simulate keywords)."""
-    cases = [(name, _small(name), tuple(VARIANTS), {}) for name in list_profiles()]
+    cases = [(name, p, _fitting(p), {}) for name, p in ((n, _small(n)) for n in list_profiles())]
     flux = _small("flux12b-16gpu")
     cases.append(("flux12b-16gpu+remote-reward",
                   dataclasses.replace(flux, costs=dataclasses.replace(flux.costs,
