@@ -770,7 +770,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
     sharding: str = "none"
-    """none: every trainer holds the whole trainer state; fsdp: weights, gradients and AdamW moments sharded over the trainer workers (FSDP2). Runs train unsharded: fsdp is refused by a run (the sharded step is the library API of digenrl.tasks.sharding)."""
+    """none: every trainer holds the whole trainer state; fsdp (at least 2 trainer workers): weights, gradients and AdamW moments sharded over the trainers (FSDP2). Runs train unsharded: a run refuses fsdp before any cluster starts (the sharded step is the library API of digenrl.tasks.sharding; docs/algorithm.md, "Sharded training (FSDP2)")."""
 
     def validate(self, p: str) -> None:
         finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)

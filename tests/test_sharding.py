@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from digenrl.config import ConfigError, config_from_dict
+from digenrl.models.base import diffusers_class
+from digenrl.models.registry import FAMILIES
+from digenrl.models.tiny import TinyFamily
 from digenrl.run.world import check_world
 from digenrl.tasks import train
 
@@ -121,6 +124,18 @@ def test_the_same_sharded_run_twice_is_the_same_bits(runs):
     (g1, _, w1), (g2, _, w2) = got["flow"]
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
     assert all(torch.equal(w1[n], w2[n]) for n in w1)
+
+
+@pytest.mark.parametrize("fam", sorted({*FAMILIES.values(), TinyFamily}, key=str),
+                         ids=lambda f: f.__name__)
+def test_each_familys_blocks_are_its_transformers_block_lists(fam):
+    """What a sharded trainer gathers one at a time: every list of blocks the transformer
+    has (its class at its default size, built without weights), and nothing else."""
+    with torch.device("meta"):
+        module = diffusers_class(fam.transformer_class_name)()
+    lists = [n for n, c in module.named_children() if isinstance(c, torch.nn.ModuleList)]
+    assert tuple(lists) == fam.block_lists
+    assert all(len(getattr(module, n)) > 0 for n in lists)
 
 
 @pytest.mark.parametrize("changes,message", [
