@@ -28,10 +28,10 @@ FLOW_CHUNKS = {0: (0, 2), 1: (1, None)}
 NFT_CHUNKS = {0: (0,), 1: (1,)}
 
 
-def context(algorithm: str, prompts: int):
+def context(algorithm: str, prompts: int, dtype: str = "float32"):
     sampler = {"num_steps": 2} if algorithm != "flow_grpo" else {"num_steps": 4}
     return GraphContext.from_config(config_from_dict({
-        "model": MODEL, "sampler": sampler, "algorithm": {"name": algorithm},
+        "model": {**MODEL, "dtype": dtype}, "sampler": sampler, "algorithm": {"name": algorithm},
         "rollout": {"chunk_size": 2},
         "data": {"prompts_per_iteration": prompts, "samples_per_prompt": 2}}))
 
@@ -70,15 +70,15 @@ def _full_grads(module) -> dict[str, torch.Tensor]:
             for n, p in trainable_parameters(module).items()}
 
 
-def _flow_run(rank: int, mesh):
+def _flow_run(rank: int, mesh, dtype: str = "float32", steps: int = STEPS):
     from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
 
-    ctx = context("flow_grpo", 3)
+    ctx = context("flow_grpo", 3, dtype)
     w0 = train.publish(train.init_state(ctx.train))
     inputs = {c: flow_inputs(ctx, w0, c) for c in {0, 1, 2}}
     trainer = ShardedTrainer(ctx.train, sharded_policy(ctx.train, mesh))
     first, stats = None, []
-    for i in range(STEPS):
+    for i in range(steps):
         chunks = FLOW_CHUNKS[rank]
         for k, c in enumerate(chunks):
             prompts, t, before, after, adv = inputs[c if c is not None else chunks[0]]
@@ -116,8 +116,9 @@ def main(rank: int, world: int, port: int, out: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         runs = [_flow_run(rank, mesh) for _ in range(2)]
         nft = _nft_grads(rank, mesh)
+        bf16 = _flow_run(rank, mesh, "bfloat16", steps=1)
         if rank == 0:
-            torch.save({"flow": runs, "nft": nft}, out)
+            torch.save({"flow": runs, "nft": nft, "bf16": bf16}, out)
     finally:
         dist.destroy_process_group()
 

@@ -57,8 +57,12 @@ def unsharded():
     nft = train.reduce(*(
         train.matching_grad(ctx.train, weights, sampling, None, None, prompts, 0, j, final, adv)
         for prompts, final, adv in (sr.nft_inputs(ctx, sampling, c) for c in (0, 1))))
+    ctx = sr.context("flow_grpo", 3, "bfloat16")
+    b0 = train.publish(train.init_state(ctx.train))
+    bf16 = train.reduce(*(train.grad(ctx.train, b0, None, *sr.flow_inputs(ctx, b0, c))
+                          for c in (0, 1, 2)))
     return {"first": first.grads, "before": w0.tensors, "after": out.state.params,
-            "stats": stats, "nft": nft.grads}
+            "stats": stats, "nft": nft.grads, "bf16": bf16.grads}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,17 @@ def test_sharded_gradients_are_the_unsharded_sum(runs):
     # DiffusionNFT: a chunk each, against the sampling copy's velocities.
     assert relative(got["nft"], want["nft"]) < 1e-5
     assert sum(float(t.abs().sum()) for t in want["first"].values()) > 0
+
+
+def test_sharded_bfloat16_computes_as_the_unsharded_module(runs):
+    """bfloat16: the gathered weights and the buffers in bfloat16 as the unsharded module
+    holds them, so the trainer scores the rollout's step with the same bits (the
+    on-policy ratio is exactly 1); the gradients differ by bfloat16's rounding of the
+    gradients reduced (within 1e-2)."""
+    got, want = runs
+    first, stats, _ = got["bf16"]
+    assert stats[0].micro.ratio_dev == 0.0 and stats[0].micro.ratio_dev_count == 6
+    assert relative(first, want["bf16"]) < 1e-2
 
 
 def test_sharded_steps_move_the_weights_as_unsharded_ones(runs):

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from digenrl.models import family
-from digenrl.models.lora import build_policy, trainable_parameters
+from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
 from digenrl.tasks.algorithms.common import Policies
 from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoupled_result,
                                  grad_norm_clip, micro_loss)
@@ -79,6 +79,9 @@ def sharded_policy(spec: TrainSpec, mesh) -> torch.nn.Module:
         raise ValueError("train.lora_rank: expected 0 for sharded training (it shards every "
                          f"weight), got {spec.trainable.lora_rank}")
     module = build_policy(spec.model, spec.trainable, spec.seed)
+    # Its buffers in model.dtype as the unsharded module holds them (FSDP casts only the
+    # parameters it gathers).
+    cast_for_forward(module, spec.model, spec.trainable, parameters=False)
     return shard_transformer(module, mesh, dtype=spec.model.dtype,
                              blocks=family(spec.model).block_lists)
 
@@ -132,6 +135,7 @@ class ShardedTrainer:
         """A coupled micro-step (:func:`~digenrl.tasks.train.grad`'s loss) of one chunk at
         trained step ``t``; ``reference``: version 0's module where the loss has a KL
         term."""
+        self._check_reference(reference)
         policies = self._policies(None, reference, None)
         result = coupled_result(self.spec, policies, self.device, prompts, t, before, after,
                                 advantages)
@@ -144,10 +148,16 @@ class ShardedTrainer:
         """Decoupled micro-step ``j`` (:func:`~digenrl.tasks.train.matching_grad`'s loss);
         ``sampling``, ``anchor``, ``reference``: the modules of those roles (plain or
         sharded; a sharded one's forward needs every rank as well)."""
+        self._check_reference(reference)
         policies = self._policies(sampling, reference, anchor)
         result, behaviour = decoupled_result(self.spec, policies, self.device, prompts,
                                              iteration, j, inputs)
         return self._backward(result, self.version - behaviour, last, contributes)
+
+    def _check_reference(self, reference) -> None:
+        if self.spec.kl_beta > 0 and reference is None:
+            raise ValueError(f"train.kl_beta: a sharded micro-step with a KL term "
+                             f"({self.spec.kl_beta}) needs the reference module, got None")
 
     def _policies(self, sampling, reference, anchor) -> Policies:
         spec = self.spec
