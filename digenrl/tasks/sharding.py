@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
@@ -88,7 +89,7 @@ def sharded_policy(spec: TrainSpec, mesh) -> torch.nn.Module:
 
 def local_tensors(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     """Each parameter's local shard (the tensor itself where it is not a DTensor)."""
-    return {n: (p.to_local() if hasattr(p, "to_local") else p) for n, p in params.items()}
+    return {n: (p.to_local() if isinstance(p, DTensor) else p) for n, p in params.items()}
 
 
 def local_state_bytes(module: torch.nn.Module, moments: int = 2) -> int:
@@ -114,13 +115,18 @@ class ShardedTrainer:
     with the micro-steps of ``spec``'s algorithm, starting at policy ``version``.
 
     Per iteration: micro-steps (:meth:`grad` or :meth:`matching_grad`), the last of them
-    with ``last=True`` (every rank the same number, in step), then :meth:`optimize`.
-    ``group``: the process group of the module's mesh (the default group when None)."""
+    with ``last=True`` (every rank the same number, in step), then :meth:`optimize`. The
+    norm and the statistics are reduced over the process group of the module's mesh."""
 
-    def __init__(self, spec: TrainSpec, module: torch.nn.Module, version: int = 0,
-                 group=None):
-        self.spec, self.module, self.version, self.group = spec, module, version, group
-        self.device = next(module.parameters()).device
+    def __init__(self, spec: TrainSpec, module: torch.nn.Module, version: int = 0):
+        self.spec, self.module, self.version = spec, module, version
+        first = next(module.parameters())
+        if not isinstance(first, DTensor):
+            raise ValueError("module: expected a sharded transformer (shard_transformer), "
+                             f"got a {type(module).__name__} whose parameters are not "
+                             "sharded")
+        self.device = first.device
+        self.group = first.device_mesh.get_group()
         local = local_tensors(trainable_parameters(module))
         self.shards = _Shards({n: torch.zeros_like(t) for n, t in local.items()},
                               {n: torch.zeros_like(t) for n, t in local.items()})
@@ -186,7 +192,7 @@ class ShardedTrainer:
         micro-step reached), after the last micro-step."""
         params = trainable_parameters(self.module)
         local = local_tensors(params)
-        return {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float()
+        return {n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).float()
                 if p.grad is not None else torch.zeros_like(local[n])
                 for n, p in params.items()}
 
