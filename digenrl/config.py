@@ -731,6 +731,9 @@ class RewardConfig:
 
 # --------------------------------------------------------------------------- train
 
+#: ``train.sharding``: the trainer state whole on every trainer, or sharded (FSDP2).
+SHARDINGS = ("none", "fsdp")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -770,6 +773,8 @@ class TrainConfig:
     """Module names that get adapters, matched as peft does (full name or its last dotted parts, e.g. to_q); empty is the model family's attention projections."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
+    sharding: str = "none"
+    """none: every trainer holds the whole trainer state; fsdp (at least 2 trainer workers): weights, gradients and AdamW moments sharded over the trainers (FSDP2). Runs train unsharded: a run refuses fsdp before any cluster starts (the sharded step is the library API of digenrl.tasks.sharding; docs/algorithm.md, "Sharded training (FSDP2)")."""
 
     def validate(self, p: str) -> None:
         finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -791,6 +796,7 @@ class TrainConfig:
             finite(self.lora_alpha, f"{p}.lora_alpha", 0.0, lo_open=True)
         require(all(isinstance(t, str) and t for t in self.lora_targets), f"{p}.lora_targets",
                  "a list of module names", list(self.lora_targets))
+        choice(self.sharding, f"{p}.sharding", SHARDINGS)
 
 
 # ------------------------------------------------------------------------ schedule
@@ -1148,6 +1154,9 @@ class RunConfig:
         require(all(t <= n - 2 for t in a.sde_steps), "algorithm.sde_steps",
                  f"steps from 0 to {n - 2} (sampler.num_steps = {n}; the last, near-clean "
                  f"step is never an SDE step of a window)", list(a.sde_steps))
+        if self.train.sharding == "fsdp":
+            require(self.cluster.trainer_workers >= 2, "train.sharding",
+                     "at least 2 trainer workers for fsdp", self.cluster.trainer_workers)
         if not a.coupled:
             require(not self.store.save_latents, "store.save_latents",
                      f"false with algorithm.name {a.name!r} (a decoupled run keeps no "

@@ -10,6 +10,7 @@
     python workflows/microbench.py commit     # a store commit: its arrays written at once vs in turn
     python workflows/microbench.py checkpoint # a checkpoint: chunk by chunk vs one zarr write
     python workflows/microbench.py ocr        # the OCR reward's seconds per image
+    python workflows/microbench.py fsdp_memory  # a trainer's state per rank, FSDP2 over 1 and 2
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -64,6 +65,13 @@ with a GPU provider), and the floating-point operations of each model's convolut
 and matrix products per forward pass, counted from onnxruntime's profile of one pass
 (its nodes' input and output shapes) -- what docs/performance.md derives a GPU's
 figure from.
+``fsdp_memory`` trains a built-in model widened to 54.6 million parameters (six blocks of
+width 512) sharded (:mod:`digenrl.tasks.sharding`) over 1 and then 2 gloo processes on
+this machine, each with one torch thread: one DiffusionNFT micro-step of two samples and
+one optimizer step; each rank prints the bytes it holds of the parameters, their
+gradients and the two AdamW moments (the local shards' storage, counted once per
+storage) and its process's peak resident memory, then the ratio of 2 ranks' to 1 rank's
+per rank.
 """
 
 from __future__ import annotations
@@ -737,14 +745,115 @@ def _per_image(rounds: int, read_eight) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
+#: ``fsdp_memory``'s model: the built-in one, six blocks of width 512 (54.6M parameters).
+_WIDE = {"transformer_layers": 6, "attention_heads": 8, "attention_head_dim": 64}
+
+
+def _storage_bytes(tensors) -> int:
+    """The bytes of the storages holding ``tensors``, each storage counted once."""
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _fsdp_rank(rank: int, world: int, port: int) -> None:
+    """One rank of ``fsdp_memory``: a micro-step and an optimizer step; prints a JSON line."""
+    import json
+    import resource
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from digenrl.config import config_from_dict
+    from digenrl.graph.build import GraphContext
+    from digenrl.models.lora import trainable_parameters
+    from digenrl.tasks import rollout
+    from digenrl.tasks.sharding import ShardedTrainer, local_tensors, sharded_policy
+    from digenrl.tasks.types import AdvantageOut, StepOut
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ctx = GraphContext.from_config(config_from_dict({
+        "model": _WIDE, "algorithm": {"name": "diffusion_nft"}, "sampler": {"num_steps": 2},
+        "rollout": {"chunk_size": 2}, "data": {"prompts_per_iteration": 1,
+                                               "samples_per_prompt": 2}}))
+    mesh = init_device_mesh("cpu", (world,))
+    with open("/proc/self/statm") as f:  # resident pages before any weight exists
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    module = sharded_policy(ctx.train, mesh)
+    built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trainer = ShardedTrainer(ctx.train, module)
+    ids, prompts = (0, 1), ("a cat",) * 2
+    lat = rollout.encoded_noise(ctx.rollout, 0, ids, prompts)
+    final = StepOut(ids, 1, lat.x, None, 0, lat.cond)  # its noise as the clean latent
+    adv = AdvantageOut(0, ids, np.array([1.0, -1.0], np.float32), np.ones(2, bool))
+    j = ctx.train.algorithm.micro_steps(0)[0]
+    # At version 0 the sampling copy is the trained weights: the module itself.
+    trainer.matching_grad(module, None, None, prompts, 0, j, final, adv, last=True)
+    params = trainable_parameters(module)
+    held = {"parameters": _storage_bytes(local_tensors(params).values()),
+            "gradients": _storage_bytes(local_tensors(
+                {n: p.grad for n, p in params.items()}).values()),
+            "moments": _storage_bytes(list(trainer.shards.exp_avg.values())
+                                      + list(trainer.shards.exp_avg_sq.values()))}
+    trainer.optimize(0)
+    total = sum(p.numel() for p in params.values())
+    print(json.dumps({"rank": rank, "world": world, "model_parameters": total, **held,
+                      "rss_before": before, "peak_rss_built": built,
+                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    dist.destroy_process_group()
+
+
+def fsdp_memory(rounds: int) -> None:
+    import json
+    import socket
+
+    per_rank = {}
+    for world in (1, 2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, __file__, "_fsdp_rank", str(r), str(world),
+                                   str(port)], stdout=subprocess.PIPE, text=True)
+                 for r in range(world)]
+        rows = [json.loads(p.communicate(timeout=900)[0].strip().splitlines()[-1])
+                for p in procs]
+        assert all(p.returncode == 0 for p in procs)
+        print(f"model: {rows[0]['model_parameters'] / 1e6:.1f}M parameters (float32)")
+        for row in rows:
+            state = row["parameters"] + row["gradients"] + row["moments"]
+            print(f"k={world} rank {row['rank']}: parameters {row['parameters'] / 2**20:.1f} MiB"
+                  f" + gradients {row['gradients'] / 2**20:.1f} MiB + AdamW moments "
+                  f"{row['moments'] / 2**20:.1f} MiB = {state / 2**20:.1f} MiB; peak RSS "
+                  f"{row['peak_rss'] / 2**20:.0f} MiB ({row['rss_before'] / 2**20:.0f} MiB "
+                  f"before the model, {row['peak_rss_built'] / 2**20:.0f} MiB once built and "
+                  f"sharded)")
+        per_rank[world] = (max(r["parameters"] + r["gradients"] + r["moments"] for r in rows),
+                           max(r["peak_rss"] for r in rows),
+                           max(r["peak_rss"] - r["rss_before"] for r in rows))
+    one, two = per_rank[1], per_rank[2]
+    print(f"per rank, k=2 / k=1: trainer state {two[0] / one[0]:.3f}, peak RSS "
+          f"{two[1] / one[1]:.3f}, peak RSS above the process before the model "
+          f"{two[2] / one[2]:.3f}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
         print(_idle_cores(sys.argv[2], float(sys.argv[3])))
         return
+    if sys.argv[1:2] == ["_fsdp_rank"]:  # one rank of fsdp_memory, in a process of its own
+        _fsdp_rank(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # The benchmarks that take only the number of rounds.
     by_rounds = {"transfer": transfer, "collector": collector, "idle": idle,
-                 "imports": imports, "commit": commit, "checkpoint": checkpoint, "ocr": ocr}
+                 "imports": imports, "commit": commit, "checkpoint": checkpoint, "ocr": ocr,
+                 "fsdp_memory": fsdp_memory}
     p.add_argument("what", choices=["dispatch", "malloc", "eventloop", *by_rounds])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)

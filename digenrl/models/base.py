@@ -301,6 +301,9 @@ class ModelFamily:
     #: Modules that get LoRA adapters when ``train.lora_targets`` is empty: the
     #: attention projections (as peft matches names: full name or last dotted parts).
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    #: The transformer's attributes holding its blocks (each a ``ModuleList``): the units
+    #: a sharded trainer gathers one at a time (:mod:`digenrl.tasks.sharding`).
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg

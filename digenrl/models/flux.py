@@ -84,6 +84,7 @@ class FluxFamily(ModelFamily):
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", False), ("tokenizer_2", True))
     transformer_class_name = "FluxTransformer2DModel"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
     vae_class_name = "AutoencoderKL"
     lora_targets = JOINT_ATTENTION_TARGETS
     #: FluxPipeline's default_sample_size: 128 latent pixels.

@@ -71,6 +71,7 @@ class HunyuanVideoFamily(ModelFamily):
     default_max_sequence_length = 256
     tokenizer_parts = (("tokenizer", True), ("tokenizer_2", False))
     transformer_class_name = "HunyuanVideoTransformer3DModel"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
     vae_class_name = "AutoencoderKLHunyuanVideo"
     lora_targets = JOINT_ATTENTION_TARGETS
     #: HunyuanVideoPipeline's defaults.

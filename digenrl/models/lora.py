@@ -102,16 +102,19 @@ def trainable_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Paramete
 
 
 def cast_for_forward(module: torch.nn.Module, model: ModelConfig,
-                     spec: Trainable) -> torch.nn.Module:
+                     spec: Trainable, parameters: bool = True) -> torch.nn.Module:
     """Frozen weights (and, in full fine-tuning, the working copy of the trained ones) in
     ``model.dtype``, except the modules the diffusers class keeps in float32
-    (``_keep_in_fp32_modules``); LoRA adapters stay float32. Returns ``module``."""
+    (``_keep_in_fp32_modules``); LoRA adapters stay float32. With ``parameters`` False
+    only the buffers (a sharded module's parameters are cast as they are gathered).
+    Returns ``module``."""
     dtype = TORCH_DTYPES[model.dtype]
     if dtype == torch.float32:
         return module
     adapters = set(trainable_parameters(module)) if spec.lora else set()
     keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    tensors = (list(module.named_parameters()) if parameters else []) \
+        + list(module.named_buffers())
     for name, t in tensors:
         if t.is_floating_point() and name not in adapters \
                 and not keep.intersection(name.split(".")):

@@ -55,6 +55,7 @@ class WanFamily(ModelFamily):
     parts = ("transformer", "vae", "scheduler", "tokenizer", "text_encoder")
     video = True
     transformer_class_name = "WanTransformer3DModel"
+    block_lists = ("blocks",)
     vae_class_name = "AutoencoderKLWan"
     default_max_sequence_length = 512
     tokenizer_parts = (("tokenizer", True),)

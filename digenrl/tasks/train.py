@@ -50,7 +50,8 @@ from digenrl.tasks.types import (AdvantageOut, GradOut, IterationStats, Latents,
                                  PolicyWeights, StepOut, TrainerState, travels)
 
 __all__ = ["TrainSpec", "OptimizeOut", "init_state", "publish", "trained", "iteration_stats",
-           "grad", "matching_grad", "reduce", "optimize", "adamw_update", "policy_loss",
+           "grad", "matching_grad", "coupled_result", "decoupled_result", "micro_loss",
+           "reduce", "optimize", "adamw_update", "grad_norm_clip", "policy_loss",
            "sampling_copy_update"]
 
 
@@ -166,20 +167,28 @@ def grad(spec: TrainSpec, weights: PolicyWeights, reference: PolicyWeights | Non
     """One micro-step of the coupled family: the gradient of the loss of one chunk at
     one trained timestep (:mod:`digenrl.tasks.algorithms.flow_grpo`)."""
     models = resident(spec.model, spec.seed, spec.trainable)
-    dev = models.device
     model = models.policy(weights)
+    policies = _policies(spec, models, model, None, reference)
+    result = coupled_result(spec, policies, models.device, prompts, t, before, after,
+                            advantages)
+    return _grad_out(spec, model, result, weights.version - after.version)
+
+
+def coupled_result(spec: TrainSpec, policies: Policies, dev: torch.device,
+                   prompts: tuple[str, ...], t: int, before: Latents | StepOut,
+                   after: StepOut, advantages: tuple[AdvantageOut, ...]) -> MicroResult:
+    """What a coupled micro-step computes of one chunk at trained step ``t`` with
+    ``policies`` (on ``dev``): its rows' losses, with gradients to the trained module."""
     x = (before.x if isinstance(before, Latents) else before.latent).to(dev)
     sigma, sigma_next = spec.sigmas[t], spec.sigmas[t + 1]
     # The conditioning arrives with the chunk's latents: trainers load no text encoder.
     cond = chunk_conditioning(prompts, after).to(dev)
     adv, valid = _chunk_advantages(after.sample_ids, advantages)
     adv, valid = adv.to(dev), valid.to(dev)
-    policies = _policies(spec, models, model, None, reference)
     # The reference first: with LoRA it is this module with its adapters switched off.
     v_ref = policies.reference(x, sigma, cond) if spec.kl_beta > 0 else None
-    result = math_of(spec.algorithm).micro_step(spec, policies, x, cond, sigma, sigma_next,
-                                                after, adv, valid, v_ref)
-    return _grad_out(spec, model, result, weights.version - after.version)
+    return math_of(spec.algorithm).micro_step(spec, policies, x, cond, sigma, sigma_next,
+                                              after, adv, valid, v_ref)
 
 
 def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeights | None,
@@ -194,16 +203,25 @@ def matching_grad(spec: TrainSpec, weights: PolicyWeights, sampling: PolicyWeigh
     sampled the chunks (None otherwise);
     ``reference``: version 0's, where the micro-step reads a frozen reference (None with
     LoRA: the base model)."""
+    models = resident(spec.model, spec.seed, spec.trainable)
+    model = models.policy(weights)
+    policies = _policies(spec, models, model, sampling, reference, anchor)
+    result, behaviour = decoupled_result(spec, policies, models.device, prompts, iteration,
+                                         j, inputs)
+    return _grad_out(spec, model, result, weights.version - behaviour)
+
+
+def decoupled_result(spec: TrainSpec, policies: Policies, dev: torch.device,
+                     prompts: tuple[str, ...], iteration: int, j: int,
+                     inputs: tuple[StepOut | AdvantageOut, ...]) -> tuple[MicroResult, int]:
+    """What decoupled micro-step ``j`` computes of the chunks in ``inputs`` with
+    ``policies`` (on ``dev``): its rows' losses, with gradients to the trained module, and
+    the oldest version that sampled them."""
     finals = [p for p in inputs if isinstance(p, StepOut)]
     parts = tuple(p for p in inputs if isinstance(p, AdvantageOut))
-    models = resident(spec.model, spec.seed, spec.trainable)
-    dev = models.device
-    model = models.policy(weights)
     batch = _Batch.of(prompts, finals, parts, dev)
-    policies = _policies(spec, models, model, sampling, reference, anchor)
     result = math_of(spec.algorithm).micro_step(spec, policies, batch, iteration, j)
-    behaviour = min(f.version for f in finals)
-    return _grad_out(spec, model, result, weights.version - behaviour)
+    return result, min(f.version for f in finals)
 
 
 @dataclass
@@ -235,11 +253,21 @@ def _grad_out(spec: TrainSpec, model: torch.nn.Module, r: MicroResult,
               staleness: int) -> GradOut:
     """The gradient of a micro-step's summed loss (over its valid rows, normalised) and
     its statistics."""
+    total, stats = micro_loss(spec, r, staleness)
+    grads = _gradients(total, trainable_parameters(model), spec.model.dtype)
+    return GradOut(grads=grads, stats=stats)
+
+
+def micro_loss(spec: TrainSpec, r: MicroResult,
+               staleness: int) -> tuple[torch.Tensor, MicroStats]:
+    """A micro-step's summed loss over its valid rows, normalised by the iteration's
+    trained rows x micro-steps (the tensor differentiated, by ``torch.autograd.grad``
+    here and by ``backward`` in the sharded step, :mod:`digenrl.tasks.sharding`), and its
+    statistics."""
     tc = spec.train
     kl = r.kl if r.kl is not None else torch.zeros_like(r.loss)
     mask = r.valid.to(torch.float32)
     total = ((r.loss + tc.kl_beta * kl) * mask).sum() / spec.normaliser
-    grads = _gradients(total, trainable_parameters(model), spec.model.dtype)
     valid = r.valid
     with torch.no_grad():
         n_valid = int(valid.sum())
@@ -261,7 +289,7 @@ def _grad_out(spec: TrainSpec, model: torch.nn.Module, r: MicroResult,
             # weights, so the ratio is exactly 1.
             stats.ratio_dev = float((torch.exp(log_ratio) - 1.0)[valid].abs().max())
             stats.ratio_dev_count = n_valid
-    return GradOut(grads=grads, stats=stats)
+    return total, stats
 
 
 #: The first loss scale of a float16 backward pass, then halved until every gradient is
@@ -317,6 +345,12 @@ def reduce(*parts: GradOut) -> GradOut:
     return GradOut(grads=out, stats=stats)
 
 
+def grad_norm_clip(norm: float, tc: TrainConfig) -> float:
+    """The factor the gradients are multiplied by for a global norm ``norm``: at most 1,
+    so that the clipped norm is at most ``train.max_grad_norm``."""
+    return min(1.0, tc.max_grad_norm / (norm + 1e-6))
+
+
 def adamw_update(params, exp_avg, exp_avg_sq, grads, step: int, tc: TrainConfig):
     """Functional AdamW (as torch.optim.AdamW), returning new tensors."""
     b1, b2 = tc.adam_beta1, tc.adam_beta2
@@ -343,7 +377,7 @@ def optimize(spec: TrainSpec, previous: OptimizeOut, total: GradOut,
     grads = total.grads
     norm = float(torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])))
-    coef = min(1.0, spec.train.max_grad_norm / (norm + 1e-6))
+    coef = grad_norm_clip(norm, spec.train)
     if coef < 1.0:
         grads = {n: g * coef for n, g in grads.items()}
     step = state.step + 1
