@@ -17,7 +17,7 @@ is known only once the runner starts it, still before any cluster).
 :func:`check_world` is what every entry point calls before it starts a cluster:
 ``digenrl run`` (with ``--check`` too), the runner's workload before it builds a graph
 (the graph layer checks nothing of the world and imports no part of this one),
-``digenrl bench`` and ``workflows/flow_grpo.py`` before their cluster.
+``digenrl bench`` and ``workflows/train.py`` before their cluster.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Flow-GRPO post-training as a batch job: the script form of ``digenrl run``.
+"""Post-training with the configured algorithm as a batch job: the script form of
+``digenrl run``.
 
-    python workflows/flow_grpo.py workflows/configs/tiny.yaml --out runs/tiny.zarr
+    python workflows/train.py workflows/configs/tiny.yaml --out runs/tiny.zarr
 
 Takes the same flags as ``digenrl run``. Stages: load and validate the config (and check
 it against the model, prompts and rewards it names), start or connect to the cluster,
