@@ -16,7 +16,7 @@ from digenrl.config import config_to_dict
 from digenrl.models import family
 from digenrl.models.base import diffusers_class
 from digenrl.store import RunStore, StoreError
-from digenrl.store.sharded import (PARTS, load_sharded, read_sharded, sharded_checkpoints,
+from digenrl.store.sharded import (PARTS, drop_sharded, load_sharded, read_sharded, sharded_checkpoints,
                                    sharded_folder, state_key)
 
 import sharded_ranks as sr
@@ -85,6 +85,8 @@ def test_a_half_written_checkpoint_is_neither_listed_nor_loaded(runs, tmp_path):
                                 f"of policy version {version} in {str(copy)!r}, found [1]")
         with pytest.raises(StoreError):
             read_sharded(copy, version)
+    drop_sharded(copy, lambda v: v == 1)
+    assert sharded_checkpoints(copy) == {} and not sharded_folder(copy, 1).exists()
 
 
 def test_export_writes_the_sharded_checkpoint_as_a_diffusers_folder(runs, tmp_path):

@@ -23,6 +23,11 @@ agree up to the order of the reductions. :meth:`ShardedTrainer.full_weights` gat
 version's full weights, named as :func:`~digenrl.models.lora.trainable_parameters` names
 them, for publishing.
 
+:meth:`ShardedTrainer.save_checkpoint` writes the trainer state (each rank its shards) as
+the version's sharded checkpoint in the run's store with ``torch.distributed.checkpoint``
+(:mod:`digenrl.store.sharded`), and :meth:`ShardedTrainer.load_checkpoint` continues from
+one on a gang of any size (DCP reshards).
+
 Runs train unsharded (``train.sharding: fsdp`` is refused by the world check): this module
 is the library step a gang of trainer processes calls.
 """
