@@ -21,6 +21,7 @@ save of the version replaces.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -137,7 +138,9 @@ def read_sharded(path: str | Path, version: int) -> tuple[dict[str, dict[str, to
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items()
              if isinstance(m, dcp.metadata.TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    with warnings.catch_warnings():  # that it reads in one process: what it is asked
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
     parts: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PARTS}
     for key, tensor in state.items():
         part, _, name = key.partition("/")
