@@ -43,10 +43,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from digenrl.store.sharded import load_sharded, save_sharded, state_key
-
 from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
+from digenrl.store.sharded import load_sharded, save_sharded, state_key
 from digenrl.tasks.algorithms.common import Policies
 from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoupled_result,
                                  grad_norm_clip, micro_loss)
