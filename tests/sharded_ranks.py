@@ -1,6 +1,8 @@
 """The inputs of the sharded-training tests, and one rank of them: run as
 ``python sharded_ranks.py RANK WORLD PORT OUT`` (gloo on 127.0.0.1), each rank trains its
 chunks sharded (:mod:`digenrl.tasks.sharding`) and rank 0 saves what it gathered to OUT.
+With ``checkpoint STORE`` after them (2 ranks), they run the sharded checkpoint's steps instead
+(:func:`_checkpoint_run`).
 
 Flow-GRPO: three chunks over two ranks (rank 0 trains chunks 0 and 2, rank 1 chunk 1 and
 then adds zero through chunk 1 again), three optimizer steps on the same chunks, twice
@@ -10,7 +12,10 @@ from version 0. DiffusionNFT: two chunks, one per rank, the first iteration's gr
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,12 +33,44 @@ FLOW_CHUNKS = {0: (0, 2), 1: (1, None)}
 NFT_CHUNKS = {0: (0,), 1: (1,)}
 
 
-def context(algorithm: str, prompts: int, dtype: str = "float32"):
+def config(algorithm: str, prompts: int, dtype: str = "float32"):
     sampler = {"num_steps": 2} if algorithm != "flow_grpo" else {"num_steps": 4}
-    return GraphContext.from_config(config_from_dict({
+    return config_from_dict({
         "model": {**MODEL, "dtype": dtype}, "sampler": sampler, "algorithm": {"name": algorithm},
         "rollout": {"chunk_size": 2},
-        "data": {"prompts_per_iteration": prompts, "samples_per_prompt": 2}}))
+        "data": {"prompts_per_iteration": prompts, "samples_per_prompt": 2}})
+
+
+def context(algorithm: str, prompts: int, dtype: str = "float32"):
+    return GraphContext.from_config(config(algorithm, prompts, dtype))
+
+
+def start(world: int, out, *extra: str) -> list[subprocess.Popen]:
+    """This script's ``world`` ranks started, on a free port (each prints to a pipe)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(r),
+                              str(world), str(port), str(out), *extra],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for r in range(world)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for the ranks (at most ``timeout`` seconds each; killed past it) and fail
+    with a rank's log if it did not exit cleanly."""
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-3000:]}"
 
 
 def chunk_ids(c: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -70,6 +107,20 @@ def _full_grads(module) -> dict[str, torch.Tensor]:
             for n, p in trainable_parameters(module).items()}
 
 
+def _micro_steps(trainer, inputs, chunks) -> None:
+    """An iteration's Flow-GRPO micro-steps on ``chunks`` (None: a zero contribution)."""
+    for k, c in enumerate(chunks):
+        prompts, t, before, after, adv = inputs[c if c is not None else chunks[0]]
+        trainer.grad(None, prompts, t, before, after, adv, last=k == len(chunks) - 1,
+                     contributes=c is not None)
+
+
+def _flow_iteration(trainer, inputs, chunks, i: int):
+    """Iteration ``i``: the micro-steps and the optimizer step."""
+    _micro_steps(trainer, inputs, chunks)
+    return trainer.optimize(i)
+
+
 def _flow_run(rank: int, mesh, dtype: str = "float32", steps: int = STEPS):
     from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
 
@@ -79,15 +130,51 @@ def _flow_run(rank: int, mesh, dtype: str = "float32", steps: int = STEPS):
     trainer = ShardedTrainer(ctx.train, sharded_policy(ctx.train, mesh))
     first, stats = None, []
     for i in range(steps):
-        chunks = FLOW_CHUNKS[rank]
-        for k, c in enumerate(chunks):
-            prompts, t, before, after, adv = inputs[c if c is not None else chunks[0]]
-            trainer.grad(None, prompts, t, before, after, adv, last=k == len(chunks) - 1,
-                         contributes=c is not None)
+        _micro_steps(trainer, inputs, FLOW_CHUNKS[rank])
         if i == 0:
             first = _full_grads(trainer.module)
         stats.append(trainer.optimize(i))
     return first, stats, trainer.full_weights()
+
+
+def _full_state(trainer) -> dict[str, torch.Tensor]:
+    """A copy of the trainer's whole state (every rank takes part), by checkpoint key (on
+    one rank a full tensor may be the shard itself, which the next step changes)."""
+    return {k: t.full_tensor().clone() for k, t in trainer.sharded_state().items()}
+
+
+def _checkpoint_run(rank: int, mesh, store: str) -> dict[str, dict]:
+    """Both ranks: one optimizer step, version 1's sharded checkpoint saved, then the next
+    step uninterrupted and again from the checkpoint loaded into a new trainer
+    (``"two"``). Rank 0 alone (a mesh of one rank): the checkpoint loaded, resharded, and
+    the next step on every chunk (``"one"``)."""
+    from torch.distributed import new_group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
+
+    ctx = context("flow_grpo", 3)
+    w0 = train.publish(train.init_state(ctx.train))
+    inputs = {c: flow_inputs(ctx, w0, c) for c in {0, 1, 2}}
+
+    def resume(mesh, chunks) -> dict:
+        trainer = ShardedTrainer(ctx.train, sharded_policy(ctx.train, mesh))
+        trainer.load_checkpoint(store, 1)
+        got = {"loaded": _full_state(trainer), "version": trainer.version,
+               "step": trainer.shards.step}
+        got["resumed_version"] = _flow_iteration(trainer, inputs, chunks, 1).version
+        return {**got, "resumed": trainer.full_weights()}
+
+    chunks = FLOW_CHUNKS[rank]
+    trainer = ShardedTrainer(ctx.train, sharded_policy(ctx.train, mesh))
+    _flow_iteration(trainer, inputs, chunks, 0)
+    trainer.save_checkpoint(store)
+    saved = _full_state(trainer)
+    _flow_iteration(trainer, inputs, chunks, 1)
+    two = {"saved": saved, "uninterrupted": trainer.full_weights(), **resume(mesh, chunks)}
+    alone = new_group([0])  # every rank takes part in making it
+    one = resume(DeviceMesh.from_group(alone, "cpu"), (0, 1, 2)) if rank == 0 else {}
+    return {"two": two, "one": one}
 
 
 def _nft_grads(rank: int, mesh):
@@ -105,7 +192,7 @@ def _nft_grads(rank: int, mesh):
     return _full_grads(trainer.module)
 
 
-def main(rank: int, world: int, port: int, out: str) -> None:
+def main(rank: int, world: int, port: int, out: str, store: str | None = None) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -114,6 +201,11 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
+        if store is not None:
+            got = _checkpoint_run(rank, mesh, store)
+            if rank == 0:
+                torch.save(got, out)
+            return
         runs = [_flow_run(rank, mesh) for _ in range(2)]
         nft = _nft_grads(rank, mesh)
         bf16 = _flow_run(rank, mesh, "bfloat16", steps=1)
@@ -124,4 +216,5 @@ def main(rank: int, world: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+         sys.argv[6] if len(sys.argv) > 5 and sys.argv[5] == "checkpoint" else None)

@@ -4,12 +4,6 @@ three optimizer steps, the same bits run twice; and ``train.sharding``'s checks.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,12 +18,6 @@ import sharded_ranks as sr
 
 WORLD = 2
 TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unsharded():
@@ -70,24 +58,11 @@ def runs(tmp_path_factory):
     """(what rank 0 of the sharded ranks gathered, the unsharded results): the ranks run
     while this process computes the unsharded ones."""
     out = tmp_path_factory.mktemp("sharded") / "rank0.pt"
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    script = str(Path(sr.__file__).resolve())
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(WORLD), str(port), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(WORLD)]
+    procs = sr.start(WORLD, out)
     try:
         want = unsharded()
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-3000:]}"
+        sr.finish(procs, TIMEOUT_S)
     return torch.load(out, weights_only=False), want
 
 

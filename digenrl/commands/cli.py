@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("dir", help="output folder (new or empty)")
     exp.add_argument("--version", type=int,
                      help="the policy version (default: the newest the store holds: the "
-                          "final weights of a finished run, else the newest checkpoint)")
+                          "final weights of a finished run, else the newest checkpoint, sharded "
+                          "ones included)")
     why = sub.add_parser("why", help="why a task ran where and when it did: the "
                                      "scheduling decisions on it, from a run's store")
     why.add_argument("store", help="a digenrl store (finished or running)")

@@ -12,7 +12,9 @@ loads.
   ``transformer/`` in place is the trained pipeline).
 
 Weights are written in float32 (how the run holds its trained tensors). The versions a
-store holds are its final weights and its complete checkpoints; the default is the newest.
+store holds are its final weights, its complete checkpoints and its complete sharded
+checkpoints (:mod:`digenrl.store.sharded`, read whole in this process whatever number of
+ranks wrote them); the default is the newest.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from digenrl.config import RunConfig, config_from_dict
 from digenrl.models.lora import build_policy, trainable_spec
 from digenrl.models import family, model_seed
 from digenrl.store.checkpoints import complete_checkpoints, read_checkpoint, read_weights
+from digenrl.store.sharded import read_sharded, sharded_checkpoints
 from digenrl.store import StoreError, read_attrs
 
 if TYPE_CHECKING:
@@ -51,7 +54,8 @@ class Exported:
 def stored_versions(store: str) -> list[int]:
     """The policy versions whose trainable weights ``store`` holds."""
     final, _ = read_weights(store)
-    return sorted(set(complete_checkpoints(store)) | ({final} if final is not None else set()))
+    return sorted(set(complete_checkpoints(store)) | set(sharded_checkpoints(store))
+                  | ({final} if final is not None else set()))
 
 
 def stored_config(store: str) -> RunConfig:
@@ -75,6 +79,8 @@ def version_weights(store: str, version: int | None) -> tuple[int, dict[str, tor
         raise StoreError(f"--version: expected one of the versions {store!r} holds "
                          f"{versions}, got {version}")
     final, arrays = read_weights(store)
+    if version != final and version not in complete_checkpoints(store):
+        return version, read_sharded(store, version)[0]["params"]
     if version != final:
         arrays = read_checkpoint(store, version)[0]["params"]
     return version, {n: torch.from_numpy(np.array(a)) for n, a in arrays.items()}

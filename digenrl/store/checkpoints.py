@@ -29,12 +29,13 @@ import zarr
 from digenrl.store import StoreError, subgroup, write_all
 
 __all__ = ["write_checkpoint", "read_checkpoint", "complete_checkpoints", "drop_checkpoints",
+           "checkpoint_group",
            "write_weights", "read_weights"]
 
 _CHECKPOINT_CHUNK = 1 << 24
 
 
-def _checkpoint_group(path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
+def checkpoint_group(path: str, mode: Literal["r", "r+"] = "r") -> zarr.Group:
     root = zarr.open_group(str(path), mode=mode, use_consolidated=False)
     return root.require_group("checkpoints") if mode != "r" else subgroup(root, "checkpoints")
 
@@ -108,7 +109,7 @@ def write_checkpoint(path: str | Path, version: int, parts: dict[str, dict[str, 
 
     Every part must hold the same tensor names and shapes, all of one dtype."""
     flat, layout = _flatten(parts)
-    grp = _checkpoint_group(str(path), "r+")
+    grp = checkpoint_group(str(path), "r+")
     name = f"v{version}"
     if name in grp and grp[name].attrs.get("complete"):
         return
@@ -123,7 +124,7 @@ def _version(z: zarr.Array) -> int:
 
 
 def read_checkpoint(path: str | Path, version: int) -> tuple[dict[str, dict[str, np.ndarray]], int]:
-    grp = _checkpoint_group(str(path))
+    grp = checkpoint_group(str(path))
     z = grp.get(f"v{version}")
     if not isinstance(z, zarr.Array) or not z.attrs.get("complete"):
         raise StoreError(f"checkpoint: expected a complete checkpoint of policy version "
@@ -165,7 +166,7 @@ def read_weights(path: str | Path) -> tuple[int | None, dict[str, np.ndarray]]:
 
 def complete_checkpoints(path: str | Path) -> list[int]:
     try:
-        grp = _checkpoint_group(str(path))
+        grp = checkpoint_group(str(path))
     except KeyError:
         return []
     return sorted(_version(a) for _, a in grp.arrays() if a.attrs.get("complete"))
@@ -173,7 +174,7 @@ def complete_checkpoints(path: str | Path) -> list[int]:
 
 def drop_checkpoints(path: str | Path, drop: Callable[[int], bool]) -> None:
     """Delete the complete checkpoints whose version ``drop(version)`` says to."""
-    grp = _checkpoint_group(str(path), "r+")
+    grp = checkpoint_group(str(path), "r+")
     for name, a in list(grp.arrays()):
         if a.attrs.get("complete") and drop(_version(a)):
             del grp[name]

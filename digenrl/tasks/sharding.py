@@ -23,6 +23,11 @@ agree up to the order of the reductions. :meth:`ShardedTrainer.full_weights` gat
 version's full weights, named as :func:`~digenrl.models.lora.trainable_parameters` names
 them, for publishing.
 
+:meth:`ShardedTrainer.save_checkpoint` writes the trainer state (each rank its shards) as
+the version's sharded checkpoint in the run's store with ``torch.distributed.checkpoint``
+(:mod:`digenrl.store.sharded`), and :meth:`ShardedTrainer.load_checkpoint` continues from
+one on a gang of any size (DCP reshards).
+
 Runs train unsharded (``train.sharding: fsdp`` is refused by the world check): this module
 is the library step a gang of trainer processes calls.
 """
@@ -40,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
+from digenrl.store.sharded import load_sharded, save_sharded, state_key
 from digenrl.tasks.algorithms.common import Policies
 from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoupled_result,
                                  grad_norm_clip, micro_loss)
@@ -98,6 +104,13 @@ def local_state_bytes(module: torch.nn.Module, moments: int = 2) -> int:
     parameters' local storage times ``2 + moments``."""
     local = local_tensors(trainable_parameters(module))
     return (2 + moments) * sum(t.numel() * t.element_size() for t in local.values())
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> DTensor:
+    """``local`` as this rank's shard of a DTensor laid out as the sharded ``param``."""
+    assert isinstance(param, DTensor)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 @dataclass
@@ -241,6 +254,48 @@ class ShardedTrainer:
         published = 4 * sum(p.numel() for p in params.values())  # the full float32 weights
         return IterationStats(iteration=iteration, version=self.version, micro=micro,
                               grad_norm=norm, weight_bytes=published)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def sharded_state(self) -> dict[str, torch.Tensor]:
+        """This rank's part of the trainer state as DTensors over the gang, keyed by
+        :func:`~digenrl.store.sharded.state_key`: each trainable parameter and its two
+        AdamW moments (views of this rank's shards)."""
+        state: dict[str, torch.Tensor] = {}
+        for n, p in trainable_parameters(self.module).items():
+            for part, local in self._locals(n, p):
+                state[state_key(part, n)] = _like(p, local)
+        return state
+
+    def _locals(self, n: str, p: torch.nn.Parameter) -> tuple[tuple[str, torch.Tensor], ...]:
+        assert isinstance(p, DTensor)
+        return (("params", p.to_local().detach()), ("exp_avg", self.shards.exp_avg[n]),
+                ("exp_avg_sq", self.shards.exp_avg_sq[n]))
+
+    def save_checkpoint(self, store: str) -> None:
+        """Write this version's sharded checkpoint into the store (every rank of the gang
+        calls it after the same optimizer step): :func:`~digenrl.store.sharded.save_sharded`."""
+        save_sharded(store, self.version, self.sharded_state(), self.shards.step, self.group)
+
+    def load_checkpoint(self, store: str, version: int) -> None:
+        """Continue from version ``version``'s sharded checkpoint, written by a gang of any
+        size (every rank of this gang calls it): the parameters, the AdamW moments and
+        step, and the version. DCP reads into new tensors of this rank's shards' layout,
+        which are then copied into the shards."""
+        params = trainable_parameters(self.module)
+        state: dict[str, torch.Tensor] = {
+            state_key(part, n): _like(p, torch.empty_like(local))
+            for n, p in params.items() for part, local in self._locals(n, p)}
+        step = load_sharded(store, version, state, self.group)
+        with torch.no_grad():
+            for n, p in params.items():
+                for part, local in self._locals(n, p):
+                    loaded = state[state_key(part, n)]
+                    assert isinstance(loaded, DTensor)
+                    local.copy_(loaded.to_local())
+        self.module.zero_grad(set_to_none=True)
+        self.shards.step, self.version = step, version
+        self.stats, self._started = MicroStats(), False
 
     # ------------------------------------------------------------------ publishing
 
