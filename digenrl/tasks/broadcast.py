@@ -20,8 +20,8 @@ broadcast of bucket ``k + 1`` before it unpacks bucket ``k``.
 
 **Where the bytes land.** A receiver unpacks each bucket straight into its tensors:
 ``into`` a module (its parameters and buffers by name) or a dict of tensors is written in
-place with ``copy_``, with no second full copy of the weights; with ``into`` None each
-tensor is new. Tensors of ``into`` the manifest does not name are left as they are (a
+place with ``copy_``, with no second full copy of the weights; with ``into`` None each bucket is
+received into memory of its own and the new tensors are views of it (no copy at all). Tensors of ``into`` the manifest does not name are left as they are (a
 LoRA base, buffers the version does not carry).
 
 **Refusals, on every member together.** Before any bucket moves, each rank checks its
@@ -202,7 +202,7 @@ def receive(group: Group, manifest: Manifest,
     """Receive the version ``manifest`` describes from rank 0 of ``group`` (this member
     being another rank), bucket by bucket: into the tensors of ``into`` in place (a
     module's parameters and buffers, or a dict of tensors, by name), or into new tensors
-    on the group's device when ``into`` is None. ``holds``: the version this member
+    on the group's device when ``into`` is None (views of the buckets they arrived in). ``holds``: the version this member
     holds now, if any; an older manifest is refused (:class:`StaleVersion`). Returns the
     tensors written, by name. Raises :class:`BroadcastRefused` (on every member) when any
     member refuses the broadcast."""
@@ -217,8 +217,6 @@ def receive(group: Group, manifest: Manifest,
                                f"{holds}, which worker {group.members[group.rank]!r} "
                                f"holds")
         if into is None:
-            targets.update({s.name: torch.empty(s.shape, dtype=TORCH_DTYPES[s.dtype],
-                                                device=device) for s in held})
             return
         tensors = _tensors_of(into)
         _check_targets(held, tensors)
@@ -229,10 +227,14 @@ def receive(group: Group, manifest: Manifest,
     by_bucket = _by_bucket(manifest)
 
     def post(k: int):
-        slot = k % 2
-        if buffers[slot].numel() < manifest.buckets[k]:
-            buffers[slot] = torch.empty(manifest.buckets[k], dtype=torch.uint8, device=device)
-        buf = buffers[slot][:manifest.buckets[k]]
+        size = manifest.buckets[k]
+        if into is None:   # each bucket its own memory: the new tensors are views of it
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            slot = k % 2
+            if buffers[slot].numel() < size:
+                buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+            buf = buffers[slot][:size]
         return buf, dist.broadcast(buf, src=0, group=group.process_group, async_op=True)
 
     pending = post(0) if manifest.buckets else None
@@ -244,10 +246,12 @@ def receive(group: Group, manifest: Manifest,
             # The next bucket lands in the other buffer while this one is unpacked.
             pending = post(k + 1) if k + 1 < len(manifest.buckets) else None
             for spec in by_bucket[k]:
-                if spec.nbytes:
-                    view = buf[spec.offset:spec.offset + spec.nbytes]
-                    targets[spec.name].copy_(view.view(TORCH_DTYPES[spec.dtype])
-                                             .view(spec.shape))
+                view = buf[spec.offset:spec.offset + spec.nbytes] \
+                    .view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+                if into is None:
+                    targets[spec.name] = view
+                elif spec.nbytes:
+                    targets[spec.name].copy_(view)
     return targets
 
 
