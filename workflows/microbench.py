@@ -11,6 +11,7 @@
     python workflows/microbench.py checkpoint # a checkpoint: chunk by chunk vs one zarr write
     python workflows/microbench.py ocr        # the OCR reward's seconds per image
     python workflows/microbench.py fsdp_memory  # a trainer's state per rank, FSDP2 over 1 and 2
+    python workflows/microbench.py broadcast  # a version by collective broadcast vs Dask's transfer
 
 ``dispatch`` runs a chain of dependent no-op tasks on a local cluster of one rollout and
 one trainer worker, once as plain Dask tasks and once annotated as digenrl tasks (parked
@@ -72,6 +73,15 @@ one optimizer step; each rank prints the bytes it holds of the parameters, their
 gradients and the two AdamW moments (the local shards' storage, counted once per
 storage) and its process's peak resident memory, then the ratio of 2 ranks' to 1 rank's
 per rank.
+``broadcast`` starts a local cluster of one trainer and two rollout workers, makes
+``--mb`` MB of float32 weights (tensors of 4 MB) on the trainer as a ``PolicyWeights``
+task output, and moves them to both rollout workers, alternating: by Dask (a task on
+each rollout worker reading that output, which Dask fetches from the trainer) and by
+:mod:`digenrl.tasks.broadcast` over a gloo group of the three workers (``send`` on the
+trainer, ``receive`` into new tensors on each rollout worker, in buckets of
+``--bucket-mb`` MiB). It prints, per way, the median over the rounds of the wall seconds
+from submitting the tasks to their end, and the version's MB per second that gives (the
+version reaching both workers), then the ratio.
 """
 
 from __future__ import annotations
@@ -842,6 +852,111 @@ def fsdp_memory(rounds: int) -> None:
           f"{two[2] / one[2]:.3f}")
 
 
+def _bench_weights(mb: int, seed: int):
+    """``mb`` MB of float32 weights in tensors of 4 MB (a ``PolicyWeights``)."""
+    import torch
+
+    from digenrl.tasks.types import PolicyWeights
+
+    g = torch.Generator().manual_seed(seed)
+    count = max(mb // 4, 1)
+    return PolicyWeights(seed, {f"w{i}": torch.randn(1 << 20, generator=g)
+                                for i in range(count)})
+
+
+def _bench_join(name: str, members: list) -> None:
+    from digenrl.tasks import collective
+
+    collective.join(name, members, 1, backend="gloo", timeout=300.0)
+
+
+def _bench_leave() -> None:
+    from digenrl.tasks import collective
+
+    collective.leave()
+
+
+def _bench_manifest(weights, bucket_mb: float):
+    from digenrl.tasks.broadcast import Manifest
+
+    return Manifest.of(weights.version, weights.tensors, bucket_mb)
+
+
+def _bench_send(name: str, weights, manifest) -> float:
+    from digenrl.tasks import broadcast, collective
+
+    start = time.perf_counter()
+    broadcast.send(collective.group(name, 1), weights.tensors, manifest)
+    return time.perf_counter() - start
+
+
+def _bench_receive(name: str, manifest) -> int:
+    from digenrl.tasks import broadcast, collective
+
+    got = broadcast.receive(collective.group(name, 1), manifest)
+    return sum(t.numel() * t.element_size() for t in got.values())
+
+
+def broadcast(rounds: int, mb: int, bucket_mb: float) -> None:
+    import logging
+
+    from distributed import wait
+
+    from digenrl.config import ClusterConfig
+    from digenrl.run.cluster import start_cluster
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    handle = start_cluster(ClusterConfig(rollout_workers=2, trainer_workers=1,
+                                         dashboard_address=None))
+    c = handle.client
+    by_name = {str(w["name"]): a for a, w in c.scheduler_info()["workers"].items()}
+    trainer = next(n for n in sorted(by_name) if n.startswith("trainer"))
+    rollouts = [n for n in sorted(by_name) if n.startswith("rollout")]
+    members = [trainer, *rollouts]
+    c.run(_as_in_a_run)
+
+    def on(name, fn, *args):
+        return c.submit(fn, *args, workers=[by_name[name]], allow_other_workers=False,
+                        pure=False)
+
+    wait([on(n, _bench_join, "bench", members) for n in members])
+    seconds: dict[str, list[float]] = {"dask": [], "broadcast": []}
+    nbytes = buckets = 0
+    try:
+        # A first round, not counted: each worker imports what the weights need.
+        for r in range(rounds + 1):
+            w = on(trainer, _bench_weights, mb, r)
+            wait([w])
+            # (made where the weights are: only the manifest reaches this process)
+            manifest = on(trainer, _bench_manifest, w, bucket_mb).result()
+            nbytes, buckets = manifest.nbytes, len(manifest.buckets)
+            for way in (("dask", "broadcast") if r % 2 else ("broadcast", "dask")):
+                start = time.perf_counter()
+                if way == "dask":
+                    got = [on(n, _size, w) for n in rollouts]
+                else:
+                    got = [on(trainer, _bench_send, "bench", w, manifest),
+                           *[on(n, _bench_receive, "bench", manifest) for n in rollouts]]
+                wait(got)
+                if r:
+                    seconds[way].append(time.perf_counter() - start)
+                assert all(f.status == "finished" for f in got), [f.exception() for f in got]
+                del got
+            del w
+    finally:
+        wait([on(n, _bench_leave) for n in members])
+        handle.close()
+    print(f"{nbytes / 1e6:.0f} MB of float32 weights (tensors of 4 MB), trainer to 2 "
+          f"rollout workers, {rounds} rounds; broadcast in {buckets} buckets of "
+          f"{bucket_mb:g} MiB over gloo:")
+    for way, ts in seconds.items():
+        med = statistics.median(ts)
+        print(f"{way:>9}: {med:6.2f} s (median; min {min(ts):.2f}, max {max(ts):.2f}), "
+              f"{nbytes / 1e6 / med:6.0f} MB/s")
+    print(f"    ratio: broadcast {statistics.median(seconds['dask']) / statistics.median(seconds['broadcast']):.2f}x "
+          f"as fast as Dask")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_idle"]:  # one measurement, in a process of its own
         print(_idle_cores(sys.argv[2], float(sys.argv[3])))
@@ -854,13 +969,19 @@ def main() -> None:
     by_rounds = {"transfer": transfer, "collector": collector, "idle": idle,
                  "imports": imports, "commit": commit, "checkpoint": checkpoint, "ocr": ocr,
                  "fsdp_memory": fsdp_memory}
-    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", *by_rounds])
+    p.add_argument("what", choices=["dispatch", "malloc", "eventloop", "broadcast",
+                                    *by_rounds])
     p.add_argument("--hops", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpus", type=int, default=256, help="eventloop: the profile's GPUs")
     p.add_argument("--iterations", type=int, default=8, help="eventloop: iterations")
+    p.add_argument("--mb", type=int, default=200, help="broadcast: MB of weights")
+    p.add_argument("--bucket-mb", type=float, default=32.0,
+                   help="broadcast: the buckets' MiB")
     args = p.parse_args()
-    if args.what == "dispatch":
+    if args.what == "broadcast":
+        broadcast(args.rounds, args.mb, args.bucket_mb)
+    elif args.what == "dispatch":
         dispatch(args.hops, args.rounds)
     elif args.what == "eventloop":
         eventloop(args.gpus, args.iterations)

@@ -21,8 +21,8 @@ class PolicyWeights:
 
     They travel as Dask data: every weight of the transformer in full fine-tuning (a
     few MB for the default model), only the LoRA adapters with ``train.lora_rank``. A
-    large model trained in full would instead be broadcast from the trainers over
-    NCCL/UCX by the publishing task, with this object carrying the version and a handle.
+    large model trained in full is to be broadcast from the trainers instead
+    (:mod:`digenrl.tasks.broadcast`), only its manifest travelling through Dask.
     """
 
     version: int
