@@ -155,7 +155,7 @@ class ModelConfig:
                  "true or false", self.text_encoder_offload)
         require(isinstance(self.negative_prompt, str), f"{p}.negative_prompt",
                  "a string", self.negative_prompt)
-        if self.source_area is not None:  # whether the model edits images: resolve.py
+        if self.source_area is not None:  # whether the model edits images: run/world.py
             positive_int(self.source_area, f"{p}.source_area")
         if self.path is not None:
             require(isinstance(self.path, str) and self.path != "", f"{p}.path",
