@@ -774,7 +774,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
     sharding: str = "none"
-    """none: every trainer holds the whole trainer state; fsdp (at least 2 trainer workers): weights, gradients and AdamW moments sharded over the trainers (FSDP2). Runs train unsharded: a run refuses fsdp before any cluster starts (the sharded step is the library API of digenrl.tasks.sharding; docs/algorithm.md, "Sharded training (FSDP2)")."""
+    """none: every trainer holds the whole trainer state; fsdp: weights, gradients and AdamW moments sharded (FSDP2) over the workers that train (the trainer pool, at least 2 workers; in colocated mode every worker), each micro-step, optimizer step and checkpoint a collective step of all of them (docs/algorithm.md, "Sharded training (FSDP2)"). Full-parameter training only (lora_rank 0)."""
 
     def validate(self, p: str) -> None:
         finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -1155,12 +1155,25 @@ class RunConfig:
                  f"steps from 0 to {n - 2} (sampler.num_steps = {n}; the last, near-clean "
                  f"step is never an SDE step of a window)", list(a.sde_steps))
         if self.train.sharding == "fsdp":
-            require(self.cluster.trainer_workers >= 2, "train.sharding",
-                     "at least 2 trainer workers for fsdp", self.cluster.trainer_workers)
+            self._check_sharding()
         if not a.coupled:
             require(not self.store.save_latents, "store.save_latents",
                      f"false with algorithm.name {a.name!r} (a decoupled run keeps no "
                      f"trajectory: only each chunk's final latent)", self.store.save_latents)
+
+    def _check_sharding(self) -> None:
+        """``train.sharding: fsdp`` needs a gang of at least two workers that train (the
+        trainer pool; in colocated mode every worker) and trains every weight. (The
+        pools of a cluster the run does not start here are counted when it starts.)"""
+        c = self.cluster
+        if c.scheduler is None and not c.gpus and self.schedule.options().pools:
+            # (In colocated mode its rollout and trainer workers make at least two.)
+            require(c.trainer_workers >= 2, "train.sharding",
+                     "at least 2 trainer workers for fsdp (cluster.trainer_workers)",
+                     c.trainer_workers)
+        require(self.train.lora_rank == 0, "train.lora_rank",
+                 "0 with train.sharding fsdp (it shards every weight; LoRA adapters train "
+                 "unsharded)", self.train.lora_rank)
 
     # Derived totals, logged at start.
     @property

@@ -11,7 +11,6 @@ from digenrl.config import ConfigError, config_from_dict
 from digenrl.models.base import diffusers_class
 from digenrl.models.registry import FAMILIES
 from digenrl.models.tiny import TinyFamily
-from digenrl.run.world import check_world
 from digenrl.tasks import train
 
 import sharded_ranks as sr
@@ -132,19 +131,20 @@ def test_each_familys_blocks_are_its_transformers_block_lists(fam):
     ({"train": {"sharding": "zero"}},
      "train.sharding: expected one of ['fsdp', 'none'], got 'zero'"),
     ({"train": {"sharding": "fsdp"}},
-     "train.sharding: expected at least 2 trainer workers for fsdp, got 1"),
+     "train.sharding: expected at least 2 trainer workers for fsdp (cluster.trainer_workers), "
+     "got 1"),
+    ({"train": {"sharding": "fsdp"}, "schedule": {"mode": "colocated"},
+      "cluster": {"trainer_workers": 1, "rollout_workers": 1}}, None),
+    ({"train": {"sharding": "fsdp", "lora_rank": 4}, "cluster": {"trainer_workers": 2}},
+     "train.lora_rank: expected 0 with train.sharding fsdp (it shards every weight; LoRA "
+     "adapters train unsharded), got 4"),
 ])
 def test_bad_sharding_fails_naming_the_field(changes, message):
+    """One line naming the field, before any work; a colocated pool of a rollout and a
+    trainer worker is a gang of two (every worker trains)."""
+    if message is None:
+        assert config_from_dict(changes).train.sharding == "fsdp"
+        return
     with pytest.raises(ConfigError) as e:
         config_from_dict(changes)
     assert str(e.value) == message
-
-
-def test_a_run_refuses_fsdp_before_any_cluster():
-    config = config_from_dict({"train": {"sharding": "fsdp"},
-                               "cluster": {"trainer_workers": 2}})
-    with pytest.raises(ConfigError) as e:
-        check_world(config)
-    assert str(e.value).startswith("train.sharding: expected none for a run (runs train "
-                                   "unsharded; the sharded step is the library API of "
-                                   "digenrl.tasks.sharding)")

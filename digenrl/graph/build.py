@@ -20,13 +20,14 @@ from digenrl.models.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
 from digenrl.tasks import advantage as adv_tasks
-from digenrl.tasks import rollout, train
+from digenrl.tasks import rollout, sharded_steps, train
 from digenrl.tasks.rollout import RolloutSpec
+from digenrl.tasks.sharded_steps import ShardSpec
 from digenrl.tasks.reward_sources import resolve_rewards
 from digenrl.tasks.rewards import RewardSpec, rewards_need_gpu, split_group_rewards
 from digenrl.vocabulary import (ADVANTAGE, DECODE, DENOISE, ENCODE, EVAL, EVAL_REWARD, GRAD,
-                                GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, REWARD,
-                                STATS, TRAINED)
+                                GROUP_REWARD, INIT, NOISE, OPTIMIZE, PUBLISH, REDUCE, RESTORE,
+                                REWARD, STATS, TRAINED)
 
 __all__ = ["GraphContext", "IterationGraph", "init_graph", "iteration_graph"]
 
@@ -48,6 +49,9 @@ class GraphContext:
     #: while evaluation is off.
     evaluation: RolloutSpec | None = None
     held_out: HeldOut | None = None
+    #: The gang of a sharded run (``train.sharding: fsdp``), known once its cluster is:
+    #: None until then, and for a run that trains unsharded.
+    shard: ShardSpec | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
@@ -114,6 +118,10 @@ class GraphContext:
 
     def binding(self, node: Node) -> tuple[Callable, tuple]:
         """The task function of ``node`` and the specs passed before its arguments."""
+        if self.layout.shards:
+            bound = self._sharded_binding(node)
+            if bound is not None:
+                return bound
         on_error = self.config.reward.on_error
         assert self.layout.algorithm is not None    # (set when the layout is made)
         table: dict[str, tuple[Callable, tuple]] = {
@@ -137,6 +145,26 @@ class GraphContext:
             STATS: (train.iteration_stats, ()),
         }
         return table[node.op]
+
+
+    def _sharded_binding(self, node: Node) -> tuple[Callable, tuple] | None:
+        """A sharded run's own tasks: its gangs' steps, and the publish and statistics
+        read off their member 0 (None for the tasks it shares with every run)."""
+        shard = self.shard
+        assert shard is not None, "a sharded run's gang is set before its graphs are built"
+        member = node.meta.get("gang") is not None
+        if node.op in (INIT, RESTORE) and member:
+            return sharded_steps.make, (self.train, shard)
+        if node.op == RESTORE:
+            return sharded_steps.read_published, (shard.store,
+                                                  self.train.algorithm.sampling_copy)
+        table: dict[str, tuple[Callable, tuple]] = {
+            GRAD: (sharded_steps.micro_step, (self.train, shard)),
+            OPTIMIZE: (sharded_steps.optimizer_step, (self.train, shard)),
+            PUBLISH: (sharded_steps.published, ()),
+            STATS: (sharded_steps.statistics, ()),
+        }
+        return table.get(node.op)
 
 
 def _check_sigmas(sigmas: tuple[float, ...], config: RunConfig,

@@ -19,7 +19,8 @@ from digenrl.vocabulary import (Key, ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENC
 __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "encode_key", "noise_key",
            "denoise_key", "decode_key", "reward_key", "group_reward_key", "advantage_key",
            "grad_key", "reduce_key", "optimize_key", "publish_key", "trained_key",
-           "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key"]
+           "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key",
+           "member_key", "round_key", "gang_id", "MAKING_STEP"]
 
 
 #: The trainer state of version 0.
@@ -111,6 +112,34 @@ def eval_key(version: int, chunk: int) -> Key:
 
 def eval_reward_key(version: int, chunk: int) -> Key:
     return (EVAL_REWARD, version, chunk)
+
+
+def member_key(key: Key, member: int) -> Key:
+    """Member ``member``'s part of the collective step ``key`` (a gang: one task per
+    member of the sharded trainers' group): ``optimize_key(i)``'s members make version
+    ``i + 1`` (``optimize_key(-1)``'s, version 0), a :func:`round_key`'s train one round
+    of micro-steps."""
+    return (*key, member)
+
+
+def round_key(iteration: int, round_: int) -> Key:
+    """Round ``round_`` of iteration ``iteration``'s sharded micro-steps: one micro-step
+    per member of the gang (its members' keys by :func:`member_key`)."""
+    return (GRAD, iteration, "round", round_)
+
+
+#: The step of :func:`gang_id` that makes a policy version (the optimizer step, or the
+#: initial state); the rounds of micro-steps are steps ``0 ..`` below it.
+MAKING_STEP = 999_999
+
+
+def gang_id(iteration: int, step: int) -> int:
+    """The id of the gang of ``iteration``'s collective step ``step`` (a round of
+    micro-steps, or :data:`MAKING_STEP`: the optimizer step, before iteration 0 the
+    initial state), unique within a run."""
+    if not 0 <= step <= MAKING_STEP:
+        raise ValueError(f"step: expected 0 .. {MAKING_STEP}, got {step}")
+    return (iteration + 1) * (MAKING_STEP + 1) + step
 
 
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
-from digenrl.graph.keys import (INIT_KEY, Key, advantage_key, checkpoint_key, decode_key,
-                                denoise_key, encode_key, eval_key, eval_reward_key, grad_key,
-                                group_reward_key, noise_key, optimize_key, publish_key,
-                                reduce_key, restore_key, reward_key, stats_key, task_meta,
+from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, Key, advantage_key, checkpoint_key,
+                                decode_key, denoise_key, encode_key, eval_key,
+                                eval_reward_key, gang_id, grad_key, group_reward_key,
+                                member_key, noise_key, optimize_key, publish_key, reduce_key,
+                                restore_key, reward_key, round_key, stats_key, task_meta,
                                 trained_key)
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.retention import Retention
@@ -52,7 +53,9 @@ from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, DENOISE, ENCODE, 
 __all__ = ["Dep", "Node", "GraphLayout", "init_nodes", "iteration_nodes", "encode_nodes",
            "rollout_nodes",
            "train_nodes", "tail_nodes", "restore_nodes", "rollout_version", "reduce_root_key",
-           "group_reward_nodes", "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks"]
+           "group_reward_nodes", "iteration_shape", "eval_nodes", "eval_iteration", "eval_chunks",
+           "advantage_nodes", "sharded_train_nodes", "sharded_tail_nodes", "making_nodes",
+           "sharded_rounds", "train_outputs"]
 
 
 def rollout_version(iteration: int, version_lag: int) -> int:
@@ -144,6 +147,9 @@ class GraphLayout:
     #: Resume points a run writes the checkpoints of: every ``checkpoint_every``-th
     #: iteration (:attr:`retention`).
     checkpoint_every: int = 1
+    #: Sharded training (``train.sharding: fsdp``): the size of the gang of trainers
+    #: whose collective steps train (:func:`sharded_train_nodes`); 0: unsharded.
+    shards: int = 0
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -400,9 +406,28 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = No
     algorithm with a sampling copy, the trainer state ``state`` they are taken from:
     version i's read back by default, as the driver submits it)."""
     i = plan.iteration
-    tv = i
-    alg = layout.algorithm
-    assert alg is not None  # (set when the layout is made)
+    out = advantage_nodes(layout, plan)
+    leaves = _micro_steps(layout, plan, state, out)
+    # A fixed reduction tree: sums in (chunk, micro-step) order whoever computes the parts.
+    fanin = layout.reduce_fanin
+    level, nodes = 0, leaves
+    meta = task_meta(REDUCE, i, i)
+    while True:
+        parents = []
+        for j in range(0, len(nodes), fanin):
+            key = reduce_key(i, level, j // fanin)
+            parents.append(key)
+            out.extend(_summed_in_order(key, nodes[j:j + fanin], meta))
+        nodes, level = parents, level + 1
+        if len(nodes) == 1:
+            break
+    return out
+
+
+def advantage_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
+    """An ``advantage`` task per prompt group, reading the rewards of its chunks (or, with
+    ``advantage_std: batch``, of every chunk) and its group rewards."""
+    i = plan.iteration
     n_chunks = len(plan.chunks)
     versions = {c: layout.chunk_version(plan, c) for c in range(n_chunks)}
     out = []
@@ -415,15 +440,27 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = No
                        for g in (range(plan.num_groups) if batch else [grp])]
         bv = min(versions[c] for c in plan.chunks_of_group(grp))
         out.append(Node(advantage_key(i, grp), ADVANTAGE,
-                        task_meta(ADVANTAGE, i, tv, group=grp, behaviour_version=bv,
+                        task_meta(ADVANTAGE, i, i, group=grp, behaviour_version=bv,
                                   samples=plan.samples_per_prompt),
                         (grp, plan.group_sample_ids(grp), layout.advantage_std,
                          layout.advantage_clip, *(Dep(k) for k in scored))))
-    weights = publish_key(tv)
-    if alg.sampling_copy:
+    return out
+
+
+def _micro_steps(layout: GraphLayout, plan: IterationPlan, state: Key | None,
+                 out: list[Node]) -> list[Key]:
+    """Append the iteration's micro-steps (``grad`` tasks, each reading version i's
+    weights first) to ``out``, with the ``trained`` task of an algorithm whose published
+    weights are its sampling copy; their keys in (chunk, micro-step) order."""
+    i = plan.iteration
+    alg = layout.algorithm
+    assert alg is not None  # (set when the layout is made)
+    versions = {c: layout.chunk_version(plan, c) for c in range(len(plan.chunks))}
+    weights = publish_key(i)
+    if alg.sampling_copy and not layout.shards:
         # The version's trained weights (its published ones are the sampling copy).
-        weights = trained_key(tv)
-        out.append(Node(weights, TRAINED, task_meta(TRAINED, i, tv),
+        weights = trained_key(i)
+        out.append(Node(weights, TRAINED, task_meta(TRAINED, i, i),
                         (Dep(restore_key(i) if state is None else state),)))
     reference = Dep(publish_key(0)) if layout.kl else None
     leaves: list[Key] = []
@@ -431,20 +468,94 @@ def train_nodes(layout: GraphLayout, plan: IterationPlan, state: Key | None = No
         _coupled_grads(layout, plan, weights, reference, versions, out, leaves)
     else:
         _decoupled_grads(layout, plan, weights, reference, versions, out, leaves)
-    # A fixed reduction tree: sums in (chunk, micro-step) order whoever computes the parts.
-    fanin = layout.reduce_fanin
-    level, nodes = 0, leaves
-    meta = task_meta(REDUCE, i, tv)
-    while True:
-        parents = []
-        for j in range(0, len(nodes), fanin):
-            key = reduce_key(i, level, j // fanin)
-            parents.append(key)
-            out.extend(_summed_in_order(key, nodes[j:j + fanin], meta))
-        nodes, level = parents, level + 1
-        if len(nodes) == 1:
-            break
+    return leaves
+
+
+def sharded_train_nodes(layout: GraphLayout, plan: IterationPlan, made: Key) -> list[Node]:
+    """advantage per group, then the iteration's micro-steps in rounds of one per member
+    of the gang of ``layout.shards`` trainers (sharded training): member ``m`` of round
+    ``r`` trains micro-step ``r k + m`` in (chunk, micro-step) order, or, past the last,
+    takes part without contributing (reading round ``r``'s first micro-step's inputs).
+    Each member's task reads its previous step's result -- the previous round's, or,
+    in round 0, that of the gang that made version i (``made``: its key, whose members'
+    keys are :func:`member_key`) -- so each rank runs its steps in order. No weights
+    are read: the gang holds version i sharded. The last round's members are what the
+    optimizer step (:func:`sharded_tail_nodes`) reads."""
+    i, k = plan.iteration, layout.shards
+    out = advantage_nodes(layout, plan)
+    steps: list[Node] = []
+    _micro_steps(layout, plan, None, steps)
+    units = [n for n in steps if n.op == GRAD]
+    rounds = -(-len(units) // k)
+    for r in range(rounds):
+        for m in range(k):
+            u = r * k + m
+            unit = units[u] if u < len(units) else units[r * k]
+            previous = member_key(round_key(i, r - 1) if r else made, m)
+            meta = dict(unit.meta, gang=(gang_id(i, r), m, k))
+            if u >= len(units):
+                meta["samples"] = 0
+            # The unit's arguments after its weights (the gang holds them).
+            out.append(Node(member_key(round_key(i, r), m), GRAD, meta,
+                            (m, r, r == rounds - 1, u < len(units), Dep(previous),
+                             *unit.args[1:])))
     return out
+
+
+def sharded_rounds(layout: GraphLayout, plan: IterationPlan) -> int:
+    """How many rounds of micro-steps a sharded iteration of ``plan`` has."""
+    return -(-layout.leaves(plan) // layout.shards)
+
+
+def train_outputs(layout: GraphLayout, plan: IterationPlan) -> list[Key]:
+    """What an iteration's train piece leaves for its optimizer step: the reduction's
+    root, or the last round's members (sharded)."""
+    if not layout.shards:
+        return [layout.reduce_root(plan)]
+    last = round_key(plan.iteration, sharded_rounds(layout, plan) - 1)
+    return [member_key(last, m) for m in range(layout.shards)]
+
+
+def making_nodes(layout: GraphLayout, version: int, *, written: bool,
+                 from_checkpoint: bool = False,
+                 previous: list[Key] | None = None) -> list[Node]:
+    """The gang that makes policy ``version`` on the ``layout.shards`` trainers, and the
+    version's publish (member 0's gathered weights). Version 0 (``init`` members) and a
+    resumed run's first version (``restore`` members, ``from_checkpoint``) are made from
+    nothing the run computed; later versions by iteration ``version - 1``'s optimizer
+    step (``optimize`` members), reading ``previous``: the last round's members.
+    ``written``: the members write the version's sharded checkpoint."""
+    k = layout.shards
+    i = version - 1
+    gang = gang_id(i, MAKING_STEP)
+    nodes = []
+    if previous is None:
+        kind = RESTORE if from_checkpoint else INIT
+        base = restore_key(version) if from_checkpoint else optimize_key(i)
+        for m in range(k):
+            nodes.append(Node(member_key(base, m), kind,
+                              task_meta(kind, i, version, gpu=True, gang=(gang, m, k)),
+                              (m, version, from_checkpoint, written)))
+    else:
+        base = optimize_key(i)
+        for m in range(k):
+            nodes.append(Node(member_key(base, m), OPTIMIZE,
+                              task_meta(OPTIMIZE, i, i, gang=(gang, m, k)),
+                              (m, i, written, Dep(previous[m]))))
+    nodes.append(Node(publish_key(version), PUBLISH, task_meta(PUBLISH, i, version),
+                      (Dep(member_key(base, 0)),)))
+    return nodes
+
+
+def sharded_tail_nodes(layout: GraphLayout, plan: IterationPlan, written: bool) -> list[Node]:
+    """The sharded optimizer step of iteration i (making and publishing version i + 1,
+    :func:`making_nodes`) and its statistics."""
+    i = plan.iteration
+    nodes = making_nodes(layout, i + 1, written=written,
+                         previous=train_outputs(layout, plan))
+    nodes.append(Node(stats_key(i), STATS, task_meta(STATS, i, i),
+                      (Dep(member_key(optimize_key(i), 0)),)))
+    return nodes
 
 
 def _coupled_grads(layout: GraphLayout, plan: IterationPlan, weights: Key,

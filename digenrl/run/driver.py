@@ -25,15 +25,18 @@ from distributed import Future, wait
 from digenrl import __version__
 from digenrl.figures.analysis import optimize_stop, pools_served, window_metrics
 from digenrl.store.checkpoints import complete_checkpoints, drop_checkpoints
+from digenrl.store.sharded import drop_sharded, sharded_checkpoints
 from digenrl.run.cluster import ClusterHandle
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
-from digenrl.graph.keys import checkpoint_key, kind_of, publish_key, restore_key
+from digenrl.graph.keys import (checkpoint_key, kind_of, optimize_key, publish_key,
+                                restore_key)
 from digenrl.graph.pieces import Checkpoint, IllegalTransition, Pieces, Stage, Weights
 from digenrl.graph.retention import Retention
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_iteration,
-                                     init_nodes, restore_nodes,
-                                     rollout_nodes, tail_nodes, train_nodes)
+                                     init_nodes, making_nodes, restore_nodes, rollout_nodes,
+                                     sharded_tail_nodes, sharded_train_nodes, tail_nodes,
+                                     train_nodes, train_outputs)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
@@ -42,8 +45,8 @@ from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
-from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, REWARD, STATS,
-                                TRAINER)
+from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, PUBLISH,
+                                REWARD, STATS, TRAINER)
 from digenrl.run.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
 __all__ = ["Workload", "Driver", "Pipeline", "IterationSummary", "RunResult", "RunStalled",
@@ -106,6 +109,11 @@ class Workload(Protocol):
              values: dict[Key, Any]) -> tuple[dict[str, dict], dict[str, float]]: ...
     def finish(self, client, store: RunStore, final_weights: Future) -> Any: ...
 
+    # Optional: ``check_cluster(client)``, raising what the run cannot do on that
+    # cluster before the store is written.
+    # Optional: ``close(client)``, what the workload keeps on the workers let go once the
+    # run has ended (a sharded run's collective group and trainer state).
+
     # Optional: ``eval_nodes(version) -> list[Node]``, the held-out evaluation of a
     # policy version (empty when it is not evaluated); its tasks' results reach
     # :meth:`rows` of the iteration :func:`eval_iteration` names.
@@ -141,7 +149,8 @@ def resume_point(workload: Workload, out: str, committed: int) -> int:
     only some versions' checkpoints, ``store.checkpoint_every``)."""
     if committed == 0:
         return 0  # nothing to restore: version 0 is built (and checkpointed) again
-    have = set(complete_checkpoints(out))
+    # (A run writes Zarr checkpoints, or sharded ones when it trains sharded.)
+    have = set(complete_checkpoints(out)) | set(sharded_checkpoints(out))
     return workload.layout.retention.resume_point(committed, have.__contains__)
 
 
@@ -224,8 +233,12 @@ class Driver:
         self._check(graph)
         futures = self.handle.client.get(graph.to_hlg(name), keys, sync=False)
         for f in futures:
-            self._live[id(f)] = f
+            self._track(f)
         return dict(zip(keys, futures))
+
+    def _track(self, future: Future) -> None:
+        """Hold ``future`` (weakly) among the run's, released when the run ends."""
+        self._live[id(future)] = future
 
     def pools(self) -> dict[str, list[str]]:
         """Worker names by the pool they serve in this run's mode."""
@@ -298,6 +311,9 @@ class Driver:
 
     def run(self) -> RunResult:
         w, opts, client = self.w, self.w.options, self.handle.client
+        check_cluster = getattr(w, "check_cluster", None)
+        if check_cluster is not None:
+            check_cluster(client)       # (before the store is written)
         store, start, committed = self._open_store()
         w.prepare(client, store)
         client.register_plugin(WeightReceipts())
@@ -341,6 +357,12 @@ class Driver:
                 time.sleep(0.05)
         except Exception as e:  # the cluster itself may be what failed
             logger.debug("could not end run %s on the scheduler: %r", self.run_id, e)
+        close = getattr(self.w, "close", None)
+        if close is not None:
+            try:
+                close(client)
+            except Exception as e:
+                logger.debug("could not close run %s's workload: %r", self.run_id, e)
 
     def _run(self, store: RunStore, start: int, committed: int) -> RunResult:
         writer = StoreWriter(store, self.commit_interval)
@@ -366,7 +388,7 @@ class Driver:
         w, client = self.w, self.handle.client
         #: The CPU the run's processes spend, read as each iteration is committed.
         self.cpu_meter = CpuMeter(client)
-        pipeline = Pipeline(w, client, self._submit, self.plan)
+        pipeline = Pipeline(w, client, self._submit, self.plan, self._track)
         pipeline.begin(start, stored=committed)
         result = RunResult(store=self.out)
         window = _Window(time.time())
@@ -454,8 +476,11 @@ class Driver:
         run resumed at ``i + 1`` may read or recompute from, and hand the iteration to
         the experiment trackers (which no commit waits for)."""
         retention, iterations = self.w.layout.retention, self.w.iterations
-        drop_checkpoints(self.out,
-                         lambda v: not retention.keeps_checkpoint(v, i + 1, iterations))
+        def drop(v: int) -> bool:
+            return not retention.keeps_checkpoint(v, i + 1, iterations)
+
+        drop_checkpoints(self.out, drop)
+        drop_sharded(self.out, drop)
         if self.tracker is not None:
             self.tracker.log_iteration(i, groups)
 
@@ -524,13 +549,20 @@ class Pipeline:
 
     def __init__(self, workload: Workload, client,
                  submit: Callable[[list, list[Key], str], dict[Key, Future]],
-                 plan: Callable[[int], IterationPlan]):
+                 plan: Callable[[int], IterationPlan],
+                 track: Callable[[Future], None] = lambda future: None):
         self.w = workload
         self.client = client
         self._submit = submit
+        #: Told of each future the pipeline makes itself (not by ``submit``), for the
+        #: run's release.
+        self._track = track
         self._plan = plan
         self.start = 0
         self.stored = 0
+        #: The run trains sharded: its versions are made by gangs of trainers, each
+        #: version's state the members' results (:func:`sharded_train_nodes`).
+        self.sharded = bool(workload.layout.shards)
         #: The run's retention and resume rule.
         self.retention: Retention = workload.layout.retention
         #: Every iteration's and version's pieces in the cluster, and their futures.
@@ -543,7 +575,11 @@ class Pipeline:
         self.start = start
         self.stored = max(start, stored)
         if start == 0:
-            self._submit_made(0, init_nodes(checkpoint=True), [], INIT)
+            if self.sharded:
+                self._submit_made_sharded(0, making_nodes(self.w.layout, 0,
+                                                          written=self.writes(0)), INIT)
+            else:
+                self._submit_made(0, init_nodes(checkpoint=True), [], INIT)
             return
         # The earlier versions it retains here; version ``start`` by :meth:`_restore`.
         for v in self.retention.retained_versions(start)[:-1]:
@@ -606,8 +642,16 @@ class Pipeline:
         progress = False
         for rec in self.pieces.in_weights(Weights.STORED):
             v = rec.version
-            _, published, state = self._submit_read_back(
-                v, restore_nodes(v, publish=True), [], f"restore-{v}")
+            state: Future | tuple[Future, ...] | None
+            if self.sharded:
+                # The gang builds its trainer from the version's sharded checkpoint.
+                nodes = making_nodes(self.w.layout, v, written=False, from_checkpoint=True)
+                members = [n.key for n in nodes if n.op != PUBLISH]
+                futs = self._submit(nodes, members + [publish_key(v)], f"restore-{v}")
+                published, state = futs[publish_key(v)], tuple(futs[k] for k in members)
+            else:
+                _, published, state = self._submit_read_back(
+                    v, restore_nodes(v, publish=True), [], f"restore-{v}")
             rec.publish(published, state)
             progress = True
         return progress
@@ -627,6 +671,25 @@ class Pipeline:
             keys + ([checkpoint_key(v)] if written else []), name)
         self.pieces.made(v, published, state,
                          checkpoint=futs[checkpoint_key(v)] if written else None)
+        return futs
+
+    def _submit_made_sharded(self, v: int, nodes: list, name: str) -> dict[Key, Future]:
+        """Submit ``nodes``: the gang making version ``v`` (and writing its sharded
+        checkpoint where the run writes it), with the version's publish. The members'
+        results are the version's state, which the next train piece's first round reads;
+        member 0's, done, means the checkpoint is written (every member writes its
+        shards, and member 0 records the checkpoint once all have)."""
+        members = [n.key for n in nodes if n.op != PUBLISH and n.op != STATS]
+        keys = [n.key for n in nodes if n.op == STATS]
+        futs = self._submit(nodes, members + keys + [publish_key(v)], name)
+        written: Future | None = None
+        if self.writes(v):
+            # Its own reference to member 0's result: noting the checkpoint written lets
+            # go of this one, not of the state's.
+            written = Future(members[0], self.client)
+            self._track(written)
+        self.pieces.made(v, futs[publish_key(v)], tuple(futs[k] for k in members),
+                         checkpoint=written)
         return futs
 
     def _submit_read_back(self, v: int, nodes: list, keys: list[Key],
@@ -657,12 +720,19 @@ class Pipeline:
         if (self.pieces.stage(j) is not Stage.ROLLOUT or not self.pieces.is_published(j)
                 or (layout.kl and not self.pieces.is_published(0))):
             return False
-        root = layout.reduce_root(plan)
+        held = train_outputs(layout, plan)
         keys = iteration_outputs(plan)[ADVANTAGE]
-        futs = self._submit(train_nodes(layout, plan), keys + [root], f"train-{j}")
+        if self.sharded:
+            # Round 0 reads the results of the gang that made version j: a resumed run's
+            # first version is made from its checkpoint, the others by an optimizer step.
+            made = restore_key(j) if j == self.start and j > 0 else optimize_key(j - 1)
+            nodes = sharded_train_nodes(layout, plan, made)
+        else:
+            nodes = train_nodes(layout, plan)
+        futs = self._submit(nodes, keys + held, f"train-{j}")
         # The chain latents are read now.
         let_go(self.pieces.iteration(j).train_in({k: futs[k] for k in keys},
-                                                 {root: futs[root]}))
+                                                 {k: futs[k] for k in held}))
         return True
 
     def _tail(self, plan: IterationPlan) -> bool:
@@ -671,12 +741,19 @@ class Pipeline:
         if self.pieces.stage(j) is not Stage.TRAIN or source is None or source.state is None:
             return False
         stats = iteration_outputs(plan)[STATS]
-        futs = self._submit_made(
-            j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True,
-                              written=self.writes(j + 1)),
-            stats, f"tail-{j}")
+        if self.sharded:
+            futs = self._submit_made_sharded(
+                j + 1, sharded_tail_nodes(self.w.layout, plan, written=self.writes(j + 1)),
+                f"tail-{j}")
+        else:
+            futs = self._submit_made(
+                j + 1, tail_nodes(self.w.layout, plan, restore_key(j), checkpoint=True,
+                                  written=self.writes(j + 1)),
+                stats, f"tail-{j}")
         let_go(self.pieces.iteration(j).tail_in({k: futs[k] for k in stats}))
-        let_go([source.take_state()])  # the optimizer step reads it now
+        # The optimizer step reads it now (sharded: the train piece read it already).
+        state = source.take_state()
+        let_go(state if isinstance(state, tuple) else [state])
         return True
 
     # ------------------------------------------------------------------ waiting

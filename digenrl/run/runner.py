@@ -12,16 +12,21 @@ the generic :class:`~digenrl.run.driver.Driver`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from distributed import wait
 
 from digenrl.algorithms import ALGORITHMS
 from digenrl.store.checkpoints import write_weights
-from digenrl.run.cluster import ClusterHandle, start_cluster
+from digenrl.checks import require
+from digenrl.figures.analysis import pools_served
+from digenrl.run.cluster import ClusterHandle, pool_counts, start_cluster
 from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
                             config_to_dict)
 from digenrl.run.driver import Driver, IterationSummary, RunResult, check_store, library_versions
@@ -38,12 +43,14 @@ from digenrl.schedulers.options import MODES
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, evaluation_means, frame_strip, reward_column)
 from digenrl.tasks.advantage import scored_samples
+from digenrl.tasks import sharded_steps
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
+from digenrl.tasks.sharded_steps import ShardSpec
 from digenrl.tasks.resident import ResidentPlugin
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
 from digenrl.run.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
-from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, DECODE, EVAL, EVAL_REWARD,
-                                GROUP_REWARD, RESTORE, REWARD, STATS, Key)
+from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, COLOCATED, DECODE, EVAL, EVAL_REWARD,
+                                GROUP_REWARD, RESTORE, REWARD, STATS, TRAINER, Key)
 
 __all__ = ["RLWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
            "library_versions"]
@@ -94,7 +101,7 @@ class RLWorkload:
         return bind(nodes, self._binding, outputs)
 
     def _binding(self, node):
-        if node.op in (CHECKPOINT, RESTORE):
+        if node.op in (CHECKPOINT, RESTORE) and not self.layout.shards:
             assert self.checkpoint_spec is not None, "prepare() sets the store first"
             func = save_state if node.op == CHECKPOINT else load_state
             return func, (self.checkpoint_spec,)
@@ -147,6 +154,8 @@ class RLWorkload:
     def prepare(self, client, store: RunStore) -> None:
         self.checkpoint_spec = CheckpointSpec(os.path.abspath(store.path))
         cfg = self.config
+        if cfg.train.sharding == "fsdp":
+            self._shard_over(client, self.checkpoint_spec.store)
         shape = self.layout.algorithm
         assert shape is not None        # (the layout sets it when made)
         if shape.keeps_trajectory():
@@ -163,6 +172,48 @@ class RLWorkload:
 
             # Each worker's load of a reward model, in this run's log.
             client.subscribe_topic(EVENT_TOPIC, log_load_event)
+
+    def check_cluster(self, client) -> None:
+        """What the run needs of the cluster it runs on, before it opens its store: a
+        sharded run, a gang of at least two workers that train."""
+        if self.config.train.sharding == "fsdp":
+            self._gang(client)
+
+    def _gang(self, client) -> tuple[str, ...]:
+        """The workers of the pool that trains (the trainer pool, or every worker in
+        colocated mode), in the gang rule's order of a pool: by name."""
+        pools = pools_served(pool_counts(client), self.options.pools)
+        pool = TRAINER if self.options.pools else COLOCATED
+        members = tuple(sorted(pools[pool]))
+        require(len(members) >= 2, "train.sharding",
+                f"fsdp over at least 2 workers of the {pool} pool (the cluster has "
+                f"{len(members)})", "fsdp")
+        return members
+
+    def _shard_over(self, client, store: str) -> None:
+        """Train sharded over the workers of the pool that trains: the gang of every
+        collective step, as a new generation of the ``trainer`` group."""
+        members = self._gang(client)
+        cluster = self.config.cluster
+        # A generation newer than any earlier run's on these workers (its groups are
+        # torn down when it joins).
+        shard = ShardSpec(name=TRAINER, generation=time.time_ns() // 1_000_000,
+                          members=members, backend=cluster.collective_backend,
+                          timeout=cluster.collective_timeout, store=store)
+        self.layout = dataclasses.replace(self.layout, shards=len(members))
+        self.ctx = dataclasses.replace(self.ctx, layout=self.layout, shard=shard)
+
+    def close(self, client) -> None:
+        """A sharded run's members leave its group and drop their trainer state."""
+        shard = self.ctx.shard
+        if shard is None:
+            return
+        named = {str(w.get("name")): a
+                 for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        futures = [client.submit(sharded_steps.leave, shard.name, workers=[named[m]],
+                                 allow_other_workers=False, pure=False)
+                   for m in shard.members if m in named]
+        wait(futures, timeout=30)
 
     def describe(self) -> list[str]:
         cfg, d = self.config, self.config.derived()
@@ -183,7 +234,11 @@ class RLWorkload:
                 != MODES[options.mode]["max_staleness"]):
             staleness += (f" ({shape.name}'s default, not the mode's "
                           f"{MODES[options.mode]['max_staleness']}: docs/algorithm.md)")
-        return [f"algorithm {shape.name} ({'coupled' if shape.coupled else 'decoupled'}, "
+        lines = [] if self.ctx.shard is None else [
+            f"training sharded (fsdp) over {self.ctx.shard.size} workers: "
+            f"{', '.join(self.ctx.shard.members)}"]
+        return lines + [
+                f"algorithm {shape.name} ({'coupled' if shape.coupled else 'decoupled'}, "
                 f"arXiv {shape.paper})",
                 f"schedule: {options.mode} mode, {staleness}",
                 f"per iteration: {d['images_per_iteration']} images "

@@ -44,9 +44,6 @@ def check_world(config: RunConfig) -> None:
     """Everything ``config`` names outside itself exists and fits; raises
     :class:`~digenrl.config.ConfigError` naming the first field that does not."""
     model, data = config.model, config.data
-    require(config.train.sharding == "none", "train.sharding",
-             "none for a run (runs train unsharded; the sharded step is the library API of "
-             "digenrl.tasks.sharding)", config.train.sharding)
     if model.path is not None:
         family(model).check_folder()
         family(model).check_size()

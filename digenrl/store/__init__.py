@@ -115,9 +115,17 @@ def write_all(writes: Sequence[Coroutine[Any, Any, None]]) -> None:
             raise outcome
 
 
+#: The folder of a run's sharded checkpoints in its store (``digenrl.store.sharded``):
+#: files of ``torch.distributed.checkpoint``, beside the Zarr groups.
+SHARDED_FOLDER = "sharded"
+
+
 def _quiet_consolidate(path: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Cc]onsolidated metadata.*")
+        # (What the sharded checkpoints' folder is: not Zarr's, and not to be listed.)
+        warnings.filterwarnings("ignore", message=f"Object at {SHARDED_FOLDER} is not "
+                                "recognized as a component of a Zarr hierarchy")
         zarr.consolidate_metadata(path)
 
 

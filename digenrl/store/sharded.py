@@ -30,15 +30,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import zarr
 
-from digenrl.store import StoreError
+from digenrl.store import SHARDED_FOLDER, StoreError
 from digenrl.store.checkpoints import checkpoint_group
 
 __all__ = ["SHARDED_FOLDER", "PARTS", "sharded_folder", "sharded_checkpoints",
            "save_sharded", "load_sharded", "read_sharded", "drop_sharded", "state_key"]
 
-#: The store's folder of sharded checkpoints.
-SHARDED_FOLDER = "sharded"
-#: The parts of a sharded checkpoint's state, as the zarr checkpoint names them.
+#: The parts of every sharded checkpoint's state, as the zarr checkpoint names them (an
+#: algorithm with a sampling copy adds the copy's part, named as there too).
 PARTS = ("params", "exp_avg", "exp_avg_sq")
 #: The ``checkpoints`` group attribute recording the complete sharded checkpoints.
 _RECORD = "sharded"
@@ -144,8 +143,8 @@ def read_sharded(path: str | Path, version: int) -> tuple[dict[str, dict[str, to
     parts: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PARTS}
     for key, tensor in state.items():
         part, _, name = key.partition("/")
-        if part in parts:
-            parts[part][name] = tensor
+        if name:    # (an algorithm's sampling copy is a part of its own)
+            parts.setdefault(part, {})[name] = tensor
     return parts, int(state["step"])
 
 

@@ -47,10 +47,11 @@ from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
 from digenrl.store.sharded import load_sharded, save_sharded, state_key
 from digenrl.tasks.algorithms.common import Policies
+from digenrl.tasks.checkpoint import SAMPLING_PART
 from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoupled_result,
-                                 grad_norm_clip, micro_loss)
+                                 grad_norm_clip, micro_loss, sampling_copy_update)
 from digenrl.tasks.types import (AdvantageOut, IterationStats, Latents, MicroStats,
-                                 StepOut)
+                                 PolicyWeights, StepOut)
 
 __all__ = ["shard_transformer", "sharded_policy", "ShardedTrainer", "local_tensors",
            "local_state_bytes"]
@@ -115,12 +116,13 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> DTensor:
 
 @dataclass
 class _Shards:
-    """A rank's shard of the trainer state: AdamW's moments beside the module's own
-    (sharded) parameters."""
+    """A rank's shard of the trainer state: AdamW's moments (and, for an algorithm that
+    samples with one, the sampling copy) beside the module's own (sharded) parameters."""
 
     exp_avg: dict[str, torch.Tensor]
     exp_avg_sq: dict[str, torch.Tensor]
     step: int = 0
+    sampling: dict[str, torch.Tensor] | None = None
 
 
 class ShardedTrainer:
@@ -143,6 +145,8 @@ class ShardedTrainer:
         local = local_tensors(trainable_parameters(module))
         self.shards = _Shards({n: torch.zeros_like(t) for n, t in local.items()},
                               {n: torch.zeros_like(t) for n, t in local.items()})
+        if spec.algorithm.sampling_copy:  # version 0's copy: the weights themselves
+            self.shards.sampling = {n: t.detach().clone() for n, t in local.items()}
         self.stats = MicroStats()
         self._started = False
 
@@ -241,6 +245,10 @@ class ShardedTrainer:
                 sh.exp_avg[n], sh.exp_avg_sq[n] = m[n], v[n]
                 t.copy_(new_p[n])
                 params[n].grad = None
+                if sh.sampling is not None:
+                    sh.sampling[n] = sampling_copy_update(
+                        {n: sh.sampling[n]}, {n: t.detach()},
+                        self.spec.settings.sampling_copy_decay(iteration))[n]
         self.module.zero_grad(set_to_none=True)
         self._started = False
         self.version += 1
@@ -269,8 +277,11 @@ class ShardedTrainer:
 
     def _locals(self, n: str, p: torch.nn.Parameter) -> tuple[tuple[str, torch.Tensor], ...]:
         assert isinstance(p, DTensor)
-        return (("params", p.to_local().detach()), ("exp_avg", self.shards.exp_avg[n]),
-                ("exp_avg_sq", self.shards.exp_avg_sq[n]))
+        parts = [("params", p.to_local().detach()), ("exp_avg", self.shards.exp_avg[n]),
+                 ("exp_avg_sq", self.shards.exp_avg_sq[n])]
+        if self.shards.sampling is not None:
+            parts.append((SAMPLING_PART, self.shards.sampling[n]))
+        return tuple(parts)
 
     def save_checkpoint(self, store: str) -> None:
         """Write this version's sharded checkpoint into the store (every rank of the gang
@@ -298,6 +309,25 @@ class ShardedTrainer:
         self.stats, self._started = MicroStats(), False
 
     # ------------------------------------------------------------------ publishing
+
+    def published(self) -> PolicyWeights | None:
+        """The version's weights as the rollout workers receive them (its sampling copy
+        where the algorithm keeps one, else the trained weights; float32 on the CPU, as
+        :func:`~digenrl.tasks.train.publish` gives them unsharded), on rank 0 of the group;
+        None on the other ranks. Every rank takes part: each tensor is gathered in turn,
+        so a rank holds at most one full tensor beside its shards."""
+        rank0 = dist.get_rank(self.group) == 0
+        copy = self.shards.sampling
+        out: dict[str, torch.Tensor] = {}
+        for n, p in trainable_parameters(self.module).items():
+            assert isinstance(p, DTensor)
+            local = copy[n] if copy is not None else p.to_local().detach()
+            full = _like(p, local).full_tensor()
+            if rank0:
+                out[n] = full.float().cpu()
+        if not rank0:
+            return None
+        return PolicyWeights(version=self.version, tensors=out, sampling_copy=copy is not None)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The version's full trainable weights (float32, on the CPU), named as

@@ -1,0 +1,222 @@
+"""The tasks of a run that trains sharded (``train.sharding: fsdp``): each a gang member's
+part of a collective step over the trainers' group (docs/architecture.md, "Sharded
+runs").
+
+A gang of ``k`` members (one task per trainer, member ``i`` on the ``i``-th worker of the
+pool that trains, rank ``i`` of the group) makes each policy version:
+
+* :func:`make` (version 0's, or a resumed run's version read from its sharded checkpoint)
+  joins the collective group of the run's generation, builds the sharded transformer and
+  keeps its :class:`~digenrl.tasks.sharding.ShardedTrainer` in the worker process, where
+  the later steps of that generation find it;
+* :func:`micro_step`, one per member and round of an iteration's micro-steps (member
+  ``i`` of round ``r`` trains the iteration's micro-step ``r k + i``, or, past the last,
+  takes part with no contribution), accumulates gradients without communicating; the
+  last round's reduce-scatters their sum;
+* :func:`optimizer_step` steps each shard, writes the version's sharded checkpoint where
+  the run keeps one, and gathers the new version's weights on member 0.
+
+Member 0's result carries the weights (and the optimizer step's statistics), which
+:func:`published` and :func:`statistics` hand to the rollout workers and the driver
+through Dask as an unsharded run's are. Each member's result is a small
+:class:`ShardedOut`, which the member's next step reads: it orders the steps of each
+member, so every rank runs the same collectives in the same order.
+
+The trainer state lives only in the gang's processes. A step that finds it missing (its
+worker restarted), older or newer than the step expects (a step run twice after a
+member was lost) fails with one line: the run stops and is resumed from the newest
+sharded checkpoint (``digenrl run --resume``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from digenrl.tasks import collective
+from digenrl.tasks.collective import CollectiveError
+from digenrl.tasks.resident import resident
+from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
+from digenrl.tasks.train import TrainSpec
+from digenrl.tasks.types import IterationStats, PolicyWeights, travels
+
+__all__ = ["ShardSpec", "ShardedOut", "make", "micro_step", "optimizer_step", "published",
+           "statistics", "read_published", "held_trainer", "leave"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The gang a run trains on: its collective group and where its checkpoints go."""
+
+    #: The collective group's name and generation (a run's own: a resumed run, or one
+    #: after a member was replaced, forms a newer one).
+    name: str
+    generation: int
+    #: The members' worker names, in the order of the pool that trains (rank = index).
+    members: tuple[str, ...]
+    backend: str            # cluster.collective_backend
+    timeout: float          # cluster.collective_timeout
+    store: str              # the run's store: its sharded checkpoints
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass
+class ShardedOut:
+    """What a gang member's step leaves for the next: the member and the trainer's
+    version after the step (and where the step's round of the iteration is, for a
+    micro-step); on member 0 of a step that made a version, its published weights and
+    (the optimizer step's) statistics."""
+
+    member: int
+    version: int
+    round: int = -1
+    weights: PolicyWeights | None = None
+    stats: IterationStats | None = None
+
+
+travels(ShardedOut)
+
+#: This process's sharded trainer, by group name: (generation, trainer).
+_HELD: dict[str, tuple[int, ShardedTrainer]] = {}
+_LOCK = threading.Lock()
+
+
+def held_trainer(shard: ShardSpec, member: int, version: int) -> ShardedTrainer:
+    """This worker's sharded trainer of ``shard``'s generation, at policy ``version``, as
+    member ``member``; one line saying what is wrong otherwise."""
+    group = collective.group(shard.name, shard.generation)  # (raises if stale or absent)
+    if group.rank != member:
+        raise CollectiveError(f"sharded step: member {member} of {shard.name!r} runs on "
+                              f"rank {group.rank}: the gang's order is the group's")
+    with _LOCK:
+        held = _HELD.get(shard.name)
+    if held is None or held[0] != shard.generation:
+        raise CollectiveError(
+            f"sharded step: worker {shard.members[member]!r} holds no sharded trainer of "
+            f"{shard.name!r} generation {shard.generation} (its process restarted, or a "
+            f"member was lost): the run stops; resume it from its newest sharded "
+            f"checkpoint (digenrl run --resume)")
+    trainer = held[1]
+    if trainer.version != version:
+        raise CollectiveError(
+            f"sharded step: expected the trainer at policy version {version} on worker "
+            f"{shard.members[member]!r}, found version {trainer.version} (a step ran again "
+            f"after a member was lost): the run stops; resume it from its newest sharded "
+            f"checkpoint (digenrl run --resume)")
+    return trainer
+
+
+def make(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
+         from_checkpoint: bool, written: bool) -> ShardedOut:
+    """Member ``member`` joins the gang's group and builds its sharded trainer at policy
+    ``version``: version 0's initial weights, or (``from_checkpoint``) the version's
+    sharded checkpoint in the store, on however many ranks wrote it. ``written``: write
+    the version's sharded checkpoint (version 0 of a new run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = collective.join(shard.name, shard.members, shard.generation,
+                            backend=shard.backend, timeout=shard.timeout)
+    if group.rank != member:
+        raise CollectiveError(f"sharded step: member {member} of {shard.name!r} joined as "
+                              f"rank {group.rank}: the gang's order is the group's")
+    mesh = init_device_mesh(group.device.type, (group.size,))
+    trainer = ShardedTrainer(spec, sharded_policy(spec, mesh))
+    if from_checkpoint:
+        trainer.load_checkpoint(shard.store, version)
+    elif version != 0:
+        raise ValueError(f"version: a sharded trainer starts at version 0 or from a "
+                         f"checkpoint, got version {version} without one")
+    if written:
+        trainer.save_checkpoint(shard.store)
+    with _LOCK:
+        _HELD[shard.name] = (shard.generation, trainer)
+    return ShardedOut(member, trainer.version, weights=trainer.published())
+
+
+def micro_step(spec: TrainSpec, shard: ShardSpec, member: int, round_: int, last: bool,
+               contributes: bool, previous: ShardedOut, *args) -> ShardedOut:
+    """Member ``member``'s micro-step of round ``round_``: ``args`` are an unsharded
+    micro-step's arguments after its weights (coupled: the reference, prompts, the
+    trained step, the latents before and after it, the advantages; decoupled: the
+    sampling weights, the anchor, the reference, prompts, iteration, draw, final latents
+    and advantages), the modules of the weights it names taken from the worker's
+    resident models. ``last``: the iteration's last round (its backward reduce-scatters);
+    without ``contributes`` the member only takes part."""
+    trainer = held_trainer(shard, member, previous.version)
+    expected = previous.round + 1
+    if round_ != expected:
+        raise CollectiveError(f"sharded step: expected round {expected} on worker "
+                              f"{shard.members[member]!r}, got round {round_}")
+    models = resident(spec.model, spec.seed, spec.trainable)
+
+    def module(weights: PolicyWeights | None):
+        return models.policy(weights) if weights is not None else None
+
+    if spec.algorithm.coupled:
+        reference, prompts, t, before, after, *advantages = args
+        trainer.grad(module(reference), prompts, t, before, after, *advantages, last=last,
+                     contributes=contributes)
+    else:
+        sampling, anchor, reference, prompts, iteration, j, *inputs = args
+        trainer.matching_grad(module(sampling), module(anchor), module(reference), prompts,
+                              iteration, j, *inputs, last=last, contributes=contributes)
+    return ShardedOut(member, trainer.version, round=-1 if last else round_)
+
+
+def optimizer_step(spec: TrainSpec, shard: ShardSpec, member: int, iteration: int,
+                   written: bool, previous: ShardedOut) -> ShardedOut:
+    """Member ``member``'s part of iteration ``iteration``'s optimizer step: each shard's
+    AdamW step (version + 1), the version's sharded checkpoint where ``written``, and
+    the new version's weights gathered on member 0."""
+    trainer = held_trainer(shard, member, previous.version)
+    if previous.round != -1:
+        raise CollectiveError(f"sharded step: the optimizer step of iteration {iteration} "
+                              f"on worker {shard.members[member]!r} follows round "
+                              f"{previous.round}, not the iteration's last")
+    stats = trainer.optimize(iteration)
+    if written:
+        trainer.save_checkpoint(shard.store)
+    weights = trainer.published()
+    return ShardedOut(member, trainer.version, weights=weights,
+                      stats=stats if member == 0 else None)
+
+
+def published(out: ShardedOut) -> PolicyWeights:
+    """The weights member 0 of a gang gathered for the version it made."""
+    if out.weights is None:
+        raise ValueError(f"publish: expected member 0's result of the step that made the "
+                         f"version, got member {out.member}'s")
+    return out.weights
+
+
+def statistics(out: ShardedOut) -> IterationStats:
+    """The optimizer step's statistics (member 0's result)."""
+    if out.stats is None:
+        raise ValueError(f"stats: expected member 0's result of an optimizer step, got "
+                         f"member {out.member}'s")
+    return out.stats
+
+
+def read_published(store: str, sampling_copy: bool, version: int) -> ShardedOut:
+    """Version ``version``'s published weights read whole from its sharded checkpoint in
+    one process (an older version a resumed run retains: the KL reference, the weights
+    its first stale rollouts read)."""
+    from digenrl.store.sharded import read_sharded
+    from digenrl.tasks.checkpoint import SAMPLING_PART
+
+    parts, _ = read_sharded(store, version)
+    part = SAMPLING_PART if sampling_copy else "params"
+    tensors = {n: t.float() for n, t in parts[part].items()}
+    return ShardedOut(0, version, weights=PolicyWeights(version=version, tensors=tensors,
+                                                        sampling_copy=sampling_copy))
+
+
+def leave(name: str) -> str | None:
+    """Drop this process's sharded trainer of group ``name`` and leave the group (the
+    run is over)."""
+    with _LOCK:
+        _HELD.pop(name, None)
+    return collective.leave(name)

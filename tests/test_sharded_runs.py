@@ -1,0 +1,180 @@
+"""Whole runs trained sharded (``train.sharding: fsdp``) on real local Dask clusters: the
+trainers form a gloo group and every micro-step, optimizer step and checkpoint is a gang
+of tasks, one per trainer. Against the unsharded run of the same config: the rewards,
+each iteration's gradient norm and the weights' change agree (every algorithm, in
+``digenrl`` and ``colocated`` modes); the same sharded run twice is the same bits; a
+stopped run resumes from its sharded checkpoint, on the same or another number of
+trainers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from digenrl.graph.build import GraphContext
+from digenrl.run.runner import Runner
+from digenrl.store import open_run
+from digenrl.store.checkpoints import complete_checkpoints
+from digenrl.store.sharded import sharded_checkpoints
+from digenrl.tasks.train import init_state
+from digenrl.vocabulary import GRAD, OPTIMIZE, REDUCE
+
+from conftest import DETERMINISTIC_METRICS, small_config
+
+#: Each compared config: the algorithm (with the KL term for Flow-GRPO: its reference
+#: is read by every micro-step), the mode, and the cluster (digenrl mode shards over the
+#: trainer pool, colocated mode over every worker).
+CASES = {
+    "flow_grpo-kl-digenrl": ({"train.kl_beta": 0.05}, "digenrl", "cluster_2x2"),
+    "diffusion_nft-digenrl": ({"algorithm.name": "diffusion_nft"}, "digenrl", "cluster_2x2"),
+    "awm-colocated": ({"algorithm.name": "awm"}, "colocated", "cluster_1x1"),
+    "dpo-colocated": ({"algorithm.name": "dpo"}, "colocated", "cluster_1x1"),
+}
+
+
+#: Each cluster's workers per pool.
+WORKERS = {"cluster_1x1": 1, "cluster_2x2": 2}
+
+
+def config(case: str, sharding: str, **overrides):
+    settings, mode, cluster = CASES[case]
+    return small_config(**{**settings, "schedule.mode": mode, "train.sharding": sharding,
+                           "cluster.rollout_workers": WORKERS[cluster],
+                           "cluster.trainer_workers": WORKERS[cluster], **overrides})
+
+
+#: The runs made so far in this process: (case, sharding, overrides) -> (store path, the
+#: store opened, the final weights).
+_MADE: dict = {}
+
+
+@pytest.fixture
+def runs(tmp_path_factory, cluster_1x1, cluster_2x2):
+    """``runs(case, sharding, **overrides)``: the run of that config on its case's cluster
+    (its store's path, the store opened and its final weights), made once."""
+    clusters = {"cluster_1x1": cluster_1x1, "cluster_2x2": cluster_2x2}
+
+    def get(case: str, sharding: str, **overrides):
+        key = (case, sharding, tuple(sorted(overrides.items())))
+        if key not in _MADE:
+            path = tmp_path_factory.mktemp("sharded") / "run.zarr"
+            result = Runner(config(case, sharding, **overrides), str(path),
+                            cluster=clusters[CASES[case][2]]).run()
+            _MADE[key] = (str(path), open_run(path), result.final_weights)
+        return _MADE[key]
+
+    return get
+
+
+def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``|a - b| / |b|`` over all tensors."""
+    num = sum(float(((a[n] - b[n]).double() ** 2).sum()) for n in b)
+    den = sum(float((b[n].double() ** 2).sum()) for n in b)
+    return (num / den) ** 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_sharded_run_agrees_with_the_unsharded_one(runs, case):
+    """Three iterations: the rewards within 1e-4, each iteration's gradient norm within
+    1e-5 (relative), the weights' change from version 0 within 1e-3 of the unsharded
+    change (norm of the difference over the norm); micro-steps ran on every member of
+    the gang, with no reduction tasks; the store holds the sharded checkpoints of the
+    versions the unsharded run keeps checkpoints of, and no other checkpoints."""
+    path, ds, weights = runs(case, "fsdp")
+    ref_path, ref, ref_weights = runs(case, "none")
+    reward, ref_reward = ds["samples"]["reward"].values, ref["samples"]["reward"].values
+    assert reward.shape == ref_reward.shape == (3, 4)
+    assert np.abs(reward - ref_reward).max() <= 1e-4
+    norms, ref_norms = ds["metrics"]["grad_norm"].values, ref["metrics"]["grad_norm"].values
+    assert (np.abs(norms - ref_norms) <= 1e-5 * ref_norms).all(), (norms, ref_norms)
+    v0 = init_state(GraphContext.from_config(config(case, "none")).train).state.params
+    assert weights.version == ref_weights.version == 3
+    change = {n: weights.tensors[n] - v0[n] for n in v0}
+    ref_change = {n: ref_weights.tensors[n] - v0[n] for n in v0}
+    assert relative(ref_change, v0) > 1e-4          # (it trained)
+    assert relative(change, ref_change) <= 1e-3
+    tasks = ds["tasks"]
+    kinds = np.array([str(k) for k in tasks["kind"].values])
+    workers = np.array([str(w) for w in tasks["worker_name"].values])
+    gang = {"cluster_2x2": {"trainer-0", "trainer-1"},
+            "cluster_1x1": {"rollout-0", "trainer-0"}}[CASES[case][2]]
+    assert set(workers[kinds == GRAD]) == gang
+    assert set(workers[kinds == OPTIMIZE]) == gang
+    assert REDUCE not in set(kinds)
+    # The same versions kept as the unsharded run's checkpoints, and only sharded.
+    assert complete_checkpoints(path) == []
+    assert sorted(sharded_checkpoints(path)) == complete_checkpoints(ref_path)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_is_the_same_bits_twice(runs, tmp_path, cluster_2x2):
+    path, ds, weights = runs("diffusion_nft-digenrl", "fsdp")
+    again = tmp_path / "again.zarr"
+    result = Runner(config("diffusion_nft-digenrl", "fsdp"), str(again),
+                    cluster=cluster_2x2).run()
+    assert_same_bits(open_run(again), ds, result.final_weights, weights)
+
+
+def assert_same_bits(ds, ref, weights, ref_weights) -> None:
+    for name in ("reward", "advantage", "behaviour_version"):
+        assert np.array_equal(ds["samples"][name].values, ref["samples"][name].values), name
+    for name in DETERMINISTIC_METRICS:
+        assert np.array_equal(ds["metrics"][name].values, ref["metrics"][name].values,
+                              equal_nan=True), name
+    assert weights.version == ref_weights.version
+    assert all(torch.equal(weights.tensors[n], ref_weights.tensors[n])
+               for n in ref_weights.tensors)
+
+
+@pytest.mark.slow
+def test_a_stopped_sharded_run_resumes_from_its_sharded_checkpoint(runs, tmp_path,
+                                                                   cluster_2x2):
+    """Two iterations, then resumed to three: the same bits as the uninterrupted run (its
+    gang reads version 2's sharded checkpoint, and the older versions it reads are read
+    whole from theirs)."""
+    _, ref, ref_weights = runs("flow_grpo-kl-digenrl", "fsdp")
+    path = tmp_path / "run.zarr"
+    Runner(config("flow_grpo-kl-digenrl", "fsdp", iterations=2), str(path),
+           cluster=cluster_2x2).run()
+    # The KL reference, the version iteration 2's stale rollouts read, and version 2.
+    assert sorted(sharded_checkpoints(path)) == [0, 1, 2]
+    result = Runner(config("flow_grpo-kl-digenrl", "fsdp"), str(path), resume=True,
+                    cluster=cluster_2x2).run()
+    assert_same_bits(open_run(path), ref, result.final_weights, ref_weights)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_on_another_number_of_trainers(runs, tmp_path, cluster_1x1,
+                                                             cluster_2x2):
+    """A colocated run of two iterations sharded over the 2 workers of one cluster,
+    resumed on the 4 of another: its third iteration within the bars of an unsharded
+    run of the uninterrupted one (the checkpoint resharded from 2 ranks to 4)."""
+    _, ref, ref_weights = runs("awm-colocated", "fsdp")
+    path = tmp_path / "run.zarr"
+    Runner(config("awm-colocated", "fsdp", iterations=2), str(path),
+           cluster=cluster_1x1).run()
+    assert sharded_checkpoints(path)[2]["ranks"] == 2
+    result = Runner(config("awm-colocated", "fsdp"), str(path), resume=True,
+                    cluster=cluster_2x2).run()
+    ds = open_run(path)
+    assert np.abs(ds["samples"]["reward"].values - ref["samples"]["reward"].values).max() \
+        <= 1e-4
+    assert sharded_checkpoints(path)[3]["ranks"] == 4
+    assert relative(result.final_weights.tensors, ref_weights.tensors) <= 1e-5
+
+
+def test_a_sharded_run_on_a_cluster_with_one_trainer_stops_before_its_store(tmp_path,
+                                                                            cluster_1x1):
+    """A config that counts two trainers, run on a cluster that has one (a cluster the
+    run does not start): one line naming the field, and no store."""
+    from digenrl.config import ConfigError
+
+    path = tmp_path / "run.zarr"
+    with pytest.raises(ConfigError) as e:
+        Runner(small_config(**{"train.sharding": "fsdp", "cluster.trainer_workers": 2}),
+               str(path), cluster=cluster_1x1).run()
+    assert str(e.value) == ("train.sharding: expected fsdp over at least 2 workers of the "
+                            "trainer pool (the cluster has 1), got 'fsdp'")
+    assert not path.exists()
