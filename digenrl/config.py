@@ -942,6 +942,8 @@ class ClusterConfig:
     """Seconds to wait for an existing scheduler."""
     collective_timeout: float = 300.0
     """Seconds a collective group (torch.distributed among workers, digenrl.tasks.collective) waits: for its members to meet through the scheduler, and for each collective, which fails after that long when a member is lost instead of hanging."""
+    gang_restarts: int = 3
+    """How many times a run trained sharded (train.sharding fsdp) forms its gang of trainers anew after a gang step failed (a member's worker lost, a collective that timed out), continuing from its newest sharded checkpoint on the pool's workers at that time; 0 stops the run at the first failure (resume it with digenrl run --resume)."""
     collective_backend: str = "auto"
     """The collective groups' torch.distributed backend: gloo, nccl, or auto (nccl on a worker whose torch sees a CUDA device, gloo elsewhere). A backend a worker cannot run is refused in one line naming this field."""
 
@@ -962,6 +964,7 @@ class ClusterConfig:
         finite(self.connect_timeout, f"{p}.connect_timeout", 0.0, lo_open=True)
         finite(self.collective_timeout, f"{p}.collective_timeout", 0.0, lo_open=True)
         choice(self.collective_backend, f"{p}.collective_backend", COLLECTIVE_BACKENDS)
+        positive_int(self.gang_restarts, f"{p}.gang_restarts", 0)
         if self.dashboard_address is not None:
             m = isinstance(self.dashboard_address, str) and _ADDRESS.match(self.dashboard_address)
             require(isinstance(m, re.Match) and int(m.group("port") or m.group("bare")) <= 65535,

@@ -8,13 +8,17 @@ trainers."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
 
 from digenrl.graph.build import GraphContext
 from digenrl.run.runner import Runner
-from digenrl.store import open_run
+from digenrl.store import open_run, read_attrs
 from digenrl.store.checkpoints import complete_checkpoints
 from digenrl.store.sharded import sharded_checkpoints
 from digenrl.tasks.train import init_state
@@ -178,3 +182,46 @@ def test_a_sharded_run_on_a_cluster_with_one_trainer_stops_before_its_store(tmp_
     assert str(e.value) == ("train.sharding: expected fsdp over at least 2 workers of the "
                             "trainer pool (the cluster has 1), got 'fsdp'")
     assert not path.exists()
+
+
+#: Iterations of the runs a trainer is killed in, and the iteration from which it may be.
+KILLED_ITERATIONS, KILL_FROM = 5, 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [GRAD, OPTIMIZE])
+def test_a_trainer_killed_in_a_gang_step_costs_the_run_nothing(runs, tmp_path, kind,
+                                                               cluster_1x1, cluster_2x2):
+    """A trainer SIGKILLed while it computes its part of a micro-step round, or of an
+    optimizer step: the gang's step fails (the survivor's collective at once), the run
+    forms a new gang once the nanny's new process has joined, resumes from its newest
+    sharded checkpoint and stores every iteration once, the same bits as the undisturbed
+    run. Bounded: the run must end within 300 s of the kill (a collective waits at most
+    ``cluster.collective_timeout``, 30 s here)."""
+    from test_worker_loss import _in_background, _processing
+
+    overrides = {"iterations": KILLED_ITERATIONS, "cluster.collective_timeout": 30.0}
+    _, ref, ref_weights = runs("flow_grpo-kl-digenrl", "fsdp", **overrides)
+    client = cluster_2x2.client
+    names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    [victim] = [a for a, n in names.items() if n == "trainer-1"]
+    path = tmp_path / "run.zarr"
+    run = _in_background(Runner(config("flow_grpo-kl-digenrl", "fsdp", **overrides),
+                                str(path), cluster=cluster_2x2).run)
+    deadline = time.monotonic() + 300
+    while True:
+        assert not run.done(), f"the run ended before a {kind} member ran on trainer-1"
+        assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
+        keys = client.run_on_scheduler(_processing, address=victim)
+        if any(k[0] == kind and len(k) > 2 and k[1] >= KILL_FROM for k in keys):
+            os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    result = run.result(timeout=300)
+    client.wait_for_workers(4, timeout=120)     # (the next tests use the whole cluster)
+    ds = open_run(path)
+    assert ds["metrics"].sizes["iteration"] == KILLED_ITERATIONS
+    assert_same_bits(ds, ref, result.final_weights, ref_weights)
+    # Resumed once, by the run itself, at an iteration the kill left uncommitted.
+    [resumed] = read_attrs(path)["resumed"]
+    assert KILL_FROM <= resumed["at_iteration"] < KILLED_ITERATIONS

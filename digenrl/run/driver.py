@@ -43,6 +43,7 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
+from digenrl.tasks.sharded_steps import GangLost
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
 from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, PUBLISH,
@@ -394,7 +395,7 @@ class Driver:
         window = _Window(time.time())
         pipeline.submit_ready(start)
         for i in range(start, w.iterations):
-            pipeline.wait_for(i, self._stalled)
+            pipeline.wait_for(i, self._stalled, self._gang_failed)
             if i < committed:
                 self._recomputed(pipeline, window, i)
                 continue
@@ -409,6 +410,11 @@ class Driver:
                 logger.info("evaluation of policy version %d  reward %.4f  (%d held-out "
                             "prompts)", version, mean, count)
         return result, pipeline.weights(w.iterations)
+
+    def _gang_failed(self) -> str | None:
+        """The scheduler's line on a failed gang step of this run (None while none)."""
+        client = self.handle.client
+        return client.sync(client.scheduler.digenrl_gang_failed, run=self.run_id)
 
     def _stalled(self) -> str | None:
         """The scheduler's diagnosis once this run can no longer progress (None while
@@ -772,13 +778,20 @@ class Pipeline:
             if f.done():
                 let_go([rec.written()])
 
-    def wait_for(self, i: int, stalled: Callable[[], str | None]) -> None:
+    def wait_for(self, i: int, stalled: Callable[[], str | None],
+                 gang_failed: Callable[[], str | None] = lambda: None) -> None:
         """Submit pieces as they become ready until iteration ``i`` is complete: its
         tail is in, its outputs are computed and checkpoint ``i + 1`` is written (where
         the run writes it). A task's error is raised here. After each ``STALL_POLL``
         seconds without progress, ``stalled()`` says why the run can no longer progress
-        (None while it can), and :class:`RunStalled` is raised with that."""
+        (None while it can), and :class:`RunStalled` is raised with that. A sharded run
+        asks ``gang_failed()`` at every wake whether a gang step failed (the trainers'
+        state is then not whole) and raises :class:`GangLost` with its line."""
         while True:
+            if self.sharded:
+                why = gang_failed()
+                if why:
+                    raise GangLost(why)
             self._note_checkpoints(i)
             self.submit_ready(i)
             it = self.pieces.iteration(i)

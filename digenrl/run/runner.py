@@ -482,11 +482,43 @@ class Runner:
             handle = self.cluster or start_cluster(self.config.cluster,
                                                    pools=self.workload.options.pools)
             try:
-                result = Driver(self.workload, self.out, handle, overwrite=self.overwrite,
-                                resume=self.resume, on_iteration=self.on_iteration,
-                                commit_interval=self.config.store.commit_interval,
-                                tracker=tracker).run()
+                result = self._drive(handle, tracker)
             finally:
                 if self.cluster is None:
                     handle.close()
         return result
+
+    def _drive(self, handle: ClusterHandle, tracker: Tracker) -> RunResult:
+        """Drive the run to its end; a run trained sharded whose gang failed forms a new
+        gang and resumes from its newest sharded checkpoint, up to
+        ``cluster.gang_restarts`` times."""
+        restarts = 0
+        while True:
+            try:
+                return Driver(self.workload, self.out, handle, overwrite=self.overwrite,
+                              resume=self.resume or restarts > 0,
+                              on_iteration=self.on_iteration,
+                              commit_interval=self.config.store.commit_interval,
+                              tracker=tracker).run()
+            except sharded_steps.GangLost as e:
+                if restarts >= self.config.cluster.gang_restarts:
+                    raise
+                restarts += 1
+                logger.warning("%s; the trainers form a new gang and the run resumes from "
+                               "its newest sharded checkpoint (restart %d of %d, "
+                               "cluster.gang_restarts)", e, restarts,
+                               self.config.cluster.gang_restarts)
+                self._await_gang(handle.client)
+
+    def _await_gang(self, client) -> None:
+        """Give the pool that trains until ``cluster.collective_timeout`` to be as large
+        again as the gang that failed (a lost worker's nanny restarts it, or a
+        replacement joins); the new gang is whoever serves it then."""
+        shard = self.workload.ctx.shard
+        assert shard is not None        # (a sharded run's gang failed)
+        deadline = time.monotonic() + self.config.cluster.collective_timeout
+        while time.monotonic() < deadline:
+            pools = pools_served(pool_counts(client), self.workload.options.pools)
+            if len(pools[TRAINER if self.workload.options.pools else COLOCATED]) >= shard.size:
+                return
+            time.sleep(0.2)

@@ -42,6 +42,7 @@ from distributed.protocol import pickle
 from digenrl.process import freeze_collector
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
 from digenrl.vocabulary import ANNOTATION, POOLS, Key
@@ -119,6 +120,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_tasks": self.task_records,
             "digenrl_timeline": self.timeline_since,
             "digenrl_metrics": self.report_metrics,
+            "digenrl_gang_failed": self.gang_failed,
         })
         use_kind_colours()
         # The progress watchdog and the stall check (digenrl.schedulers.progress).
@@ -337,6 +339,14 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
     def timeline_since(self, since: float = 0.0) -> list[dict[str, Any]]:
         """The ``digenrl_timeline`` handler: :meth:`Telemetry.timeline_since`."""
         return self.telemetry.timeline_since(since)
+
+    def gang_failed(self, run: str) -> str | None:
+        """The first failed gang step of ``run`` (one line), or None."""
+        if self.policy is None or run != self.run:
+            return None
+        gang = self.policy.rule(Gang)
+        assert isinstance(gang, Gang)
+        return gang.failed[0] if gang.failed else None
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}

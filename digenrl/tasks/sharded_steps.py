@@ -22,16 +22,25 @@ through Dask as an unsharded run's are. Each member's result is a small
 :class:`ShardedOut`, which the member's next step reads: it orders the steps of each
 member, so every rank runs the same collectives in the same order.
 
-The trainer state lives only in the gang's processes. A step that finds it missing (its
-worker restarted), older or newer than the step expects (a step run twice after a
-member was lost) fails with one line: the run stops and is resumed from the newest
-sharded checkpoint (``digenrl run --resume``).
+The trainer state lives only in the gang's processes, so a gang step is never computed
+again within its generation: Dask recomputing a lost member's result from its lineage
+would rebuild version 0 or run a micro-step twice. Every failure of a gang step is a
+:class:`GangLost` instead, with one line saying why: a member's worker lost (its
+collectives fail, gloo at once and NCCL within ``cluster.collective_timeout``), a step
+asked to run again (the gang that made the generation's trainers records each member in
+the scheduler's metadata once made, and a member's later step checks the version and
+round it continues from), a worker holding no trainer. The run then forms its gang anew,
+as a newer generation of the group on the pool's workers at that time, and continues
+from its newest sharded checkpoint (:class:`~digenrl.run.runner.Runner`,
+``cluster.gang_restarts``).
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from digenrl.tasks import collective
 from digenrl.tasks.collective import CollectiveError
@@ -40,8 +49,13 @@ from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
 from digenrl.tasks.train import TrainSpec
 from digenrl.tasks.types import IterationStats, PolicyWeights, travels
 
-__all__ = ["ShardSpec", "ShardedOut", "make", "micro_step", "optimizer_step", "published",
-           "statistics", "read_published", "held_trainer", "leave"]
+__all__ = ["ShardSpec", "ShardedOut", "GangLost", "make", "micro_step", "optimizer_step",
+           "published", "statistics", "read_published", "held_trainer", "leave"]
+
+
+class GangLost(CollectiveError):
+    """A gang step of a sharded run failed: its generation's trainer state can no longer
+    be trusted whole, and the run forms a new gang from its newest sharded checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -84,29 +98,68 @@ _HELD: dict[str, tuple[int, ShardedTrainer]] = {}
 _LOCK = threading.Lock()
 
 
+@contextmanager
+def gang_step(shard: ShardSpec, member: int, what: str) -> Iterator[None]:
+    """Run member ``member``'s part of a gang step (``what``), turning every failure of
+    the group (a collective error, a lost peer, a member in the wrong state) into
+    :class:`GangLost`; other errors (the step's own) pass as they are."""
+    try:
+        yield
+    except GangLost:
+        raise
+    except (CollectiveError, RuntimeError) as e:
+        if not isinstance(e, CollectiveError) and not _of_the_group(e):
+            raise
+        raise GangLost(f"{what} of member {member} ({shard.members[member]!r}) of "
+                       f"{shard.name!r} generation {shard.generation} failed: "
+                       f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def _of_the_group(e: RuntimeError) -> bool:
+    """Whether ``e`` is torch.distributed's: a collective that failed (a peer lost, a
+    timeout), as gloo and NCCL raise it."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "Gloo", "NCCL",
+                                                                      "Connection closed"))
+
+
 def held_trainer(shard: ShardSpec, member: int, version: int) -> ShardedTrainer:
     """This worker's sharded trainer of ``shard``'s generation, at policy ``version``, as
-    member ``member``; one line saying what is wrong otherwise."""
+    member ``member``; :class:`GangLost` saying what is wrong otherwise."""
     group = collective.group(shard.name, shard.generation)  # (raises if stale or absent)
     if group.rank != member:
-        raise CollectiveError(f"sharded step: member {member} of {shard.name!r} runs on "
-                              f"rank {group.rank}: the gang's order is the group's")
+        raise GangLost(f"sharded step: member {member} of {shard.name!r} runs on rank "
+                       f"{group.rank}: the gang's order is the group's")
     with _LOCK:
         held = _HELD.get(shard.name)
     if held is None or held[0] != shard.generation:
-        raise CollectiveError(
-            f"sharded step: worker {shard.members[member]!r} holds no sharded trainer of "
-            f"{shard.name!r} generation {shard.generation} (its process restarted, or a "
-            f"member was lost): the run stops; resume it from its newest sharded "
-            f"checkpoint (digenrl run --resume)")
+        raise GangLost(f"sharded step: worker {shard.members[member]!r} holds no sharded "
+                       f"trainer of {shard.name!r} generation {shard.generation} (its "
+                       f"process restarted, or a member was lost)")
     trainer = held[1]
     if trainer.version != version:
-        raise CollectiveError(
-            f"sharded step: expected the trainer at policy version {version} on worker "
-            f"{shard.members[member]!r}, found version {trainer.version} (a step ran again "
-            f"after a member was lost): the run stops; resume it from its newest sharded "
-            f"checkpoint (digenrl run --resume)")
+        raise GangLost(f"sharded step: expected the trainer at policy version {version} on "
+                       f"worker {shard.members[member]!r}, found version {trainer.version} "
+                       f"(a step asked to run again after a member was lost)")
     return trainer
+
+
+def _made_key(shard: ShardSpec, member: int) -> list[str]:
+    """Where the scheduler's metadata records that ``member`` of the generation was made."""
+    return [collective.METADATA, shard.name, str(shard.generation), "made", str(member)]
+
+
+def _once(shard: ShardSpec, member: int) -> None:
+    """A generation's trainers are made once: a second make of a member (Dask
+    recomputing a lost result) is :class:`GangLost`."""
+    from distributed import get_client
+
+    if get_client().get_metadata(_made_key(shard, member), default=False):
+        raise GangLost(f"sharded step: member {member} of {shard.name!r} generation "
+                       f"{shard.generation} was made before: its trainer state was lost "
+                       f"with a worker, and is not built again within a generation")
 
 
 def make(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
@@ -115,25 +168,29 @@ def make(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
     ``version``: version 0's initial weights, or (``from_checkpoint``) the version's
     sharded checkpoint in the store, on however many ranks wrote it. ``written``: write
     the version's sharded checkpoint (version 0 of a new run)."""
+    from distributed import get_client
     from torch.distributed.device_mesh import init_device_mesh
 
-    group = collective.join(shard.name, shard.members, shard.generation,
-                            backend=shard.backend, timeout=shard.timeout)
-    if group.rank != member:
-        raise CollectiveError(f"sharded step: member {member} of {shard.name!r} joined as "
-                              f"rank {group.rank}: the gang's order is the group's")
-    mesh = init_device_mesh(group.device.type, (group.size,))
-    trainer = ShardedTrainer(spec, sharded_policy(spec, mesh))
-    if from_checkpoint:
-        trainer.load_checkpoint(shard.store, version)
-    elif version != 0:
+    if version != 0 and not from_checkpoint:
         raise ValueError(f"version: a sharded trainer starts at version 0 or from a "
                          f"checkpoint, got version {version} without one")
-    if written:
-        trainer.save_checkpoint(shard.store)
-    with _LOCK:
-        _HELD[shard.name] = (shard.generation, trainer)
-    return ShardedOut(member, trainer.version, weights=trainer.published())
+    with gang_step(shard, member, f"making version {version}"):
+        _once(shard, member)
+        group = collective.join(shard.name, shard.members, shard.generation,
+                                backend=shard.backend, timeout=shard.timeout)
+        if group.rank != member:
+            raise GangLost(f"sharded step: member {member} of {shard.name!r} joined as "
+                           f"rank {group.rank}: the gang's order is the group's")
+        mesh = init_device_mesh(group.device.type, (group.size,))
+        trainer = ShardedTrainer(spec, sharded_policy(spec, mesh))
+        if from_checkpoint:
+            trainer.load_checkpoint(shard.store, version)
+        if written:
+            trainer.save_checkpoint(shard.store)
+        with _LOCK:
+            _HELD[shard.name] = (shard.generation, trainer)
+        get_client().set_metadata(_made_key(shard, member), True)
+        return ShardedOut(member, trainer.version, weights=trainer.published())
 
 
 def micro_step(spec: TrainSpec, shard: ShardSpec, member: int, round_: int, last: bool,
@@ -145,25 +202,27 @@ def micro_step(spec: TrainSpec, shard: ShardSpec, member: int, round_: int, last
     and advantages), the modules of the weights it names taken from the worker's
     resident models. ``last``: the iteration's last round (its backward reduce-scatters);
     without ``contributes`` the member only takes part."""
-    trainer = held_trainer(shard, member, previous.version)
-    expected = previous.round + 1
-    if round_ != expected:
-        raise CollectiveError(f"sharded step: expected round {expected} on worker "
-                              f"{shard.members[member]!r}, got round {round_}")
     models = resident(spec.model, spec.seed, spec.trainable)
 
     def module(weights: PolicyWeights | None):
         return models.policy(weights) if weights is not None else None
 
-    if spec.algorithm.coupled:
-        reference, prompts, t, before, after, *advantages = args
-        trainer.grad(module(reference), prompts, t, before, after, *advantages, last=last,
-                     contributes=contributes)
-    else:
-        sampling, anchor, reference, prompts, iteration, j, *inputs = args
-        trainer.matching_grad(module(sampling), module(anchor), module(reference), prompts,
-                              iteration, j, *inputs, last=last, contributes=contributes)
-    return ShardedOut(member, trainer.version, round=-1 if last else round_)
+    with gang_step(shard, member, f"micro-step round {round_}"):
+        trainer = held_trainer(shard, member, previous.version)
+        expected = previous.round + 1
+        if round_ != expected:
+            raise GangLost(f"sharded step: expected round {expected} on worker "
+                           f"{shard.members[member]!r}, got round {round_}")
+        if spec.algorithm.coupled:
+            reference, prompts, t, before, after, *advantages = args
+            trainer.grad(module(reference), prompts, t, before, after, *advantages,
+                         last=last, contributes=contributes)
+        else:
+            sampling, anchor, reference, prompts, iteration, j, *inputs = args
+            trainer.matching_grad(module(sampling), module(anchor), module(reference),
+                                  prompts, iteration, j, *inputs, last=last,
+                                  contributes=contributes)
+        return ShardedOut(member, trainer.version, round=-1 if last else round_)
 
 
 def optimizer_step(spec: TrainSpec, shard: ShardSpec, member: int, iteration: int,
@@ -171,17 +230,18 @@ def optimizer_step(spec: TrainSpec, shard: ShardSpec, member: int, iteration: in
     """Member ``member``'s part of iteration ``iteration``'s optimizer step: each shard's
     AdamW step (version + 1), the version's sharded checkpoint where ``written``, and
     the new version's weights gathered on member 0."""
-    trainer = held_trainer(shard, member, previous.version)
-    if previous.round != -1:
-        raise CollectiveError(f"sharded step: the optimizer step of iteration {iteration} "
-                              f"on worker {shard.members[member]!r} follows round "
-                              f"{previous.round}, not the iteration's last")
-    stats = trainer.optimize(iteration)
-    if written:
-        trainer.save_checkpoint(shard.store)
-    weights = trainer.published()
-    return ShardedOut(member, trainer.version, weights=weights,
-                      stats=stats if member == 0 else None)
+    with gang_step(shard, member, f"the optimizer step of iteration {iteration}"):
+        trainer = held_trainer(shard, member, previous.version)
+        if previous.round != -1:
+            raise GangLost(f"sharded step: the optimizer step of iteration {iteration} on "
+                           f"worker {shard.members[member]!r} follows round "
+                           f"{previous.round}, not the iteration's last")
+        stats = trainer.optimize(iteration)
+        if written:
+            trainer.save_checkpoint(shard.store)
+        weights = trainer.published()
+        return ShardedOut(member, trainer.version, weights=weights,
+                          stats=stats if member == 0 else None)
 
 
 def published(out: ShardedOut) -> PolicyWeights:

@@ -16,7 +16,10 @@ ready heap, so no other rule sees them: TAG, RAT and rebalancing never move one.
   input, or ready again after it finished: its result was lost) while the other members
   are released or finished fails the gang's step: every other member is taken back
   (:meth:`SchedulingPolicy.withdraw`: stopped, or its result dropped), and the whole
-  gang is released again once every member is ready again.
+  gang is released again once every member is ready again. Each failed step is noted in
+  :attr:`Gang.failed` (one line each): a gang whose members keep state between steps
+  (a sharded run's trainers) cannot simply run again, and its driver reads the line
+  (the plugin's ``digenrl_gang_failed``) to form the gang anew.
 
 Its entry in :data:`~digenrl.schedulers.policy.core.RULES` comes before the rules that
 queue ready work (TSP, background, rebalancing): the first rule to queue a task keeps it.
@@ -53,7 +56,7 @@ class _Members:
 class Gang(Rule):
     """Releases each gang's members together, on their own workers."""
 
-    __slots__ = ("gangs", "waiting", "reserved", "_failing")
+    __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing")
     name = "gang"
 
     def __init__(self, policy) -> None:
@@ -63,6 +66,8 @@ class Gang(Rule):
         self.waiting: dict[int, None] = {}
         # Worker address -> the gang it is kept for (set at the end of each round).
         self.reserved: dict[str, int] = {}
+        #: Each failed step, oldest first: one line naming the gang and why.
+        self.failed: list[str] = []
         self._failing = False      # taking a failed step's members back
 
     # ---------------------------------------------------------------- members
@@ -137,12 +142,17 @@ class Gang(Rule):
         gid, member, _ = info.gang
         self._failing = True
         try:
+            withdrawn = 0
             for other in list(g.members.values()):
                 if other is not info and (other.state is RELEASED or other.state is DONE):
+                    withdrawn += 1
                     self.policy.withdraw(other, self.name,
                                          "member {} of gang {} must run again: the gang's "
                                          "step fails, and runs again together",
                                          member, gid)
+            if withdrawn:
+                self.failed.append(f"gang {gid}'s step failed: member {member} "
+                                   f"({info.key!r}) must run again after the others ran")
         finally:
             self._failing = False
 
