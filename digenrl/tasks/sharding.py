@@ -28,8 +28,10 @@ the version's sharded checkpoint in the run's store with ``torch.distributed.che
 (:mod:`digenrl.store.sharded`), and :meth:`ShardedTrainer.load_checkpoint` continues from
 one on a gang of any size (DCP reshards).
 
-Runs train unsharded (``train.sharding: fsdp`` is refused by the world check): this module
-is the library step a gang of trainer processes calls.
+A run with ``train.sharding: fsdp`` calls it from the gang tasks of
+:mod:`digenrl.tasks.sharded_steps`, one :class:`ShardedTrainer` kept in each member's
+process; an algorithm with a sampling copy (DiffusionNFT) keeps the copy sharded beside
+the moments, and publishes it (:meth:`ShardedTrainer.published`).
 """
 
 from __future__ import annotations
