@@ -432,6 +432,14 @@ class ModelFamily:
         return self.transformer_class.from_pretrained(
             self.folder, subfolder="transformer", dtype=torch.float32).eval()
 
+    def transformer_skeleton(self) -> torch.nn.Module:
+        """The transformer's modules without weights, on the meta device (float32, from
+        the folder's ``transformer/`` config): what a sharded gang's ranks but the first
+        build, their slices then filled from the first rank's weights."""
+        cls = self.transformer_class
+        with torch.device("meta"):
+            return cls.from_config(cls.load_config(self.folder, subfolder="transformer")).eval()
+
     def build_vae(self, seed: int) -> torch.nn.Module:
         """The folder's ``vae/``, frozen."""
         vae = self.vae_class.from_pretrained(self.folder, subfolder="vae", dtype=torch.float32)

@@ -150,6 +150,12 @@ class TinyFamily(ModelFamily):
             model = self.transformer_class(**self.transformer_config())
         return model.eval()
 
+    def transformer_skeleton(self) -> torch.nn.Module:
+        if self.folder is not None:
+            return super().transformer_skeleton()
+        with torch.device("meta"):
+            return self.transformer_class(**self.transformer_config()).eval()
+
     def build_vae(self, seed: int) -> torch.nn.Module:
         cfg = self.cfg
         if self.folder is not None:

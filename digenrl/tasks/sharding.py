@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
@@ -84,16 +84,43 @@ def shard_transformer(module: torch.nn.Module, mesh, *, dtype: str | torch.dtype
 
 def sharded_policy(spec: TrainSpec, mesh) -> torch.nn.Module:
     """Version 0's transformer (:func:`~digenrl.models.lora.build_policy`, float32)
-    sharded over ``mesh`` in ``model.dtype``, by the family's blocks."""
+    sharded over ``mesh`` in ``model.dtype``, by the family's blocks.
+
+    Only the mesh's first rank builds the whole model (its folder's weights, or the
+    seeded ones); the others build its modules on the meta device
+    (:meth:`~digenrl.models.base.ModelFamily.transformer_skeleton`), shard them there,
+    and receive their slices of the first rank's weights (``distribute_tensor`` from the
+    mesh's first rank, one tensor at a time) and every buffer by broadcast: no other
+    process holds more than one whole tensor of the model at a time."""
     if spec.trainable.lora:
         raise ValueError("train.lora_rank: expected 0 for sharded training (it shards every "
                          f"weight), got {spec.trainable.lora_rank}")
-    module = build_policy(spec.model, spec.trainable, spec.seed)
+    group = mesh.get_group()
+    first = dist.get_rank(group) == 0
+    fam = family(spec.model)
+    if first:
+        module = build_policy(spec.model, spec.trainable, spec.seed)
+    else:
+        module = fam.transformer_skeleton()
+        if spec.trainable.gradient_checkpointing:
+            module.enable_gradient_checkpointing()
     # Its buffers in model.dtype as the unsharded module holds them (FSDP casts only the
     # parameters it gathers).
     cast_for_forward(module, spec.model, spec.trainable, parameters=False)
-    return shard_transformer(module, mesh, dtype=spec.model.dtype,
-                             blocks=family(spec.model).block_lists)
+    full = {n: p.detach().clone() for n, p in module.named_parameters()} if first else {}
+    module = shard_transformer(module, mesh, dtype=spec.model.dtype, blocks=fam.block_lists)
+    if not first:
+        module.to_empty(device=torch.device(mesh.device_type))
+    root = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            assert isinstance(p, DTensor)
+            whole = full.pop(n) if first else torch.empty(p.shape, dtype=p.dtype,
+                                                          device=p.to_local().device)
+            p.to_local().copy_(distribute_tensor(whole, mesh, p.placements).to_local())
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=root, group=group)
+    return module
 
 
 def local_tensors(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
