@@ -107,7 +107,9 @@ def sharded_policy(spec: TrainSpec, mesh) -> torch.nn.Module:
     # Its buffers in model.dtype as the unsharded module holds them (FSDP casts only the
     # parameters it gathers).
     cast_for_forward(module, spec.model, spec.trainable, parameters=False)
-    full = {n: p.detach().clone() for n, p in module.named_parameters()} if first else {}
+    # (The built tensors themselves: sharding copies each rank's slice out of them, and
+    # each goes once it is sent.)
+    full = {n: p.detach() for n, p in module.named_parameters()} if first else {}
     module = shard_transformer(module, mesh, dtype=spec.model.dtype, blocks=fam.block_lists)
     if not first:
         module.to_empty(device=torch.device(mesh.device_type))
