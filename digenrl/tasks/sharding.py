@@ -37,7 +37,7 @@ the moments, and publishes it (:meth:`ShardedTrainer.published`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoup
                                  grad_norm_clip, micro_loss, sampling_copy_update)
 from digenrl.tasks.types import (AdvantageOut, IterationStats, Latents, MicroStats,
                                  PolicyWeights, StepOut)
+
+if TYPE_CHECKING:
+    from diffusers import ModelMixin
 
 __all__ = ["shard_transformer", "sharded_policy", "ShardedTrainer", "local_tensors",
            "local_state_bytes"]
@@ -101,9 +104,10 @@ def sharded_policy(spec: TrainSpec, mesh) -> torch.nn.Module:
     if first:
         module = build_policy(spec.model, spec.trainable, spec.seed)
     else:
-        module = fam.transformer_skeleton()
+        skeleton: ModelMixin = fam.transformer_skeleton()
         if spec.trainable.gradient_checkpointing:
-            module.enable_gradient_checkpointing()
+            skeleton.enable_gradient_checkpointing()
+        module = skeleton
     # Its buffers in model.dtype as the unsharded module holds them (FSDP casts only the
     # parameters it gathers).
     cast_for_forward(module, spec.model, spec.trainable, parameters=False)
