@@ -59,16 +59,21 @@ _SEVERAL_WORKERS_FILES: set = set()
 
 
 def pytest_collection_modifyitems(items):
-    """The files using a cluster of several workers per pool first, then the other files
-    holding slow tests, each file keeping its own order: the suite's processes (``-n 2
-    --dist loadfile --no-loadscope-reorder``) take whole files in this order, so that the
-    long files start early and the processes end together instead of one finishing a
-    long file alone, and so that each process runs the tests of those clusters back to
-    back and then closes them (:func:`pytest_runtest_teardown`)."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    """The files holding a test marked ``first`` (the type check, a minute of one core
+    that uses no cluster), then the files using a cluster of several workers per pool,
+    then the other files holding slow tests, each file keeping its own order: the suite's
+    processes (``-n 2 --dist loadfile --no-loadscope-reorder``) take whole files in this
+    order, so that the long files start early and the processes end together instead of
+    one finishing a long file alone, and so that each process runs the tests of those
+    clusters back to back and then closes them (:func:`pytest_runtest_teardown`)."""
+    def files(marker: str) -> set:
+        return {item.path for item in items if item.get_closest_marker(marker)}
+
+    first, slow = files("first"), files("slow")
     _SEVERAL_WORKERS_FILES.update(item.path for item in items
                                   if set(SEVERAL_WORKERS) & set(item.fixturenames))
-    items.sort(key=lambda item: (item.path not in _SEVERAL_WORKERS_FILES,
+    items.sort(key=lambda item: (item.path not in first,
+                                 item.path not in _SEVERAL_WORKERS_FILES,
                                  item.path not in slow))
 
 
