@@ -5,6 +5,8 @@ of a worker per pool for the session, those of several only while the files usin
 run. Every run registers its own scheduler policy and worker state, so runs never see
 each other's.
 
+Torch computes with one thread in every process of the suite, as on a worker.
+
 Every cluster of the suite -- the session's, the in-process ones, and those of the
 ``digenrl`` and ``dask`` processes the tests start -- runs with Dask's own state
 validation on (each scheduler and worker transition checked), and a test fails if a
@@ -26,6 +28,11 @@ from digenrl.config import ClusterConfig, config_from_dict
 from inprocess import VALIDATING
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# One torch (OpenMP) thread in each of the suite's processes and in those they start, as
+# every worker runs (``cluster.torch_threads``): set before anything imports torch. The
+# suite runs a process per core; with a thread per core in each, their threads waited on
+# each other's cores (the model-family tests took five times the CPU-seconds).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("distributed").setLevel(logging.WARNING)
 dask.config.set(VALIDATING)
 for _key in ("distributed.scheduler.validate", "distributed.worker.validate"):
