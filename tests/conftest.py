@@ -31,7 +31,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 # One torch (OpenMP) thread in each of the suite's processes and in those they start, as
 # every worker runs (``cluster.torch_threads``): set before anything imports torch. The
 # suite runs a process per core; with a thread per core in each, their threads waited on
-# each other's cores (the model-family tests took five times the CPU-seconds).
+# each other's cores (tests/test_families.py took two to five times the CPU-seconds).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("distributed").setLevel(logging.WARNING)
 dask.config.set(VALIDATING)
