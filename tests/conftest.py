@@ -5,6 +5,8 @@ of a worker per pool for the session, those of several only while the files usin
 run. Every run registers its own scheduler policy and worker state, so runs never see
 each other's.
 
+Torch computes with one thread in every process of the suite, as on a worker.
+
 Every cluster of the suite -- the session's, the in-process ones, and those of the
 ``digenrl`` and ``dask`` processes the tests start -- runs with Dask's own state
 validation on (each scheduler and worker transition checked), and a test fails if a
@@ -26,6 +28,11 @@ from digenrl.config import ClusterConfig, config_from_dict
 from inprocess import VALIDATING
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+# One torch (OpenMP) thread in each of the suite's processes and in those they start, as
+# every worker runs (``cluster.torch_threads``): set before anything imports torch. The
+# suite runs a process per core; with a thread per core in each, their threads waited on
+# each other's cores (tests/test_families.py took two to five times the CPU-seconds).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("distributed").setLevel(logging.WARNING)
 dask.config.set(VALIDATING)
 for _key in ("distributed.scheduler.validate", "distributed.worker.validate"):
@@ -59,16 +66,21 @@ _SEVERAL_WORKERS_FILES: set = set()
 
 
 def pytest_collection_modifyitems(items):
-    """The files using a cluster of several workers per pool first, then the other files
-    holding slow tests, each file keeping its own order: the suite's processes (``-n 2
-    --dist loadfile --no-loadscope-reorder``) take whole files in this order, so that the
-    long files start early and the processes end together instead of one finishing a
-    long file alone, and so that each process runs the tests of those clusters back to
-    back and then closes them (:func:`pytest_runtest_teardown`)."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    """The files holding a test marked ``first`` (the type check, a minute of one core
+    that uses no cluster), then the files using a cluster of several workers per pool,
+    then the other files holding slow tests, each file keeping its own order: the suite's
+    processes (``-n 2 --dist loadfile --no-loadscope-reorder``) take whole files in this
+    order, so that the long files start early and the processes end together instead of
+    one finishing a long file alone, and so that each process runs the tests of those
+    clusters back to back and then closes them (:func:`pytest_runtest_teardown`)."""
+    def files(marker: str) -> set:
+        return {item.path for item in items if item.get_closest_marker(marker)}
+
+    first, slow = files("first"), files("slow")
     _SEVERAL_WORKERS_FILES.update(item.path for item in items
                                   if set(SEVERAL_WORKERS) & set(item.fixturenames))
-    items.sort(key=lambda item: (item.path not in _SEVERAL_WORKERS_FILES,
+    items.sort(key=lambda item: (item.path not in first,
+                                 item.path not in _SEVERAL_WORKERS_FILES,
                                  item.path not in slow))
 
 

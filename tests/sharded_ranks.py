@@ -2,7 +2,8 @@
 ``python sharded_ranks.py RANK WORLD PORT OUT`` (gloo on 127.0.0.1), each rank trains its
 chunks sharded (:mod:`digenrl.tasks.sharding`) and rank 0 saves what it gathered to OUT.
 With ``checkpoint STORE`` after them (2 ranks), they run the sharded checkpoint's steps instead
-(:func:`_checkpoint_run`).
+(:func:`_checkpoint_run`); with ``both STORE``, the training and then the checkpoint's steps,
+all in one file (:func:`shared_launch`: one launch for the tests of both).
 
 Flow-GRPO: three chunks over two ranks (rank 0 trains chunks 0 and 2, rank 1 chunk 1 and
 then adds zero through chunk 1 again), three optimizer steps on the same chunks, twice
@@ -11,6 +12,7 @@ from version 0. DiffusionNFT: two chunks, one per rank, the first iteration's gr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
@@ -71,6 +73,62 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> None:
                 p.wait(timeout=30)
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-3000:]}"
+
+
+class SharedLaunch:
+    """What 2 ranks run with ``both STORE`` (:func:`shared_launch`), launched once per
+    suite: the process that asks first starts the ranks and holds a lock on the folder
+    of the suite's processes until they end; one that asks meanwhile waits on that lock
+    in :meth:`result`, and one that asks later reads the file."""
+
+    def __init__(self, folder: Path, timeout: float):
+        self.store, self.out = folder / "run.zarr", folder / "rank0.pt"
+        self.timeout = timeout
+        self.lock = open(folder / "lock", "w")
+        self.procs: list[subprocess.Popen] = []
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return   # another process runs them: result() waits for its lock
+        if self.out.exists():
+            return
+        from digenrl.config import config_to_dict
+        from digenrl.store import RunStore
+
+        if self.store.exists():   # a launch that failed part-way: start it anew
+            import shutil
+
+            shutil.rmtree(self.store)
+        RunStore.create(self.store, {"config": config_to_dict(config("flow_grpo", 3))})
+        partial = self.out.with_suffix(".partial")
+        self.procs = start(2, partial, "both", str(self.store))
+
+    def result(self) -> dict:
+        """What rank 0 gathered (failing with a rank's log if a rank failed)."""
+        try:
+            if self.procs:
+                finish(self.procs, self.timeout)
+                self.out.with_suffix(".partial").rename(self.out)
+            else:
+                fcntl.flock(self.lock, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+        assert self.out.exists(), "the sharded ranks' launch failed in another process"
+        return torch.load(self.out, weights_only=False)
+
+
+def shared_launch(tmp_path_factory, timeout: float) -> SharedLaunch:
+    """The ranks of ``both STORE``, started (or found running, or done) in a folder all
+    the suite's processes share (pytest-xdist's workers take their temporary folders
+    inside one): the sharded training and the sharded checkpoint's tests read one launch
+    whichever process runs them, instead of each importing torch into ranks of its own.
+    ``result()`` waits for them."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder = shared / "sharded-ranks"
+    folder.mkdir(exist_ok=True)
+    return SharedLaunch(folder, timeout)
 
 
 def chunk_ids(c: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -192,7 +250,10 @@ def _nft_grads(rank: int, mesh):
     return _full_grads(trainer.module)
 
 
-def main(rank: int, world: int, port: int, out: str, store: str | None = None) -> None:
+def main(rank: int, world: int, port: int, out: str, mode: str | None = None,
+         store: str | None = None) -> None:
+    """``mode`` None: the training; ``checkpoint``: the checkpoint's steps in ``store``;
+    ``both``: the one and then the other."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -201,20 +262,20 @@ def main(rank: int, world: int, port: int, out: str, store: str | None = None) -
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        if store is not None:
-            got = _checkpoint_run(rank, mesh, store)
-            if rank == 0:
-                torch.save(got, out)
-            return
-        runs = [_flow_run(rank, mesh) for _ in range(2)]
-        nft = _nft_grads(rank, mesh)
-        bf16 = _flow_run(rank, mesh, "bfloat16", steps=1)
+        got: dict = {}
+        if mode != "checkpoint":
+            got["flow"] = [_flow_run(rank, mesh) for _ in range(2)]
+            got["nft"] = _nft_grads(rank, mesh)
+            got["bf16"] = _flow_run(rank, mesh, "bfloat16", steps=1)
+        if mode is not None:
+            assert store is not None and mode in ("checkpoint", "both"), (mode, store)
+            got.update(_checkpoint_run(rank, mesh, store))
         if rank == 0:
-            torch.save({"flow": runs, "nft": nft, "bf16": bf16}, out)
+            torch.save(got, out)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-         sys.argv[6] if len(sys.argv) > 5 and sys.argv[5] == "checkpoint" else None)
+         *sys.argv[5:7])

@@ -12,28 +12,23 @@ import pytest
 import torch
 
 from digenrl.commands.export import export, stored_versions
-from digenrl.config import config_to_dict
 from digenrl.models import family
 from digenrl.models.base import diffusers_class
-from digenrl.store import RunStore, StoreError
+from digenrl.store import StoreError
 from digenrl.store.sharded import (PARTS, drop_sharded, load_sharded, read_sharded, sharded_checkpoints,
                                    sharded_folder, state_key)
 
 import sharded_ranks as sr
-from test_sharding import relative
-
-TIMEOUT_S = 240
+from test_sharding import TIMEOUT_S, relative
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(the store, what rank 0 gathered at 2 ranks, what it gathered alone)."""
-    tmp = tmp_path_factory.mktemp("dcp")
-    store, out = tmp / "run.zarr", tmp / "rank0.pt"
-    RunStore.create(store, {"config": config_to_dict(sr.config("flow_grpo", 3))})
-    sr.finish(sr.start(2, out, "checkpoint", str(store)), TIMEOUT_S)
-    got = torch.load(out, weights_only=False)
-    return store, got["two"], got["one"]
+    """(the store, what rank 0 gathered at 2 ranks, what it gathered alone): from the
+    ranks launched once for this file and tests/test_sharding.py."""
+    launch = sr.shared_launch(tmp_path_factory, TIMEOUT_S)
+    got = launch.result()
+    return launch.store, got["two"], got["one"]
 
 
 def test_a_sharded_checkpoint_is_recorded_in_the_store(runs):

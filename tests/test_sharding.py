@@ -15,8 +15,8 @@ from digenrl.tasks import train
 
 import sharded_ranks as sr
 
-WORLD = 2
-TIMEOUT_S = 240
+#: How long the ranks of both files' launch may take.
+TIMEOUT_S = 480
 
 
 def unsharded():
@@ -54,15 +54,15 @@ def unsharded():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(what rank 0 of the sharded ranks gathered, the unsharded results): the ranks run
-    while this process computes the unsharded ones."""
-    out = tmp_path_factory.mktemp("sharded") / "rank0.pt"
-    procs = sr.start(WORLD, out)
+    """(what rank 0 of the sharded ranks gathered, the unsharded results): the ranks
+    (launched once for this file and tests/test_sharded_checkpoints.py) run while this
+    process computes the unsharded ones."""
+    launch = sr.shared_launch(tmp_path_factory, TIMEOUT_S)
     try:
         want = unsharded()
     finally:
-        sr.finish(procs, TIMEOUT_S)
-    return torch.load(out, weights_only=False), want
+        got = launch.result()
+    return got, want
 
 
 def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
