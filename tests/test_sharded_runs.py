@@ -2,9 +2,10 @@
 trainers form a gloo group and every micro-step, optimizer step and checkpoint is a gang
 of tasks, one per trainer. Against the unsharded run of the same config: the rewards,
 each iteration's gradient norm and the weights' change agree (every algorithm, in
-``digenrl`` and ``colocated`` modes); the same sharded run twice is the same bits; a
-stopped run resumes from its sharded checkpoint, on the same or another number of
-trainers."""
+``digenrl`` and ``colocated`` modes); a run that loses a trainer mid-step resumes itself
+from its sharded checkpoint and gives the same bits as the undisturbed run of the same
+config (so the same sharded run twice is the same bits, and resuming changes none); a
+stopped run resumes on another number of trainers."""
 
 from __future__ import annotations
 
@@ -114,15 +115,6 @@ def test_a_sharded_run_agrees_with_the_unsharded_one(runs, case):
     assert sorted(sharded_checkpoints(path)) == complete_checkpoints(ref_path)
 
 
-@pytest.mark.slow
-def test_a_sharded_run_is_the_same_bits_twice(runs, tmp_path, cluster_2x2):
-    path, ds, weights = runs("diffusion_nft-digenrl", "fsdp")
-    again = tmp_path / "again.zarr"
-    result = Runner(config("diffusion_nft-digenrl", "fsdp"), str(again),
-                    cluster=cluster_2x2).run()
-    assert_same_bits(open_run(again), ds, result.final_weights, weights)
-
-
 def assert_same_bits(ds, ref, weights, ref_weights) -> None:
     for name in ("reward", "advantage", "behaviour_version"):
         assert np.array_equal(ds["samples"][name].values, ref["samples"][name].values), name
@@ -132,23 +124,6 @@ def assert_same_bits(ds, ref, weights, ref_weights) -> None:
     assert weights.version == ref_weights.version
     assert all(torch.equal(weights.tensors[n], ref_weights.tensors[n])
                for n in ref_weights.tensors)
-
-
-@pytest.mark.slow
-def test_a_stopped_sharded_run_resumes_from_its_sharded_checkpoint(runs, tmp_path,
-                                                                   cluster_2x2):
-    """Two iterations, then resumed to three: the same bits as the uninterrupted run (its
-    gang reads version 2's sharded checkpoint, and the older versions it reads are read
-    whole from theirs)."""
-    _, ref, ref_weights = runs("flow_grpo-kl-digenrl", "fsdp")
-    path = tmp_path / "run.zarr"
-    Runner(config("flow_grpo-kl-digenrl", "fsdp", iterations=2), str(path),
-           cluster=cluster_2x2).run()
-    # The KL reference, the version iteration 2's stale rollouts read, and version 2.
-    assert sorted(sharded_checkpoints(path)) == [0, 1, 2]
-    result = Runner(config("flow_grpo-kl-digenrl", "fsdp"), str(path), resume=True,
-                    cluster=cluster_2x2).run()
-    assert_same_bits(open_run(path), ref, result.final_weights, ref_weights)
 
 
 @pytest.mark.slow
