@@ -146,7 +146,6 @@ class GraphContext:
         }
         return table[node.op]
 
-
     def _sharded_binding(self, node: Node) -> tuple[Callable, tuple] | None:
         """A sharded run's own tasks: its gangs' steps, and the publish and statistics
         read off their member 0 (None for the tasks it shares with every run)."""

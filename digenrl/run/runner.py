@@ -179,14 +179,18 @@ class RLWorkload:
         if self.config.train.sharding == "fsdp":
             self._gang(client)
 
-    def _gang(self, client) -> tuple[str, ...]:
+    def training_pool(self, client) -> tuple[str, ...]:
         """The workers of the pool that trains (the trainer pool, or every worker in
         colocated mode), in the gang rule's order of a pool: by name."""
         pools = pools_served(pool_counts(client), self.options.pools)
-        pool = TRAINER if self.options.pools else COLOCATED
-        members = tuple(sorted(pools[pool]))
+        return tuple(sorted(pools[TRAINER if self.options.pools else COLOCATED]))
+
+    def _gang(self, client) -> tuple[str, ...]:
+        """:meth:`training_pool`, refused in one line below two workers."""
+        members = self.training_pool(client)
         require(len(members) >= 2, "train.sharding",
-                f"fsdp over at least 2 workers of the {pool} pool (the cluster has "
+                f"fsdp over at least 2 workers of the "
+                f"{TRAINER if self.options.pools else COLOCATED} pool (the cluster has "
                 f"{len(members)})", "fsdp")
         return members
 
@@ -518,7 +522,6 @@ class Runner:
         assert shard is not None        # (a sharded run's gang failed)
         deadline = time.monotonic() + self.config.cluster.collective_timeout
         while time.monotonic() < deadline:
-            pools = pools_served(pool_counts(client), self.workload.options.pools)
-            if len(pools[TRAINER if self.workload.options.pools else COLOCATED]) >= shard.size:
+            if len(self.workload.training_pool(client)) >= shard.size:
                 return
             time.sleep(0.2)

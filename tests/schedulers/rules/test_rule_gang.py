@@ -117,6 +117,9 @@ def test_a_member_lost_mid_gang_takes_the_others_back_and_the_gang_runs_again_wh
     assert (lost.verb, lost.rule) == ("lost", "gang")
     assert lost.reason == ("member 1 of gang 4 must run again: the gang's step fails, and "
                            "runs again together")
+    # Noted once, for a driver whose gang keeps state between steps.
+    assert p.rule(Gang).failed == [f"gang 4's step failed: member 1 ({members[1].key!r}) "
+                                   f"must run again after the others ran"]
     for m in members[:2]:
         p.task_ready(m.key)
     assert p.decide() == []                              # two of three ready
