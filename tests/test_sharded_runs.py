@@ -9,10 +9,6 @@ stopped run resumes on another number of trainers."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -20,10 +16,10 @@ import torch
 from digenrl.graph.build import GraphContext
 from digenrl.run.runner import Runner
 from digenrl.store import open_run, read_attrs
-from digenrl.store.checkpoints import complete_checkpoints
+from digenrl.store.checkpoints import complete_checkpoints, read_weights
 from digenrl.store.sharded import sharded_checkpoints
 from digenrl.tasks.train import init_state
-from digenrl.vocabulary import GRAD, OPTIMIZE, REDUCE
+from digenrl.vocabulary import GRAD, OPTIMIZE, REDUCE, TRAINER
 
 from conftest import DETERMINISTIC_METRICS, small_config
 
@@ -115,17 +111,6 @@ def test_a_sharded_run_agrees_with_the_unsharded_one(runs, case):
     assert sorted(sharded_checkpoints(path)) == complete_checkpoints(ref_path)
 
 
-def assert_same_bits(ds, ref, weights, ref_weights) -> None:
-    for name in ("reward", "advantage", "behaviour_version"):
-        assert np.array_equal(ds["samples"][name].values, ref["samples"][name].values), name
-    for name in DETERMINISTIC_METRICS:
-        assert np.array_equal(ds["metrics"][name].values, ref["metrics"][name].values,
-                              equal_nan=True), name
-    assert weights.version == ref_weights.version
-    assert all(torch.equal(weights.tensors[n], ref_weights.tensors[n])
-               for n in ref_weights.tensors)
-
-
 @pytest.mark.slow
 def test_a_sharded_run_resumes_on_another_number_of_trainers(runs, tmp_path, cluster_1x1,
                                                              cluster_2x2):
@@ -173,31 +158,26 @@ def test_a_trainer_killed_in_a_gang_step_costs_the_run_nothing(runs, tmp_path, k
     optimizer step: the gang's step fails (the survivor's collective at once), the run
     forms a new gang once the nanny's new process has joined, resumes from its newest
     sharded checkpoint and stores every iteration once, the same bits as the undisturbed
-    run. Bounded: the run must end within 300 s of the kill (a collective waits at most
-    ``cluster.collective_timeout``, 30 s here)."""
-    from test_worker_loss import _in_background, _processing
+    run (its samples, metrics and final weights as stored). Bounded: the run must end
+    within 300 s of the kill (a collective waits at most ``cluster.collective_timeout``,
+    30 s here)."""
+    from test_worker_loss import run_killing
 
     _, ref, ref_weights = runs("flow_grpo-kl-digenrl", "fsdp")
-    client = cluster_2x2.client
-    names = {a: str(w["name"]) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
-    [victim] = [a for a, n in names.items() if n == "trainer-1"]
     path = tmp_path / "run.zarr"
-    run = _in_background(Runner(config("flow_grpo-kl-digenrl", "fsdp"), str(path),
-                                cluster=cluster_2x2).run)
-    deadline = time.monotonic() + 300
-    while True:
-        assert not run.done(), f"the run ended before a {kind} member ran on trainer-1"
-        assert time.monotonic() < deadline, "timed out waiting for the moment to kill"
-        keys = client.run_on_scheduler(_processing, address=victim)
-        if any(k[0] == kind and len(k) > 2 and k[1] >= KILL_FROM for k in keys):
-            os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    result = run.result(timeout=300)
-    client.wait_for_workers(4, timeout=120)     # (the next tests use the whole cluster)
+    run_killing(cluster_2x2, path, TRAINER, kind, KILL_FROM,
+                config("flow_grpo-kl-digenrl", "fsdp"), worker="trainer-1", bound=300.0)
     ds = open_run(path)
     assert ds["metrics"].sizes["iteration"] == 3
-    assert_same_bits(ds, ref, result.final_weights, ref_weights)
+    for name in ("reward", "advantage", "behaviour_version"):
+        assert np.array_equal(ds["samples"][name].values, ref["samples"][name].values), name
+    for name in DETERMINISTIC_METRICS:
+        assert np.array_equal(ds["metrics"][name].values, ref["metrics"][name].values,
+                              equal_nan=True), name
+    version, weights = read_weights(path)
+    assert version == ref_weights.version
+    assert all(torch.equal(torch.from_numpy(weights[n]), ref_weights.tensors[n])
+               for n in ref_weights.tensors)
     # Resumed once, by the run itself, at an iteration the kill left uncommitted.
     [resumed] = read_attrs(path)["resumed"]
     assert KILL_FROM <= resumed["at_iteration"] < 3

@@ -52,9 +52,11 @@ def _processing(dask_scheduler, address):
     return [ts.key for ts in ws.processing] if ws is not None else []
 
 
-def _pool_worker(client, pool: str) -> str:
+def _pool_worker(client, pool: str, name: str | None = None) -> str:
+    """The address of the ``pool`` worker named ``name`` (None: the pool's only one)."""
     [address] = [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-                 if (w.get("resources") or {}).get(pool)]
+                 if (w.get("resources") or {}).get(pool)
+                 and (name is None or str(w.get("name")) == name)]
     return address
 
 
@@ -91,12 +93,16 @@ def _all_processing(dask_scheduler):
 
 
 def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=None,
-                before: int | None = None):
-    """Run ``cfg`` (default: the reference config); SIGKILL the ``pool`` worker while it
-    computes a ``kind`` task of iteration ``min_iteration`` or later (and before
-    ``before``). Returns the killed worker's address and the keys it was computing."""
+                before: int | None = None, worker: str | None = None,
+                bound: float = 600.0):
+    """Run ``cfg`` (default: the reference config); SIGKILL the ``pool`` worker (named
+    ``worker``; None: the pool's only one) while it computes a ``kind`` task of iteration
+    ``min_iteration`` or later (and before ``before``), wait at most ``bound`` seconds
+    for the run to end, and until the cluster has as many workers again. Returns the
+    killed worker's address and the keys it was computing."""
     client = cluster.client
-    address = _pool_worker(client, pool)
+    address = _pool_worker(client, pool, worker)
+    count = len(client.scheduler_info(n_workers=-1)["workers"])
     cfg = cfg or small_config(iterations=REFERENCE_ITERATIONS)
     run = _in_background(Runner(cfg, str(path), cluster=cluster).run)
     deadline = time.monotonic() + 300
@@ -115,13 +121,13 @@ def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=Non
             break
         time.sleep(0.01)
     try:
-        run.result(timeout=600)
+        run.result(timeout=bound)
     except TimeoutError:  # (concurrent.futures raises the builtin since 3.11)
         stuck = client.run_on_scheduler(_all_processing)
-        raise AssertionError(f"the run did not finish within 600 s of the kill; "
+        raise AssertionError(f"the run did not finish within {bound:.0f} s of the kill; "
                              f"processing per worker: {stuck}") from None
     # The nanny's new process joins again (the next tests use the whole cluster).
-    client.wait_for_workers(2, timeout=120)
+    client.wait_for_workers(count, timeout=120)
     return address, hit
 
 

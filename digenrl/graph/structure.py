@@ -483,10 +483,9 @@ def sharded_train_nodes(layout: GraphLayout, plan: IterationPlan, made: Key) -> 
     optimizer step (:func:`sharded_tail_nodes`) reads."""
     i, k = plan.iteration, layout.shards
     out = advantage_nodes(layout, plan)
-    steps: list[Node] = []
-    _micro_steps(layout, plan, None, steps)
-    units = [n for n in steps if n.op == GRAD]
-    rounds = -(-len(units) // k)
+    units: list[Node] = []      # (sharded: the micro-steps alone, no trained task)
+    _micro_steps(layout, plan, None, units)
+    rounds = sharded_rounds(layout, plan)
     for r in range(rounds):
         for m in range(k):
             u = r * k + m

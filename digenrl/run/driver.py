@@ -784,14 +784,11 @@ class Pipeline:
         tail is in, its outputs are computed and checkpoint ``i + 1`` is written (where
         the run writes it). A task's error is raised here. After each ``STALL_POLL``
         seconds without progress, ``stalled()`` says why the run can no longer progress
-        (None while it can), and :class:`RunStalled` is raised with that. A sharded run
-        asks ``gang_failed()`` at every wake whether a gang step failed (the trainers'
-        state is then not whole) and raises :class:`GangLost` with its line."""
+        (None while it can), and :class:`RunStalled` is raised with that; a sharded run
+        first asks ``gang_failed()`` whether a gang step failed (the trainers' state is
+        then not whole: what it waits for will not come) and raises :class:`GangLost`
+        with its line."""
         while True:
-            if self.sharded:
-                why = gang_failed()
-                if why:
-                    raise GangLost(why)
             self._note_checkpoints(i)
             self.submit_ready(i)
             it = self.pieces.iteration(i)
@@ -821,6 +818,9 @@ class Pipeline:
                 try:
                     wait(waiting, timeout=STALL_POLL, return_when="FIRST_COMPLETED")
                 except TimeoutError:
+                    failed = gang_failed() if self.sharded else None
+                    if failed:
+                        raise GangLost(failed) from None
                     why = stalled()
                     if why:
                         raise RunStalled(f"run stalled at iteration {i}: {why}") from None

@@ -42,7 +42,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from digenrl.store.sharded import read_sharded
 from digenrl.tasks import collective
+from digenrl.tasks.checkpoint import SAMPLING_PART
 from digenrl.tasks.collective import CollectiveError
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
@@ -264,9 +266,6 @@ def read_published(store: str, sampling_copy: bool, version: int) -> ShardedOut:
     """Version ``version``'s published weights read whole from its sharded checkpoint in
     one process (an older version a resumed run retains: the KL reference, the weights
     its first stale rollouts read)."""
-    from digenrl.store.sharded import read_sharded
-    from digenrl.tasks.checkpoint import SAMPLING_PART
-
     parts, _ = read_sharded(store, version)
     part = SAMPLING_PART if sampling_copy else "params"
     tensors = {n: t.float() for n, t in parts[part].items()}
