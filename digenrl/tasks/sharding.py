@@ -250,9 +250,9 @@ class ShardedTrainer:
 
     def global_norm(self, grads: dict[str, torch.Tensor]) -> float:
         """The norm of the whole gradient: the shards' squared norms, all-reduced."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)  # (NCCL: on the GPU)
         for g in grads.values():
-            sq += torch.linalg.vector_norm(g).double().cpu() ** 2
+            sq += torch.linalg.vector_norm(g).double() ** 2
         dist.all_reduce(sq, group=self.group)
         return float(sq.sqrt())
 
