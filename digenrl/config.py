@@ -733,6 +733,8 @@ class RewardConfig:
 
 #: ``train.sharding``: the trainer state whole on every trainer, or sharded (FSDP2).
 SHARDINGS = ("none", "fsdp")
+#: ``train.weight_sync``: how a new version's weights reach the workers that generate.
+WEIGHT_SYNCS = ("auto", "dask", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -775,6 +777,10 @@ class TrainConfig:
     """Recompute each transformer block's activations in the backward pass instead of keeping them (less memory, more compute)."""
     sharding: str = "none"
     """none: every trainer holds the whole trainer state; fsdp: weights, gradients and AdamW moments sharded (FSDP2) over the workers that train (the trainer pool, at least 2 workers; in colocated mode every worker), each micro-step, optimizer step and checkpoint a collective step of all of them (docs/algorithm.md, "Sharded training (FSDP2)"). Full-parameter training only (lora_rank 0)."""
+    weight_sync: str = "auto"
+    """How each new version's weights reach the workers that generate with it. dask: as Dask data from the trainer that made it (LoRA adapters, the built-in model); broadcast: over the sharded gang's collective group, which then spans every worker of the run, from the first trainer to every other worker in buckets of sync_bucket_mb, each loading them into its resident transformer in place, only the version and its manifest travelling through Dask (docs/architecture.md, "Publishing by broadcast"); needs sharding fsdp. auto: broadcast with sharding fsdp, dask otherwise."""
+    sync_bucket_mb: float = 512.0
+    """With weight_sync broadcast: MiB of weights per broadcast bucket (one is filled while the last is in flight)."""
 
     def validate(self, p: str) -> None:
         finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -797,6 +803,17 @@ class TrainConfig:
         require(all(isinstance(t, str) and t for t in self.lora_targets), f"{p}.lora_targets",
                  "a list of module names", list(self.lora_targets))
         choice(self.sharding, f"{p}.sharding", SHARDINGS)
+        choice(self.weight_sync, f"{p}.weight_sync", WEIGHT_SYNCS)
+        require(self.weight_sync != "broadcast" or self.sharding == "fsdp",
+                f"{p}.weight_sync", "dask or auto without sharding fsdp (a broadcast goes "
+                "from a sharded gang's first trainer)", self.weight_sync)
+        finite(self.sync_bucket_mb, f"{p}.sync_bucket_mb", 0.0, lo_open=True)
+
+    @property
+    def broadcasts(self) -> bool:
+        """Whether new versions are published by collective broadcast (weight_sync)."""
+        return self.weight_sync == "broadcast" or (self.weight_sync == "auto"
+                                                   and self.sharding == "fsdp")
 
 
 # ------------------------------------------------------------------------ schedule

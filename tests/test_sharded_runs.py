@@ -19,7 +19,7 @@ from digenrl.store import open_run, read_attrs
 from digenrl.store.checkpoints import complete_checkpoints, read_weights
 from digenrl.store.sharded import sharded_checkpoints
 from digenrl.tasks.train import init_state
-from digenrl.vocabulary import GRAD, OPTIMIZE, REDUCE, TRAINER
+from digenrl.vocabulary import GRAD, INIT, OPTIMIZE, PUBLISH, REDUCE, ROLLOUT, TRAINER
 
 from conftest import DETERMINISTIC_METRICS, small_config
 
@@ -48,26 +48,43 @@ def config(case: str, sharding: str, **overrides):
 
 
 #: The runs made so far in this process: (case, sharding, overrides) -> (store path, the
-#: store opened, the final weights).
+#: store opened, the final weights, what each worker held of them when the run ended).
 _MADE: dict = {}
 
 
 @pytest.fixture
 def runs(tmp_path_factory, cluster_1x1, cluster_2x2):
     """``runs(case, sharding, **overrides)``: the run of that config on its case's cluster
-    (its store's path, the store opened and its final weights), made once."""
+    (its store's path, the store opened, its final weights, and each worker's resident
+    weights of the final version, by name), made once."""
     clusters = {"cluster_1x1": cluster_1x1, "cluster_2x2": cluster_2x2}
 
     def get(case: str, sharding: str, **overrides):
         key = (case, sharding, tuple(sorted(overrides.items())))
         if key not in _MADE:
             path = tmp_path_factory.mktemp("sharded") / "run.zarr"
+            cluster = clusters[CASES[case][2]]
             result = Runner(config(case, sharding, **overrides), str(path),
-                            cluster=clusters[CASES[case][2]]).run()
-            _MADE[key] = (str(path), open_run(path), result.final_weights)
+                            cluster=cluster).run()
+            _MADE[key] = (str(path), open_run(path), result.final_weights,
+                          held_by_worker(cluster.client, result.final_weights))
         return _MADE[key]
 
     return get
+
+
+def held_by_worker(client, weights) -> dict[str, dict[str, torch.Tensor] | None]:
+    """What each worker computes with for the version ``weights`` are (its resident
+    transformer's trainable tensors; None where it holds none), by worker name."""
+    version, copy = weights.version, weights.sampling_copy
+
+    def loaded(dask_worker):
+        from digenrl.tasks.resident import PLUGIN_NAME
+
+        models = dask_worker.plugins[PLUGIN_NAME].models   # (the run's resident state)
+        return str(dask_worker.name), models.loaded(version, copy)
+
+    return dict(client.run(loaded).values())
 
 
 def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -85,8 +102,8 @@ def test_a_sharded_run_agrees_with_the_unsharded_one(runs, case):
     change (norm of the difference over the norm); micro-steps ran on every member of
     the gang, with no reduction tasks; the store holds the sharded checkpoints of the
     versions the unsharded run keeps checkpoints of, and no other checkpoints."""
-    path, ds, weights = runs(case, "fsdp")
-    ref_path, ref, ref_weights = runs(case, "none")
+    path, ds, weights, _ = runs(case, "fsdp")
+    ref_path, ref, ref_weights, _ = runs(case, "none")
     reward, ref_reward = ds["samples"]["reward"].values, ref["samples"]["reward"].values
     assert reward.shape == ref_reward.shape == (3, 4)
     assert np.abs(reward - ref_reward).max() <= 1e-4
@@ -112,12 +129,67 @@ def test_a_sharded_run_agrees_with_the_unsharded_one(runs, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["flow_grpo-kl-digenrl", "awm-colocated"])
+def test_each_version_is_broadcast_to_every_worker_and_none_travels_through_dask(runs,
+                                                                                case):
+    """A sharded run publishes by broadcast (``train.weight_sync: auto``): every worker
+    of the run (the rollout pool's and every trainer) holds the final version, the same
+    bits as the trainers' full weights of it (its sharded checkpoint); no task's result
+    carries weights, while the unsharded run's ``publish`` results are the weights."""
+    _, ds, weights, held = runs(case, "fsdp")
+    _, ref, ref_weights, _ = runs(case, "none")
+    workers = {"cluster_2x2": ["rollout-0", "rollout-1", "trainer-0", "trainer-1"],
+               "cluster_1x1": ["rollout-0", "trainer-0"]}[CASES[case][2]]
+    assert sorted(held) == workers
+    for name in workers:
+        got = held[name]
+        assert got is not None, name
+        assert sorted(got) == sorted(weights.tensors)
+        assert all(torch.equal(got[n], weights.tensors[n]) for n in got), name
+    size = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+
+    def largest(store, kinds) -> int:
+        tasks = store["tasks"]
+        kind = np.array([str(k) for k in tasks["kind"].values])
+        return int(tasks["nbytes"].values[np.isin(kind, kinds)].max())
+
+    assert largest(ref, [PUBLISH]) >= size
+    assert largest(ds, [PUBLISH, OPTIMIZE, INIT]) < size / 20
+    assert ds["metrics"]["weight_sync_bytes"].values[-1] == size
+
+
+@pytest.mark.slow
+def test_a_worker_outside_the_group_reads_a_broadcast_version_from_its_checkpoint(runs):
+    """A process that did not receive a broadcast version (a worker that joined the pool
+    later) computes with it as read from the version's sharded checkpoint, the same bits
+    as the workers that received it; a version without a checkpoint is one line."""
+    from digenrl.tasks.resident import ResidentModels
+    from digenrl.tasks.types import PolicyWeights
+
+    path, _, weights, held = runs("flow_grpo-kl-digenrl", "fsdp")
+    spec = GraphContext.from_config(config("flow_grpo-kl-digenrl", "fsdp")).rollout
+    models = ResidentModels(spec.model, spec.model_seed, trainable=spec.trainable)
+    kept = sorted(sharded_checkpoints(path))
+    assert weights.version in kept
+    models.policy(PolicyWeights(weights.version, {}, held=True, store=path))
+    got = models.loaded(weights.version)
+    assert got is not None
+    assert all(torch.equal(got[n], held["rollout-0"][n]) for n in got)
+    missing = next(v for v in range(weights.version) if v not in kept)
+    with pytest.raises(RuntimeError) as e:
+        models.policy(PolicyWeights(missing, {}, held=True, store=path))
+    assert str(e.value).startswith(f"policy version {missing}: expected it in this "
+                                   f"worker's resident transformer")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
 def test_a_sharded_run_resumes_on_another_number_of_trainers(runs, tmp_path, cluster_1x1,
                                                              cluster_2x2):
     """A colocated run of two iterations sharded over the 2 workers of one cluster,
     resumed on the 4 of another: its third iteration within the bars of an unsharded
     run of the uninterrupted one (the checkpoint resharded from 2 ranks to 4)."""
-    _, ref, ref_weights = runs("awm-colocated", "fsdp")
+    _, ref, ref_weights, _ = runs("awm-colocated", "fsdp")
     path = tmp_path / "run.zarr"
     Runner(config("awm-colocated", "fsdp", iterations=2), str(path),
            cluster=cluster_1x1).run()
@@ -151,22 +223,26 @@ KILL_FROM = 1
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [GRAD, OPTIMIZE])
-def test_a_trainer_killed_in_a_gang_step_costs_the_run_nothing(runs, tmp_path, kind,
-                                                               cluster_1x1, cluster_2x2):
+@pytest.mark.parametrize("kind, pool, worker", [(GRAD, TRAINER, "trainer-1"),
+                                                (OPTIMIZE, TRAINER, "trainer-1"),
+                                                (PUBLISH, ROLLOUT, "rollout-1")])
+def test_a_worker_killed_in_a_gang_step_costs_the_run_nothing(runs, tmp_path, kind, pool,
+                                                              worker, cluster_1x1,
+                                                              cluster_2x2):
     """A trainer SIGKILLed while it computes its part of a micro-step round, or of an
-    optimizer step: the gang's step fails (the survivor's collective at once), the run
-    forms a new gang once the nanny's new process has joined, resumes from its newest
-    sharded checkpoint and stores every iteration once, the same bits as the undisturbed
-    run (its samples, metrics and final weights as stored). Bounded: the run must end
-    within 300 s of the kill (a collective waits at most ``cluster.collective_timeout``,
-    30 s here)."""
+    optimizer step, or a rollout worker while it receives a version's broadcast: the
+    gang's step fails (the survivors' collectives at once, or within the group's
+    timeout), the run forms a new gang once the nanny's new process has joined, resumes
+    from its newest sharded checkpoint and stores every iteration once, the same bits as
+    the undisturbed run (its samples, metrics and final weights as stored). Bounded: the
+    run must end within 300 s of the kill (a collective waits at most
+    ``cluster.collective_timeout``, 30 s here)."""
     from test_worker_loss import run_killing
 
-    _, ref, ref_weights = runs("flow_grpo-kl-digenrl", "fsdp")
+    _, ref, ref_weights, _ = runs("flow_grpo-kl-digenrl", "fsdp")
     path = tmp_path / "run.zarr"
-    run_killing(cluster_2x2, path, TRAINER, kind, KILL_FROM,
-                config("flow_grpo-kl-digenrl", "fsdp"), worker="trainer-1", bound=300.0)
+    run_killing(cluster_2x2, path, pool, kind, KILL_FROM,
+                config("flow_grpo-kl-digenrl", "fsdp"), worker=worker, bound=300.0)
     ds = open_run(path)
     assert ds["metrics"].sizes["iteration"] == 3
     for name in ("reward", "advantage", "behaviour_version"):

@@ -157,10 +157,13 @@ class GraphContext:
         if node.op == RESTORE:
             return sharded_steps.read_published, (shard.store,
                                                   self.train.algorithm.sampling_copy)
+        if node.op == PUBLISH and member:
+            return sharded_steps.publish_member, (self.train, shard)
         table: dict[str, tuple[Callable, tuple]] = {
             GRAD: (sharded_steps.micro_step, (self.train, shard)),
             OPTIMIZE: (sharded_steps.optimizer_step, (self.train, shard)),
-            PUBLISH: (sharded_steps.published, ()),
+            PUBLISH: ((sharded_steps.announced, (self.train, shard)) if shard.broadcast
+                      else (sharded_steps.published, ())),
             STATS: (sharded_steps.statistics, ()),
         }
         return table.get(node.op)

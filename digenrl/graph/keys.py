@@ -20,7 +20,7 @@ __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "encode_key", "noise_key",
            "denoise_key", "decode_key", "reward_key", "group_reward_key", "advantage_key",
            "grad_key", "reduce_key", "optimize_key", "publish_key", "trained_key",
            "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key",
-           "member_key", "round_key", "gang_id", "MAKING_STEP"]
+           "member_key", "round_key", "gang_id", "MAKING_STEP", "PUBLISHING_STEP"]
 
 
 #: The trainer state of version 0.
@@ -131,6 +131,8 @@ def round_key(iteration: int, round_: int) -> Key:
 #: The step of :func:`gang_id` that makes a policy version (the optimizer step, or the
 #: initial state); the rounds of micro-steps are steps ``0 ..`` below it.
 MAKING_STEP = 999_999
+#: The step of :func:`gang_id` that publishes a policy version by collective broadcast.
+PUBLISHING_STEP = MAKING_STEP - 1
 
 
 def gang_id(iteration: int, step: int) -> int:
@@ -146,20 +148,24 @@ def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | Non
               timestep: int | None = None, chunk: int | None = None,
               group: int | None = None, behaviour_version: int | None = None,
               samples: int = 0, sde: bool | None = None,
-              gang: tuple[int, int, int] | None = None) -> dict[str, Any]:
+              gang: tuple[int, ...] | None = None) -> dict[str, Any]:
     """The annotation of one task (plain data: it travels to the scheduler). ``sde``: of
     a ``denoise`` step, whether it is an SDE step (recording a log-probability) or an
     ODE step (None for every other kind). ``gang``: ``(gang id, member index, size)``
     of a task that is one member's part of a collective step: the scheduler releases a
     gang's ``size`` members together, member ``i`` to the ``i``-th worker of its pool
-    (docs/scheduling.md, "Gangs")."""
+    (docs/scheduling.md, "Gangs"); ``(gang id, member index, size, trainers)`` for a gang
+    spanning both pools: its first ``trainers`` members on the trainer pool's workers,
+    the others on the rollout pool's, each in order."""
     if kind not in KIND_POOL:
         raise ValueError(f"kind: expected one of {list(KINDS)}, got {kind!r}")
     if gang is not None and not (
-            isinstance(gang, (tuple, list)) and len(gang) == 3
-            and all(type(x) is int for x in gang) and 0 <= gang[1] < gang[2]):
-        raise ValueError(f"gang: expected (gang id, member index, size) as integers with "
-                         f"0 <= member index < size, got {gang!r}")
+            isinstance(gang, (tuple, list)) and len(gang) in (3, 4)
+            and all(type(x) is int for x in gang) and 0 <= gang[1] < gang[2]
+            and (len(gang) == 3 or 0 < gang[3] <= gang[2])):
+        raise ValueError(f"gang: expected (gang id, member index, size[, trainers]) as "
+                         f"integers with 0 <= member index < size and 0 < trainers <= "
+                         f"size, got {gang!r}")
     return {
         "kind": kind,
         "pool": KIND_POOL[kind],

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
-from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, Key, advantage_key, checkpoint_key,
+from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, PUBLISHING_STEP, Key, advantage_key, checkpoint_key,
                                 decode_key, denoise_key, encode_key, eval_key,
                                 eval_reward_key, gang_id, grad_key, group_reward_key,
                                 member_key, noise_key, optimize_key, publish_key, reduce_key,
@@ -150,6 +150,11 @@ class GraphLayout:
     #: Sharded training (``train.sharding: fsdp``): the size of the gang of trainers
     #: whose collective steps train (:func:`sharded_train_nodes`); 0: unsharded.
     shards: int = 0
+    #: A sharded run publishes each version by collective broadcast
+    #: (``train.weight_sync``) from its first trainer to every other worker of its
+    #: group: the other trainers and ``receivers`` workers of the rollout pool.
+    broadcast: bool = False
+    receivers: int = 0
 
     def __post_init__(self) -> None:
         if self.algorithm is None:
@@ -523,17 +528,23 @@ def making_nodes(layout: GraphLayout, version: int, *, written: bool,
     resumed run's first version (``restore`` members, ``from_checkpoint``) are made from
     nothing the run computed; later versions by iteration ``version - 1``'s optimizer
     step (``optimize`` members), reading ``previous``: the last round's members.
-    ``written``: the members write the version's sharded checkpoint."""
+    ``written``: the members write the version's sharded checkpoint. With
+    ``layout.broadcast`` the version is published by a gang of every member of the
+    group (``publish`` members), the ``publish`` task itself only a reference to the
+    weights every worker of the group then holds."""
     k = layout.shards
     i = version - 1
     gang = gang_id(i, MAKING_STEP)
+    # With a broadcast, the group spans the rollout workers that receive too: they join
+    # it in the gang that forms it (members k and on, which only join).
+    size = k + (layout.receivers if layout.broadcast else 0)
     nodes = []
     if previous is None:
         kind = RESTORE if from_checkpoint else INIT
         base = restore_key(version) if from_checkpoint else optimize_key(i)
-        for m in range(k):
+        for m in range(size):
             nodes.append(Node(member_key(base, m), kind,
-                              task_meta(kind, i, version, gpu=True, gang=(gang, m, k)),
+                              task_meta(kind, i, version, gpu=True, gang=(gang, m, size, k)),
                               (m, version, from_checkpoint, written)))
     else:
         base = optimize_key(i)
@@ -541,9 +552,32 @@ def making_nodes(layout: GraphLayout, version: int, *, written: bool,
             nodes.append(Node(member_key(base, m), OPTIMIZE,
                               task_meta(OPTIMIZE, i, i, gang=(gang, m, k)),
                               (m, i, written, Dep(previous[m]))))
+    if not layout.broadcast:
+        nodes.append(Node(publish_key(version), PUBLISH, task_meta(PUBLISH, i, version),
+                          (Dep(member_key(base, 0)),)))
+        return nodes
+    # Every member of the group takes part in the broadcast: member 0 sends the weights
+    # it gathered, the others receive them (reading member 0's manifest, and after a
+    # gang that forms the group, their own part of it). The version's publish is done
+    # once all have.
+    cast = gang_id(i, PUBLISHING_STEP)
+    made = previous is None
+    for m in range(size):
+        joined = (Dep(member_key(base, m)),) if made and m else ()
+        nodes.append(Node(member_key(publish_key(version), m), PUBLISH,
+                          task_meta(PUBLISH, i, version, gpu=True, gang=(cast, m, size, k)),
+                          (m, version, Dep(member_key(base, 0)), *joined)))
     nodes.append(Node(publish_key(version), PUBLISH, task_meta(PUBLISH, i, version),
-                      (Dep(member_key(base, 0)),)))
+                      tuple(Dep(member_key(publish_key(version), m)) for m in range(size))))
     return nodes
+
+
+def state_members(layout: GraphLayout, nodes: list[Node]) -> list[Key]:
+    """The keys of the trainers' members among :func:`making_nodes`' ``nodes``: their
+    results are the version's trainer state, by member (a broadcast's receivers and
+    publish members hold none)."""
+    return [n.key for n in nodes if n.op in (INIT, RESTORE, OPTIMIZE)
+            and n.meta["gang"] is not None and n.meta["gang"][1] < layout.shards]
 
 
 def sharded_tail_nodes(layout: GraphLayout, plan: IterationPlan, written: bool) -> list[Node]:

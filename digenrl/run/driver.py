@@ -35,7 +35,8 @@ from digenrl.graph.pieces import Checkpoint, IllegalTransition, Pieces, Stage, W
 from digenrl.graph.retention import Retention
 from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_iteration,
                                      init_nodes, making_nodes, restore_nodes, rollout_nodes,
-                                     sharded_tail_nodes, sharded_train_nodes, tail_nodes,
+                                     sharded_tail_nodes, sharded_train_nodes,
+                                     state_members, tail_nodes,
                                      train_nodes, train_outputs)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
@@ -46,7 +47,7 @@ from digenrl.metering import CpuMeter
 from digenrl.tasks.sharded_steps import GangLost
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
-from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT, PUBLISH,
+from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT,
                                 REWARD, STATS, TRAINER)
 from digenrl.run.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 
@@ -652,7 +653,7 @@ class Pipeline:
             if self.sharded:
                 # The gang builds its trainer from the version's sharded checkpoint.
                 nodes = making_nodes(self.w.layout, v, written=False, from_checkpoint=True)
-                members = [n.key for n in nodes if n.op != PUBLISH]
+                members = state_members(self.w.layout, nodes)
                 futs = self._submit(nodes, members + [publish_key(v)], f"restore-{v}")
                 published, state = futs[publish_key(v)], tuple(futs[k] for k in members)
             else:
@@ -685,7 +686,7 @@ class Pipeline:
         results are the version's state, which the next train piece's first round reads;
         member 0's, done, means the checkpoint is written (every member writes its
         shards, and member 0 records the checkpoint once all have)."""
-        members = [n.key for n in nodes if n.op != PUBLISH and n.op != STATS]
+        members = state_members(self.w.layout, nodes)
         keys = [n.key for n in nodes if n.op == STATS]
         futs = self._submit(nodes, members + keys + [publish_key(v)], name)
         written: Future | None = None

@@ -46,11 +46,11 @@ from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks import sharded_steps
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.sharded_steps import ShardSpec
-from digenrl.tasks.resident import ResidentPlugin
+from digenrl.tasks.resident import ResidentPlugin, sharded_weights
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
 from digenrl.run.tracking import ATTRIBUTE as TRACKING_ATTRIBUTE, Tracker
 from digenrl.vocabulary import (ADVANTAGE, CHECKPOINT, COLOCATED, DECODE, EVAL, EVAL_REWARD,
-                                GROUP_REWARD, RESTORE, REWARD, STATS, TRAINER, Key)
+                                GROUP_REWARD, RESTORE, REWARD, ROLLOUT, STATS, TRAINER, Key)
 
 __all__ = ["RLWorkload", "IterationResults", "Runner", "RunResult", "IterationSummary",
            "library_versions"]
@@ -185,6 +185,13 @@ class RLWorkload:
         pools = pools_served(pool_counts(client), self.options.pools)
         return tuple(sorted(pools[TRAINER if self.options.pools else COLOCATED]))
 
+    def receiving_pool(self, client) -> tuple[str, ...]:
+        """The workers outside the pool that trains (the rollout pool's with pools, none
+        in colocated mode), by name: what a broadcast reaches beside the trainers."""
+        if not self.options.pools:
+            return ()
+        return tuple(sorted(pools_served(pool_counts(client), True)[ROLLOUT]))
+
     def _gang(self, client) -> tuple[str, ...]:
         """:meth:`training_pool`, refused in one line below two workers."""
         members = self.training_pool(client)
@@ -196,15 +203,22 @@ class RLWorkload:
 
     def _shard_over(self, client, store: str) -> None:
         """Train sharded over the workers of the pool that trains: the gang of every
-        collective step, as a new generation of the ``trainer`` group."""
+        collective step, as a new generation of the ``trainer`` group (which, publishing
+        by broadcast, spans the rollout pool's workers too)."""
         members = self._gang(client)
-        cluster = self.config.cluster
+        cfg = self.config
+        cluster, train = cfg.cluster, cfg.train
+        receivers = self.receiving_pool(client) if train.broadcasts else ()
         # A generation newer than any earlier run's on these workers (its groups are
         # torn down when it joins).
         shard = ShardSpec(name=TRAINER, generation=time.time_ns() // 1_000_000,
                           members=members, backend=cluster.collective_backend,
-                          timeout=cluster.collective_timeout, store=store)
-        self.layout = dataclasses.replace(self.layout, shards=len(members))
+                          timeout=cluster.collective_timeout, store=store,
+                          broadcast=train.broadcasts, receivers=receivers,
+                          bucket_mb=train.sync_bucket_mb)
+        self.layout = dataclasses.replace(self.layout, shards=len(members),
+                                          broadcast=shard.broadcast,
+                                          receivers=len(receivers))
         self.ctx = dataclasses.replace(self.ctx, layout=self.layout, shard=shard)
 
     def close(self, client) -> None:
@@ -216,7 +230,7 @@ class RLWorkload:
                  for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
         futures = [client.submit(sharded_steps.leave, shard.name, workers=[named[m]],
                                  allow_other_workers=False, pure=False)
-                   for m in shard.members if m in named]
+                   for m in shard.everyone if m in named]
         wait(futures, timeout=30)
 
     def describe(self) -> list[str]:
@@ -238,9 +252,13 @@ class RLWorkload:
                 != MODES[options.mode]["max_staleness"]):
             staleness += (f" ({shape.name}'s default, not the mode's "
                           f"{MODES[options.mode]['max_staleness']}: docs/algorithm.md)")
-        lines = [] if self.ctx.shard is None else [
-            f"training sharded (fsdp) over {self.ctx.shard.size} workers: "
-            f"{', '.join(self.ctx.shard.members)}"]
+        shard = self.ctx.shard
+        lines = [] if shard is None else [
+            f"training sharded (fsdp) over {shard.size} workers: "
+            f"{', '.join(shard.members)}; new weights "
+            + (f"broadcast from {shard.members[0]} to the {len(shard.everyone) - 1} other "
+               f"workers of its group in buckets of {shard.bucket_mb:g} MiB"
+               if shard.broadcast else "sent through Dask")]
         return lines + [
                 f"algorithm {shape.name} ({'coupled' if shape.coupled else 'decoupled'}, "
                 f"arXiv {shape.paper})",
@@ -318,6 +336,8 @@ class RLWorkload:
 
     def finish(self, client, store: RunStore, final_weights) -> PolicyWeights:
         weights = final_weights.result()
+        if weights.held:   # broadcast: its float32 weights are in its sharded checkpoint
+            weights = sharded_weights(store.path, weights.version, weights.sampling_copy)
         write_weights(store.root, weights.version,
                       {n: t.detach().cpu().numpy() for n, t in weights.tensors.items()})
         store.commit()
@@ -515,13 +535,15 @@ class Runner:
                 self._await_gang(handle.client)
 
     def _await_gang(self, client) -> None:
-        """Give the pool that trains until ``cluster.collective_timeout`` to be as large
-        again as the gang that failed (a lost worker's nanny restarts it, or a
-        replacement joins); the new gang is whoever serves it then."""
+        """Give the pool that trains (and, publishing by broadcast, the rollout pool)
+        until ``cluster.collective_timeout`` to be as large again as the group that
+        failed (a lost worker's nanny restarts it, or a replacement joins); the new gang
+        is whoever serves them then."""
         shard = self.workload.ctx.shard
         assert shard is not None        # (a sharded run's gang failed)
         deadline = time.monotonic() + self.config.cluster.collective_timeout
         while time.monotonic() < deadline:
-            if len(self.workload.training_pool(client)) >= shard.size:
+            if (len(self.workload.training_pool(client)) >= shard.size
+                    and len(self.workload.receiving_pool(client)) >= len(shard.receivers)):
                 return
             time.sleep(0.2)

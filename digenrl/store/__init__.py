@@ -33,7 +33,7 @@ __all__ = ["RunStore", "StoreWriter", "open_run", "read_attrs", "committed_itera
            "write_all", "GROUPS", "EVAL_GROUP", "REWARD_COLUMN", "ADVANTAGE_COLUMN",
            "SOURCES_ATTRIBUTE", "StoreError", "frame_strip", "STRIP_FRAMES",
            "evaluation_means", "evaluation_reward_means", "reward_column", "reward_columns",
-           "subgroup"]
+           "subgroup", "SAMPLING_PART"]
 
 # Names of the store that are also the words of task kinds, named here once.
 #: The held-out evaluations: a row per evaluated policy version and held-out prompt.
@@ -118,6 +118,8 @@ def write_all(writes: Sequence[Coroutine[Any, Any, None]]) -> None:
 #: The folder of a run's sharded checkpoints in its store (``digenrl.store.sharded``):
 #: files of ``torch.distributed.checkpoint``, beside the Zarr groups.
 SHARDED_FOLDER = "sharded"
+#: The part of a checkpoint (Zarr or sharded) holding an algorithm's sampling copy.
+SAMPLING_PART = "sampling"
 
 
 def _quiet_consolidate(path: str) -> None:

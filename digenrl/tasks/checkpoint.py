@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from distributed import get_worker
 
+from digenrl.store import SAMPLING_PART
 from digenrl.store.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
@@ -25,10 +26,9 @@ from digenrl.tasks.types import TrainerState
 if TYPE_CHECKING:
     from dask.typing import Key
 
-__all__ = ["CheckpointSpec", "save_state", "load_state", "SAMPLING_PART"]
+__all__ = ["CheckpointSpec", "save_state", "load_state"]
 
 #: The checkpoint part holding a version's sampling copy, where its algorithm keeps one.
-SAMPLING_PART = "sampling"
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,4 @@ def _in_memory(key: Key) -> OptimizeOut | None:
         return cast(OptimizeOut, data[key])    # (an optimize task's result)
     except KeyError:
         return None
+

@@ -211,12 +211,14 @@ def group(name: str, generation: int) -> Group:
         return g
 
 
-def leave(name: str | None = None) -> str | None:
-    """Tear down the live group ``name`` (any live group with None) in this process.
-    Returns the name of the group left, None when there was none."""
+def leave(name: str | None = None, generation: int | None = None) -> str | None:
+    """Tear down the live group ``name`` (any live group with None) in this process, if
+    it is of ``generation`` (any with None). Returns the name of the group left, None
+    when there was none."""
     with _LOCK:
         g = live()
-        if g is None or (name is not None and g.name != name):
+        if g is None or (name is not None and g.name != name) or \
+                (generation is not None and g.generation != generation):
             return None
         _tear_down(g)
         return g.name

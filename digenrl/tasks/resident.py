@@ -15,6 +15,7 @@ import copy
 import logging
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 from distributed import WorkerPlugin
@@ -26,9 +27,11 @@ from digenrl.models import Conditioning, build_vae, family
 from digenrl.models.parts import BUILDING
 from digenrl.process import freeze_collector, tune_malloc
 from digenrl.prompts import read_source
+from digenrl.store import SAMPLING_PART
 from digenrl.tasks.types import PolicyWeights
 
-__all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME"]
+__all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME",
+           "sharded_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +87,44 @@ class ResidentModels:
         return self._encoder is not None
 
     def policy(self, weights: PolicyWeights) -> torch.nn.Module:
-        """The transformer holding ``weights`` (loaded once per version per worker)."""
+        """The transformer holding ``weights`` (loaded once per version per worker). For
+        broadcast weights (``weights.held``) the version this worker received, or, on a
+        worker that did not (it joined the run later, or dropped the version), the
+        version read from its sharded checkpoint."""
         key = (weights.version, weights.sampling_copy)
         with self._lock:
             module = self._versions.get(key)
             if module is not None:
                 self._versions.move_to_end(key)
                 return module
-            if len(self._versions) >= self.max_versions:
-                _, module = self._versions.popitem(last=False)
-            else:
-                module = self._new_module()
+            if weights.held:
+                weights = _from_checkpoint(weights)
+            module = self._slot()
             module.load_state_dict(weights.tensors, strict=False)
+            self._versions[key] = module
+            self.loads += 1
+            return module
+
+    def _slot(self) -> torch.nn.Module:
+        """A module to load a version into: the least recently used one's, or a new one."""
+        if len(self._versions) >= self.max_versions:
+            return self._versions.popitem(last=False)[1]
+        return self._new_module()
+
+    def held(self, version: int, sampling_copy: bool = False) -> torch.nn.Module | None:
+        """The transformer holding ``version`` (its sampling copy), if resident."""
+        with self._lock:
+            return self._versions.get((version, sampling_copy))
+
+    def receive(self, version: int, sampling_copy: bool,
+                fill: Callable[[dict[str, torch.Tensor]], object]) -> torch.nn.Module:
+        """Hold ``version`` (its sampling copy) in a module whose trainable tensors
+        ``fill`` writes in place (a broadcast's receiving end). If ``fill`` fails, the
+        module is dropped: no version is held with part of its weights."""
+        key = (version, sampling_copy)
+        with self._lock:
+            module = self._versions.pop(key, None) or self._slot()
+            fill({n: p.data for n, p in trainable_parameters(module).items()})
             self._versions[key] = module
             self.loads += 1
             return module
@@ -180,6 +209,32 @@ class ResidentPlugin(WorkerPlugin):
 
     def teardown(self, worker) -> None:
         self.models = None
+
+
+def sharded_weights(store: str, version: int, sampling_copy: bool) -> PolicyWeights:
+    """Version ``version``'s published weights (its sampling copy with ``sampling_copy``)
+    read whole, in float32, from its sharded checkpoint in the run's ``store``, in one
+    process."""
+    from digenrl.store.sharded import read_sharded
+
+    parts, _ = read_sharded(store, version)
+    part = SAMPLING_PART if sampling_copy else "params"
+    return PolicyWeights(version=version, tensors={n: t.float() for n, t in parts[part].items()},
+                         sampling_copy=sampling_copy)
+
+
+def _from_checkpoint(weights: PolicyWeights) -> PolicyWeights:
+    """Broadcast weights a worker did not receive, read from their version's sharded
+    checkpoint; one line saying why when the run wrote none."""
+    from digenrl.store.sharded import sharded_checkpoints
+
+    if weights.store is None or weights.version not in sharded_checkpoints(weights.store):
+        raise RuntimeError(
+            f"policy version {weights.version}: expected it in this worker's resident "
+            f"transformer (broadcast to the run's collective group) or a sharded "
+            f"checkpoint of it in the store, got neither (the worker joined the group's "
+            f"pool after the group formed, and the run checkpoints other versions)")
+    return sharded_weights(weights.store, weights.version, weights.sampling_copy)
 
 
 _LOCAL: dict[tuple[ModelConfig, int, Trainable], ResidentModels] = {}

@@ -18,7 +18,11 @@ pool that trains, rank ``i`` of the group) makes each policy version:
 
 Member 0's result carries the weights (and the optimizer step's statistics), which
 :func:`published` and :func:`statistics` hand to the rollout workers and the driver
-through Dask as an unsharded run's are. Each member's result is a small
+through Dask as an unsharded run's are. Publishing by broadcast (``ShardSpec.broadcast``),
+the group spans every worker of the run and member 0's result carries only the version's
+manifest: :func:`publish_member`, a gang of every member, sends the weights from member 0
+to the others' resident transformers, and :func:`announced` is the version's reference
+once all hold it (docs/architecture.md, "Publishing by broadcast"). Each member's result is a small
 :class:`ShardedOut`, which the member's next step reads: it orders the steps of each
 member, so every rank runs the same collectives in the same order.
 
@@ -42,17 +46,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from digenrl.store.sharded import read_sharded
-from digenrl.tasks import collective
-from digenrl.tasks.checkpoint import SAMPLING_PART
+from digenrl.models.lora import trainable_parameters
+from digenrl.tasks import broadcast, collective
+from digenrl.tasks.broadcast import BUCKET_MB, Manifest
 from digenrl.tasks.collective import CollectiveError
-from digenrl.tasks.resident import resident
+from digenrl.tasks.resident import resident, sharded_weights
 from digenrl.tasks.sharding import ShardedTrainer, sharded_policy
 from digenrl.tasks.train import TrainSpec
 from digenrl.tasks.types import IterationStats, PolicyWeights, travels
 
 __all__ = ["ShardSpec", "ShardedOut", "GangLost", "make", "micro_step", "optimizer_step",
-           "published", "statistics", "read_published", "held_trainer", "leave"]
+           "published", "publish_member", "announced", "statistics", "read_published",
+           "held_trainer", "leave", "TRAINING"]
+
+#: The subgroup of the trainers in a group that spans the rollout workers too.
+TRAINING = "training"
 
 
 class GangLost(CollectiveError):
@@ -73,10 +81,22 @@ class ShardSpec:
     backend: str            # cluster.collective_backend
     timeout: float          # cluster.collective_timeout
     store: str              # the run's store: its sharded checkpoints
+    #: Versions are published by collective broadcast (``train.weight_sync``) from
+    #: member 0 to every other worker of the group: the other trainers and ``receivers``,
+    #: the rollout pool's workers (in its order), which the group then spans.
+    broadcast: bool = False
+    receivers: tuple[str, ...] = ()
+    bucket_mb: float = BUCKET_MB   # train.sync_bucket_mb
 
     @property
     def size(self) -> int:
+        """The trainers: the gang of every training step."""
         return len(self.members)
+
+    @property
+    def everyone(self) -> tuple[str, ...]:
+        """The group's workers: the trainers, then the receivers."""
+        return self.members + self.receivers
 
 
 @dataclass
@@ -91,6 +111,8 @@ class ShardedOut:
     round: int = -1
     weights: PolicyWeights | None = None
     stats: IterationStats | None = None
+    #: With a broadcast: the version's manifest (member 0 holds the weights).
+    manifest: Manifest | None = None
 
 
 travels(ShardedOut)
@@ -104,17 +126,31 @@ _LOCK = threading.Lock()
 def gang_step(shard: ShardSpec, member: int, what: str) -> Iterator[None]:
     """Run member ``member``'s part of a gang step (``what``), turning every failure of
     the group (a collective error, a lost peer, a member in the wrong state) into
-    :class:`GangLost`; other errors (the step's own) pass as they are."""
+    :class:`GangLost`; other errors (the step's own) pass as they are. A member whose
+    step failed so leaves the group's generation: its connections close, so the members
+    still waiting in a collective with it fail at once rather than at the timeout."""
     try:
         yield
     except GangLost:
+        _abandon(shard)
         raise
     except (CollectiveError, RuntimeError) as e:
         if not isinstance(e, CollectiveError) and not _of_the_group(e):
             raise
-        raise GangLost(f"{what} of member {member} ({shard.members[member]!r}) of "
+        _abandon(shard)
+        raise GangLost(f"{what} of member {member} ({shard.everyone[member]!r}) of "
                        f"{shard.name!r} generation {shard.generation} failed: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def _abandon(shard: ShardSpec) -> None:
+    """Leave ``shard``'s generation of the group, if it is the one this process is in
+    (a task of an older generation leaves a newer group alone)."""
+    with _LOCK:
+        held = _HELD.get(shard.name)
+        if held is not None and held[0] == shard.generation:
+            del _HELD[shard.name]
+    collective.leave(shard.name, shard.generation)
 
 
 def _of_the_group(e: RuntimeError) -> bool:
@@ -171,19 +207,26 @@ def make(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
     sharded checkpoint in the store, on however many ranks wrote it. ``written``: write
     the version's sharded checkpoint (version 0 of a new run)."""
     from distributed import get_client
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if version != 0 and not from_checkpoint:
         raise ValueError(f"version: a sharded trainer starts at version 0 or from a "
                          f"checkpoint, got version {version} without one")
     with gang_step(shard, member, f"making version {version}"):
         _once(shard, member)
-        group = collective.join(shard.name, shard.members, shard.generation,
-                                backend=shard.backend, timeout=shard.timeout)
+        group = collective.join(shard.name, shard.everyone, shard.generation,
+                                backend=shard.backend, timeout=shard.timeout,
+                                subgroups={TRAINING: shard.members} if shard.receivers else None)
         if group.rank != member:
             raise GangLost(f"sharded step: member {member} of {shard.name!r} joined as "
                            f"rank {group.rank}: the gang's order is the group's")
-        mesh = init_device_mesh(group.device.type, (group.size,))
+        if member >= shard.size:   # a receiver of the broadcasts: it only joins
+            get_client().set_metadata(_made_key(shard, member), True)
+            return ShardedOut(member, version)
+        if shard.receivers:
+            mesh = DeviceMesh.from_group(group.subgroup(TRAINING), group.device.type)
+        else:
+            mesh = init_device_mesh(group.device.type, (group.size,))
         trainer = ShardedTrainer(spec, sharded_policy(spec, mesh))
         if from_checkpoint:
             trainer.load_checkpoint(shard.store, version)
@@ -192,7 +235,26 @@ def make(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
         with _LOCK:
             _HELD[shard.name] = (shard.generation, trainer)
         get_client().set_metadata(_made_key(shard, member), True)
-        return ShardedOut(member, trainer.version, weights=trainer.published())
+        return _made(spec, shard, member, trainer)
+
+
+def _made(spec: TrainSpec, shard: ShardSpec, member: int, trainer: ShardedTrainer,
+          stats: IterationStats | None = None) -> ShardedOut:
+    """Member ``member``'s result of a step that made the trainer's version: on member 0
+    the version's weights (gathered; every member takes part), or with a broadcast their
+    manifest, the weights loaded into this worker's resident transformer for
+    :func:`publish_member` to send."""
+    weights = trainer.published()
+    if weights is None or not shard.broadcast:
+        return ShardedOut(member, trainer.version, weights=weights, stats=stats)
+    module = resident(spec.model, spec.seed, spec.trainable).policy(weights)
+    manifest = Manifest.of(trainer.version, _tensors(module), shard.bucket_mb)
+    return ShardedOut(member, trainer.version, stats=stats, manifest=manifest)
+
+
+def _tensors(module) -> dict:
+    """What a broadcast carries of a resident transformer: its trainable tensors."""
+    return {n: p.data for n, p in trainable_parameters(module).items()}
 
 
 def micro_step(spec: TrainSpec, shard: ShardSpec, member: int, round_: int, last: bool,
@@ -241,9 +303,7 @@ def optimizer_step(spec: TrainSpec, shard: ShardSpec, member: int, iteration: in
         stats = trainer.optimize(iteration)
         if written:
             trainer.save_checkpoint(shard.store)
-        weights = trainer.published()
-        return ShardedOut(member, trainer.version, weights=weights,
-                          stats=stats if member == 0 else None)
+        return _made(spec, shard, member, trainer, stats if member == 0 else None)
 
 
 def published(out: ShardedOut) -> PolicyWeights:
@@ -252,6 +312,44 @@ def published(out: ShardedOut) -> PolicyWeights:
         raise ValueError(f"publish: expected member 0's result of the step that made the "
                          f"version, got member {out.member}'s")
     return out.weights
+
+
+def publish_member(spec: TrainSpec, shard: ShardSpec, member: int, version: int,
+                   made: ShardedOut, *joined: ShardedOut) -> ShardedOut:
+    """Member ``member``'s part of broadcasting ``version`` (``made``: member 0's result
+    of the step that made it, with its manifest; ``joined``: the member's own part of a
+    gang that formed the group): member 0 sends the weights it holds, every other member
+    receives them into its resident transformer, in place."""
+    with gang_step(shard, member, f"the broadcast of version {version}"):
+        group = collective.group(shard.name, shard.generation)
+        if group.rank != member:
+            raise GangLost(f"sharded step: member {member} of {shard.name!r} runs on rank "
+                           f"{group.rank}: the gang's order is the group's")
+        manifest = made.manifest
+        if manifest is None or manifest.version != version:
+            raise GangLost(f"sharded step: the broadcast of version {version} expected its "
+                           f"manifest from member 0, got "
+                           f"{'none' if manifest is None else manifest.version}")
+        models = resident(spec.model, spec.seed, spec.trainable)
+        copy = spec.algorithm.sampling_copy
+        if member == 0:
+            module = models.held(version, copy)
+            if module is None:
+                raise GangLost(f"sharded step: worker {shard.everyone[0]!r} holds version "
+                               f"{version} no more: it cannot send it")
+            broadcast.send(group, _tensors(module), manifest)
+        else:
+            models.receive(version, copy,
+                           lambda into: broadcast.receive(group, manifest, into))
+        return ShardedOut(member, version)
+
+
+def announced(spec: TrainSpec, shard: ShardSpec, *members: ShardedOut) -> PolicyWeights:
+    """A broadcast version, once every member of the group holds it: what the tasks that
+    compute with it read (no tensors travel)."""
+    return PolicyWeights(version=members[0].version, tensors={},
+                         sampling_copy=spec.algorithm.sampling_copy, held=True,
+                         store=shard.store)
 
 
 def statistics(out: ShardedOut) -> IterationStats:
@@ -266,11 +364,7 @@ def read_published(store: str, sampling_copy: bool, version: int) -> ShardedOut:
     """Version ``version``'s published weights read whole from its sharded checkpoint in
     one process (an older version a resumed run retains: the KL reference, the weights
     its first stale rollouts read)."""
-    parts, _ = read_sharded(store, version)
-    part = SAMPLING_PART if sampling_copy else "params"
-    tensors = {n: t.float() for n, t in parts[part].items()}
-    return ShardedOut(0, version, weights=PolicyWeights(version=version, tensors=tensors,
-                                                        sampling_copy=sampling_copy))
+    return ShardedOut(0, version, weights=sharded_weights(store, version, sampling_copy))
 
 
 def leave(name: str) -> str | None:

@@ -49,7 +49,7 @@ from digenrl.models import family
 from digenrl.models.lora import build_policy, cast_for_forward, trainable_parameters
 from digenrl.store.sharded import load_sharded, save_sharded, state_key
 from digenrl.tasks.algorithms.common import Policies
-from digenrl.tasks.checkpoint import SAMPLING_PART
+from digenrl.store import SAMPLING_PART
 from digenrl.tasks.train import (TrainSpec, adamw_update, coupled_result, decoupled_result,
                                  grad_norm_clip, micro_loss, sampling_copy_update)
 from digenrl.tasks.types import (AdvantageOut, IterationStats, Latents, MicroStats,

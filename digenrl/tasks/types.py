@@ -30,6 +30,11 @@ class PolicyWeights:
     #: These are a sampling copy (DiffusionNFT's slowly moving average, what the version's
     #: rollouts sample with), not the trained weights of the version.
     sampling_copy: bool = False
+    #: The weights were broadcast (``train.weight_sync``): no tensors travel, every worker
+    #: of the run's collective group holds the version in its resident transformer. A
+    #: worker outside it reads the version from its sharded checkpoint in ``store``.
+    held: bool = False
+    store: str | None = None
 
     @property
     def nbytes(self) -> int:

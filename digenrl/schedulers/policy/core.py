@@ -601,8 +601,9 @@ class SchedulingPolicy:
 
     @staticmethod
     def _lent(info: TaskInfo, w: WorkerInfo) -> bool:
-        """Whether GPU task ``info`` on ``w`` is lent: of the other pool (with pools)."""
-        return w.pool != info.pool and w.pool != COLOCATED
+        """Whether GPU task ``info`` on ``w`` is lent: of the other pool (with pools; a
+        gang member runs on its own member's worker, lent never)."""
+        return info.gang is None and w.pool != info.pool and w.pool != COLOCATED
 
     # ---------------------------------------------------------------- the trail
 

@@ -47,9 +47,9 @@ class TaskInfo:
     group: int | None = None
     behaviour_version: int | None = None
     samples: int = 0
-    #: (gang id, member index, size) of a member's part of a collective step, or None
-    #: (:mod:`.rules.gang`).
-    gang: tuple[int, int, int] | None = None
+    #: (gang id, member index, size[, trainers]) of a member's part of a collective step,
+    #: or None (:mod:`.rules.gang`).
+    gang: tuple[int, ...] | None = None
     # The policy's state of the task (not part of the annotation): kept on the task
     # itself rather than in a dict per field, since every event reads several of them.
     state: str = field(default=ADDED, compare=False, repr=False)

@@ -17,21 +17,53 @@ from digenrl.vocabulary import DENOISE, GRAD, ROLLOUT, TRAINER
 from rule_helpers import grads, info, opts, policy_with, said, steps
 
 
-def gang(gid, size, kind=GRAD, iteration=0):
-    """The members of gang ``gid``: one ``kind`` task per member."""
+def gang(gid, size, kind=GRAD, iteration=0, trainers=None):
+    """The members of gang ``gid``: one ``kind`` task per member (with ``trainers``: a
+    gang spanning both pools, its first ``trainers`` members on the trainer pool)."""
     extra = {"behaviour_version": iteration} if kind == GRAD else {"timestep": 1}
+    span = () if trainers is None else (trainers,)
     return [info(("m", gid, j), kind, iteration=iteration, version=iteration, chunk=j,
-                 gang=(gid, j, size), **extra) for j in range(size)]
+                 gang=(gid, j, size, *span), **extra) for j in range(size)]
 
 
 def test_the_annotation_carries_the_gang_and_a_bad_one_is_refused_in_one_line():
     meta = task_meta(GRAD, 0, 0, gang=(7, 1, 2))
     assert TaskInfo.from_meta("k", {**meta, "gang": [7, 1, 2]}).gang == (7, 1, 2)
     assert TaskInfo.from_meta("k", task_meta(GRAD, 0, 0)).gang is None
-    with pytest.raises(ValueError, match=r"^gang: expected \(gang id, member index, size\) "
-                                         r"as integers with 0 <= member index < size, "
-                                         r"got \(7, 2, 2\)$"):
+    assert TaskInfo.from_meta("k", task_meta(GRAD, 0, 0, gang=(7, 1, 3, 2))).gang == (7, 1, 3, 2)
+    expected = (r"^gang: expected \(gang id, member index, size\[, trainers\]\) as integers "
+                r"with 0 <= member index < size and 0 < trainers <= size, got ")
+    with pytest.raises(ValueError, match=expected + r"\(7, 2, 2\)$"):
         task_meta(GRAD, 0, 0, gang=(7, 2, 2))
+    with pytest.raises(ValueError, match=expected + r"\(7, 1, 2, 3\)$"):
+        task_meta(GRAD, 0, 0, gang=(7, 1, 2, 3))
+
+
+def test_a_gang_spanning_both_pools_puts_its_first_members_on_the_trainers():
+    """A sharded run's broadcast: its first members on the trainers, the others on the
+    rollout workers, each in its pool's order, all released together and none lent."""
+    p = policy_with(opts("digenrl", tag=True, rat=True), rollout=2, trainer=2)
+    members = gang(3, 4, trainers=2)
+    p.add_tasks(members)
+    for m in members[:3]:
+        p.task_ready(m.key)
+    assert p.decide() == []
+    p.task_ready(members[3].key)
+    out = p.decide()
+    assert [(d.key, d.worker) for d in sorted(out, key=lambda d: d.info.gang[1])] == [
+        (members[0].key, "t0"), (members[1].key, "t1"), (members[2].key, "r0"),
+        (members[3].key, "r1")]
+    assert not any(d.tag or d.rat or d.stolen for d in out)
+    # One rollout worker fewer: the gang waits, saying for what.
+    p = policy_with(opts("digenrl"), rollout=1, trainer=2)
+    members = gang(4, 4, trainers=2)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    assert p.decide() == []
+    assert steps(p, members[0].key)[-1].reason == (
+        "gang 4 needs 2 workers of the trainer pool and 2 of the rollout pool: 2 and 1 "
+        "serve them")
 
 
 def test_members_wait_until_every_one_is_ready_then_go_together_each_to_its_worker():
@@ -138,14 +170,18 @@ def test_a_member_worker_leaving_fails_the_step_at_once():
 # ------------------------------------------------------------------ the property
 
 def _member_worker(p: SchedulingPolicy, m: TaskInfo) -> str:
-    return p.pool_workers(m.pool)[m.gang[1]].address
+    _, index, size, *span = m.gang
+    trainers = span[0] if span else size
+    if index < trainers:
+        return p.pool_workers(m.pool)[index].address
+    return p.pool_workers(ROLLOUT)[index - trainers].address
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rollout=st.integers(1, 3), trainer=st.integers(1, 3),
        slots=st.integers(1, 2), tag=st.booleans(), rat=st.booleans(),
-       sizes=st.lists(st.tuples(st.sampled_from([ROLLOUT, TRAINER]), st.integers(1, 3)),
-                      min_size=1, max_size=3),
+       sizes=st.lists(st.tuples(st.sampled_from([ROLLOUT, TRAINER, "both"]),
+                                st.integers(1, 3)), min_size=1, max_size=3),
        plain=st.integers(0, 4),
        actions=st.lists(st.tuples(st.sampled_from(["ready", "ready all", "done", "lose",
                                                    "recompute", "leave", "join"]),
@@ -158,7 +194,9 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
     stolen; and once every task is ready and every worker there, all of them finish."""
     p = policy_with(opts("digenrl", slots_per_worker=slots, tag=tag, rat=rat),
                     rollout=rollout, trainer=trainer)
-    gangs = [gang(g, size, kind=GRAD if pool == TRAINER else DENOISE)
+    # ("both": a gang over the trainers and then the rollout workers, as a broadcast's.)
+    gangs = [gang(g, size + 1, trainers=size) if pool == "both" else
+             gang(g, size, kind=GRAD if pool == TRAINER else DENOISE)
              for g, (pool, size) in enumerate(sizes)]
     members = [m for g in gangs for m in g]
     others = grads(plain) + [info(("d", j), DENOISE, chunk=j, timestep=1) for j in range(plain)]

@@ -2,7 +2,10 @@
 
 A gang is one task per member of a collective group (the task annotation's ``gang``:
 ``(gang id, member index, size)``). Member ``i`` runs on the ``i``-th worker of its
-pool (by name, as the pools list them), and only there. The members wait here, in no
+pool (by name, as the pools list them), and only there. A gang spanning both pools
+(``(gang id, member index, size, trainers)``: a sharded run's gang that publishes by
+broadcast) puts its first ``trainers`` members on the trainer pool's workers and the
+others on the rollout pool's, each in that order. The members wait here, in no
 ready heap, so no other rule sees them: TAG, RAT and rebalancing never move one.
 
 * **Released together**: once every member of a gang is ready (past every hold), the
@@ -34,6 +37,7 @@ from digenrl.schedulers.policy.rules import Pick, Rule
 from digenrl.schedulers.policy.state import (DONE, RELEASED, Decision, Key, TaskInfo,
                                              WorkerInfo)
 from digenrl.schedulers.policy.trail import KEPT, RELEASED as RELEASED_VERB, WAITS
+from digenrl.vocabulary import ROLLOUT, TRAINER
 
 __all__ = ["Gang"]
 
@@ -41,11 +45,14 @@ __all__ = ["Gang"]
 class _Members:
     """One gang: its members by index, and which of them are ready to be released."""
 
-    __slots__ = ("size", "members", "ready", "pool")
+    __slots__ = ("size", "members", "ready", "pool", "trainers")
 
-    def __init__(self, size: int, pool: str) -> None:
+    def __init__(self, size: int, pool: str, trainers: int) -> None:
         self.size = size
         self.pool = pool
+        #: Members on the trainer pool (the first ones); the others are on the rollout
+        #: pool's workers (with pools).
+        self.trainers = trainers
         self.members: dict[int, TaskInfo] = {}
         self.ready: set[int] = set()
 
@@ -74,17 +81,18 @@ class Gang(Rule):
 
     def added(self, info: TaskInfo) -> None:
         if info.gang is not None:
-            gid, index, size = info.gang
+            gid, index, size = info.gang[:3]
             g = self.gangs.get(gid)
             if g is None:
-                g = self.gangs[gid] = _Members(size, info.pool)
+                trainers = info.gang[3] if len(info.gang) > 3 else size
+                g = self.gangs[gid] = _Members(size, info.pool, trainers)
             g.members[index] = info
 
     def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
         """A ready member waits here, for the rest of its gang."""
         if info.gang is None:
             return False
-        gid, index, size = info.gang
+        gid, index, size = info.gang[:3]
         g = self.gangs[gid]
         self._fail_step(g, info)
         g.ready.add(index)
@@ -107,7 +115,7 @@ class Gang(Rule):
     def forgotten(self, info: TaskInfo, held: bool) -> None:
         if info.gang is None:
             return
-        gid, index, _ = info.gang
+        gid, index = info.gang[:2]
         g = self.gangs.get(gid)
         if g is None or g.members.get(index) is not info:
             return
@@ -139,7 +147,7 @@ class Gang(Rule):
         if self._failing:
             return              # (a member taken back below comes back here)
         assert info.gang is not None    # (a member of g)
-        gid, member, _ = info.gang
+        gid, member = info.gang[:2]
         self._failing = True
         try:
             withdrawn = 0
@@ -160,6 +168,13 @@ class Gang(Rule):
 
     def member_workers(self, g: _Members) -> list[WorkerInfo] | None:
         """The worker of each member (by index), or None when the pool is too small."""
+        if g.trainers < g.size and self.options.pools:
+            trainers = self.policy.pool_workers(TRAINER)
+            rollout = self.policy.pool_workers(ROLLOUT)
+            others = g.size - g.trainers
+            if len(trainers) < g.trainers or len(rollout) < others:
+                return None
+            return trainers[:g.trainers] + rollout[:others]
         pool = self.policy.pool_workers(g.pool)
         return pool[:g.size] if len(pool) >= g.size else None
 
@@ -188,9 +203,7 @@ class Gang(Rule):
             if workers is None:
                 if self.noting:
                     for info in g.members.values():
-                        policy.note(info, WAITS, self.name, None,
-                                    "gang {} needs {} workers of its pool: {} serve it", gid,
-                                    g.size, len(policy.pool_workers(g.pool)))
+                        self._note_too_few(gid, g, info)
                 continue
             if any(w.address in reserved for w in workers):
                 continue            # an older gang keeps one of its workers
@@ -210,6 +223,17 @@ class Gang(Rule):
                 out.append(policy.release(info, w, now))
         self.reserved = reserved
         return out
+
+    def _note_too_few(self, gid: int, g: _Members, info) -> None:
+        policy = self.policy
+        if g.trainers < g.size and self.options.pools:
+            policy.note(info, WAITS, self.name, None,
+                        "gang {} needs {} workers of the trainer pool and {} of the rollout "
+                        "pool: {} and {} serve them", gid, g.trainers, g.size - g.trainers,
+                        len(policy.pool_workers(TRAINER)), len(policy.pool_workers(ROLLOUT)))
+        else:
+            policy.note(info, WAITS, self.name, None, "gang {} needs {} workers of its "
+                        "pool: {} serve it", gid, g.size, len(policy.pool_workers(g.pool)))
 
     def _unreserve(self, gid: int) -> None:
         for a in [a for a, g in self.reserved.items() if g == gid]:
