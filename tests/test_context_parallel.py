@@ -1,0 +1,110 @@
+"""A chunk's denoise step computed by two gloo processes together (Ulysses context
+parallelism, :mod:`digenrl.tasks.context_parallel`) against the same step in one
+process, for tiny FLUX, Wan and Qwen-Image folders (with classifier-free guidance where
+the family has it, and prompts of different lengths); and ``rollout.context_parallel``'s
+checks, each one line naming the field before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from digenrl.config import ConfigError, config_to_dict
+from digenrl.models import family
+
+import sharded_ranks as sr
+from conftest import pipeline_config, small_config
+
+#: The families whose step is computed at degree 2 (each with diffusers' own plan).
+FAMILIES = ("flux", "wan", "qwenimage")
+#: How long the two ranks may take (about 15 s on 2 cores).
+TIMEOUT_S = 240
+
+
+def case(folders, name: str):
+    # FLUX is guidance-distilled (an embedding); the others guide with a negative prompt.
+    guidance = 1.0 if name == "flux" else 2.0
+    return pipeline_config(folders[name], name, **{"sampler.guidance_scale": guidance})
+
+
+@pytest.fixture(scope="module")
+def steps(tiny_pipelines, tmp_path_factory):
+    """``{family: [rank 0's, rank 1's]}``, each ``{"alone": StepOut, "together":
+    StepOut}``: one launch of two ranks computing every case."""
+    folder = tmp_path_factory.mktemp("context-parallel")
+    cases = folder / "cases.json"
+    cases.write_text(json.dumps({n: config_to_dict(case(tiny_pipelines, n))
+                                 for n in FAMILIES}))
+    out = folder / "step"
+    script = str(Path(__file__).with_name("context_parallel_ranks.py"))
+    sr.finish(sr.start(2, out, str(cases), script=script), TIMEOUT_S)
+    ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1)]
+    return {n: [got[n] for got in ranks] for n in FAMILIES}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_degree_two_computes_the_step_of_degree_one(steps, name):
+    for got in steps[name]:
+        alone, together = got["alone"], got["together"]
+        assert together.sample_ids == alone.sample_ids and together.timestep == alone.timestep
+        assert together.latent.shape == alone.latent.shape
+        assert (together.latent - alone.latent).abs().max().item() < 1e-5
+        # (An SDE step: the log-prob of the step, a sum over the latent's elements.)
+        assert alone.log_prob is not None and together.log_prob is not None
+        assert torch.allclose(together.log_prob, alone.log_prob, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_rank_computes_its_share_of_the_tokens(steps, name):
+    ranks = steps[name]
+    assert all(got["tokens"] == ranks[0]["tokens"] for got in ranks)
+    assert [got["own_tokens"] for got in ranks] == [ranks[0]["tokens"] // 2] * 2
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_rank_returns_the_same_step(steps, name):
+    first, second = (got["together"] for got in steps[name])
+    assert torch.equal(first.latent, second.latent)
+    assert torch.equal(first.log_prob, second.log_prob)
+
+
+def test_a_degree_the_heads_do_not_divide_is_refused(tiny_pipelines):
+    fam = family(case(tiny_pipelines, "flux").model)
+    fam.check_context_parallel(2)
+    with pytest.raises(ConfigError) as e:
+        fam.check_context_parallel(3)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("rollout.context_parallel: expected a divisor of the "
+                          "transformer's 2 attention heads") and msg.endswith("got 3")
+
+
+def test_a_family_without_a_plan_refuses_a_degree_above_one(tiny_pipelines):
+    fam = family(pipeline_config(tiny_pipelines["hunyuanvideo"], "hunyuanvideo").model)
+    fam.check_context_parallel(1)
+    with pytest.raises(ConfigError, match=r"^rollout\.context_parallel: expected 1 for this "
+                       r"HunyuanVideoPipeline folder \(HunyuanVideoTransformer3DModel has no "
+                       r"context-parallel plan\), got 2$"):
+        fam.check_context_parallel(2)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rollout.context_parallel": 0},
+     "rollout.context_parallel: expected an integer >= 1, got 0"),
+    ({"rollout.context_parallel": 2},
+     "rollout.context_parallel: expected at most the 1 workers that generate in the "
+     "cluster the run starts (cluster.rollout_workers), got 2"),
+    ({"rollout.context_parallel": 3, "schedule.mode": "colocated"},
+     "rollout.context_parallel: expected at most the 2 workers that generate in the "
+     "cluster the run starts (cluster.rollout_workers + cluster.trainer_workers), got 3"),
+    ({"rollout.context_parallel": 2, "cluster.rollout_workers": 2},
+     "rollout.context_parallel: expected 1 (a chunk's step over several workers runs "
+     "through digenrl.tasks.context_parallel, not yet in runs), got 2"),
+])
+def test_bad_context_parallel_fails_naming_the_field(changes, message):
+    with pytest.raises(ConfigError) as e:
+        small_config(**changes)
+    assert str(e.value) == message
