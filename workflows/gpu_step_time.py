@@ -36,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 
 #: --sdpa choices: names of torch.nn.attention.SDPBackend members.
@@ -96,8 +97,15 @@ def build_model(args, torch):
             num_single_layers=args.single_layers, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
             guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-    model = model.to(torch.bfloat16).to_empty(device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    return materialize(model, "cuda", args.seed, torch)
+
+
+def materialize(model, device, seed: int, torch):
+    """A model built on the meta device, in bf16 on ``device`` with seeded random
+    weights: ~ N(0, 1/fan_in), biases zero, norm scales one (no full-size copy
+    anywhere else)."""
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:
@@ -149,10 +157,18 @@ def count_linear_flops(model, inputs, torch) -> float:
     return total[0]
 
 
-def time_it(fn, warmup: int, iters: int, torch) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
+def time_it(fn, warmup: int, iters: int, torch, cuda: bool = True) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events;
+    with ``cuda`` false, the CPU's clock: a smoke test without a GPU)."""
     for _ in range(warmup):
         fn()
+    if not cuda:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

@@ -56,7 +56,7 @@ from digenrl.tasks.types import Latents, PolicyWeights, StepOut
 if TYPE_CHECKING:
     from diffusers import ModelMixin
 
-__all__ = ["context_parallel", "denoise", "parallel_config", "MESH_DIMS"]
+__all__ = ["context_parallel", "parallel", "denoise", "parallel_config", "MESH_DIMS"]
 
 #: The device mesh's dimensions, as diffusers' ContextParallelConfig names them.
 MESH_DIMS = ("ring", "ulysses")
@@ -145,16 +145,26 @@ def _check_backend(processors: list[Any]) -> None:
 def context_parallel(transformer: "ModelMixin", cfg: ModelConfig,
                      over: Group | Any) -> Iterator["ModelMixin"]:
     """``transformer`` (of the family ``cfg`` names) computing context-parallel over
-    ``over`` (see :func:`parallel_config`) inside the block: every member calls it with
-    the same inputs and receives the whole output. Raises
+    ``over`` (see :func:`parallel_config`) inside the block, by the family's plan: every
+    member calls it with the same inputs and receives the whole output. Raises
     :class:`~digenrl.config.ConfigError` naming ``rollout.context_parallel`` before
     anything is changed when the family has no plan or its heads do not divide among
     the members."""
     fam = family(cfg)
-    degree = over.size if isinstance(over, Group) else over[MESH_DIMS[1]].size()
-    fam.check_context_parallel(degree)
+    fam.check_context_parallel(over.size if isinstance(over, Group)
+                               else over[MESH_DIMS[1]].size())
     plan = fam.context_parallel_plan()
     assert plan is not None     # (the check refuses a family without one)
+    with parallel(transformer, plan, over):
+        yield transformer
+
+
+@contextmanager
+def parallel(transformer: "ModelMixin", plan: dict, over: Group | Any
+             ) -> Iterator["ModelMixin"]:
+    """``transformer`` context-parallel over ``over`` by ``plan`` (a diffusers
+    ``_cp_plan``) inside the block, as ``enable_parallelism`` makes it (without its
+    device arithmetic), and as before after it."""
     if getattr(transformer, "_parallel_config", None) is not None:
         raise RuntimeError(f"context parallelism: this {type(transformer).__name__} is "
                            f"already parallel (one step at a time per module)")
