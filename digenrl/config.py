@@ -435,7 +435,7 @@ class RolloutConfig:
     max_chunk_size: int = 16
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
     context_parallel: int = 1
-    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: FLUX, FLUX.1 Kontext, Qwen-Image, Qwen-Image-Edit, Wan). 1: each step on one worker. Runs take only 1 so far: digenrl.tasks.context_parallel computes such a step, no run's graph uses it yet."""
+    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Runs take only 1 so far: digenrl.tasks.context_parallel computes such a step, no run's graph uses it yet."""
 
     def validate(self, p: str) -> None:
         positive_int(self.chunk_size, f"{p}.chunk_size")

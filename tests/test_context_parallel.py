@@ -1,7 +1,7 @@
 """A chunk's denoise step computed by two gloo processes together (Ulysses context
 parallelism, :mod:`digenrl.tasks.context_parallel`) against the same step in one
-process, for tiny FLUX, Wan and Qwen-Image folders (with classifier-free guidance where
-the family has it, and prompts of different lengths); and ``rollout.context_parallel``'s
+process, for tiny FLUX, Wan, Qwen-Image and SD3 folders and the built-in model (with
+classifier-free guidance where the family has it, and prompts of different lengths); and ``rollout.context_parallel``'s
 checks, each one line naming the field before any work."""
 
 from __future__ import annotations
@@ -18,16 +18,19 @@ from digenrl.models import family
 import sharded_ranks as sr
 from conftest import pipeline_config, small_config
 
-#: The families whose step is computed at degree 2 (each with diffusers' own plan).
-FAMILIES = ("flux", "wan", "qwenimage")
+#: The families whose step is computed at degree 2: diffusers' own plans, and the SD3
+#: plan of digenrl.models.sd3 for an SD3 folder and the built-in model ("tiny").
+FAMILIES = ("flux", "wan", "qwenimage", "sd3", "tiny")
 #: How long the two ranks may take (about 15 s on 2 cores).
 TIMEOUT_S = 240
 
 
 def case(folders, name: str):
     # FLUX is guidance-distilled (an embedding); the others guide with a negative prompt.
-    guidance = 1.0 if name == "flux" else 2.0
-    return pipeline_config(folders[name], name, **{"sampler.guidance_scale": guidance})
+    guidance = {"sampler.guidance_scale": 1.0 if name == "flux" else 2.0}
+    if name == "tiny":
+        return small_config(**guidance)
+    return pipeline_config(folders[name], name, **guidance)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Sequence
@@ -501,6 +502,14 @@ class ModelFamily:
         the family has none, and a degree above 1 is refused (:meth:`check_context_parallel`).
         A family whose transformer class carries diffusers' own plan returns that."""
         return None
+
+    def parallel_attention(self, transformer: torch.nn.Module
+                           ) -> AbstractContextManager[torch.nn.Module]:
+        """``transformer`` with attention processors that take diffusers' parallel
+        configuration, for a context-parallel step (a ``with`` block): its own where they
+        do (diffusers' FLUX, Qwen-Image and Wan processors); a family whose processors
+        do not swaps them for ones that do inside the block, and back after it."""
+        return nullcontext(transformer)
 
     def attention_heads(self) -> int:
         """Attention heads of each of the transformer's attention layers (Ulysses gives

@@ -155,7 +155,7 @@ def context_parallel(transformer: "ModelMixin", cfg: ModelConfig,
                                else over[MESH_DIMS[1]].size())
     plan = fam.context_parallel_plan()
     assert plan is not None     # (the check refuses a family without one)
-    with parallel(transformer, plan, over):
+    with fam.parallel_attention(transformer), parallel(transformer, plan, over):
         yield transformer
 
 
