@@ -2,8 +2,9 @@
 WORLD PORT OUT CASES`` (gloo on 127.0.0.1; CASES: a JSON file of ``{name: config as a
 dict}``). For each case, every rank computes one denoise step of a chunk of two samples
 at degree 1 (:func:`digenrl.tasks.rollout.denoise`, alone) and at degree WORLD
-(:func:`digenrl.tasks.context_parallel.denoise`, all ranks together), and saves both,
-with the image tokens its transformer's last projection saw each time, to ``OUT.RANK``.
+(:func:`digenrl.tasks.context_parallel.denoise`, all ranks together), then alone again,
+and saves the three, with the image tokens its transformer's last projection saw, to
+``OUT.RANK``.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def main(rank: int, world: int, port: int, out: str, cases: str) -> None:
         got = {}
         for name, cfg in configs.items():
             (alone, all_tokens), (together, tokens) = step_of(cfg, None), step_of(cfg, group)
-            got[name] = {"alone": alone, "together": together, "tokens": all_tokens,
-                         "own_tokens": tokens}
+            after, _ = step_of(cfg, None)     # (the resident module as it was before)
+            got[name] = {"alone": alone, "together": together, "after": after,
+                         "tokens": all_tokens, "own_tokens": tokens}
         torch.save(got, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()

@@ -68,6 +68,13 @@ def test_each_rank_computes_its_share_of_the_tokens(steps, name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_the_module_computes_alone_again_after_the_step(steps, name):
+    for got in steps[name]:
+        assert torch.equal(got["after"].latent, got["alone"].latent)
+        assert torch.equal(got["after"].log_prob, got["alone"].log_prob)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_rank_returns_the_same_step(steps, name):
     first, second = (got["together"] for got in steps[name])
     assert torch.equal(first.latent, second.latent)
@@ -83,6 +90,26 @@ def test_a_degree_the_heads_do_not_divide_is_refused(tiny_pipelines):
     assert "\n" not in msg
     assert msg.startswith("rollout.context_parallel: expected a divisor of the "
                           "transformer's 2 attention heads") and msg.endswith("got 3")
+
+
+def test_a_step_over_a_group_the_heads_do_not_divide_is_refused_before_any_work():
+    """The entry point checks before it changes the module or forms a mesh: a group of 3
+    members (its process group never used) for the built-in model's 2 heads."""
+    from digenrl.models import build_transformer
+    from digenrl.tasks.collective import Group
+    from digenrl.tasks.context_parallel import context_parallel
+
+    cfg = small_config().model
+    module = build_transformer(cfg, 0)
+    processors = dict(module.attn_processors)
+    three = Group("rollout", 0, ("a", "b", "c"), 0, "gloo", 1.0, "never-formed", "-", None)
+    with pytest.raises(ConfigError, match=r"^rollout\.context_parallel: expected a divisor "
+                       r"of the transformer's 2 attention heads for the built-in model "
+                       r"\(Ulysses gives each process heads / degree of them\), got 3$"):
+        with context_parallel(module, cfg, three):
+            pass
+    assert module._parallel_config is None and module.attn_processors == processors
+    assert not any(hasattr(m, "_diffusers_hook") for m in module.modules())
 
 
 def test_a_family_without_a_plan_refuses_a_degree_above_one(tiny_pipelines):
