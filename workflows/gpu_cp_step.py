@@ -1,5 +1,5 @@
 """Step time of a Wan2.1-T2V-14B-sized transformer on one CUDA GPU, plain and through
-the context-parallel path (digenrl.tasks.context_parallel) on a group of one.
+the context-parallel path (digenrl.tasks.ulysses) on a group of one.
 
 Builds a diffusers ``WanTransformer3DModel`` with Wan2.1-T2V-14B's shape (40 layers, 40
 heads x 128 = 5120 hidden, feed-forward 13824, text dim 4096, patch (1, 2, 2), 16 latent
@@ -12,8 +12,8 @@ latent, 32760 tokens; 81 x 720 x 1280 is 21 x 90 x 160, 75600 tokens) with 512 t
 tokens:
 
 * ``plain``: the transformer as a run's rollout worker calls it;
-* ``context-parallel, degree 1``: the same inside
-  :func:`digenrl.tasks.context_parallel.parallel` with Wan's plan on a process group of
+* ``context-parallel, degree 1``: the same inside :func:`digenrl.tasks.ulysses.parallel`
+  (what a context-parallel denoise step runs in) with Wan's plan on a process group of
   this one rank (NCCL, its store on 127.0.0.1) — diffusers 0.42.1's
   ``ContextParallelConfig`` refuses a degree of 1 (``ring_degree`` or ``ulysses_degree``
   must be above 1), and the table then says so instead of a time.
@@ -25,7 +25,8 @@ profiles' estimate ``2 x parameters x tokens + 4 n^2 d L`` (n image tokens; self
 only, the cross-attention's 512 text tokens are left out) over the seconds per step. Peak
 GiB: ``torch.cuda.max_memory_allocated`` during the size's runs.
 
-``--tiny`` runs the same code on the CPU (gloo, a 2-layer model with a small shape and
+It needs torch and diffusers (and digenrl's source beside it, not its other
+dependencies: no Dask). ``--tiny`` runs the same code on the CPU (gloo, a 2-layer model with a small shape and
 latent) in seconds: a smoke test where there is no GPU. Without CUDA and without
 ``--tiny`` it exits with status 2 and one line.
 
@@ -42,8 +43,9 @@ import socket
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_step_time import materialize, time_it  # noqa: E402  (beside this script)
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]   # gpu_step_time beside it; digenrl above it
+from gpu_step_time import materialize, time_it  # noqa: E402
 
 #: Wan2.1-T2V-14B's transformer config (its folder's transformer/config.json).
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
@@ -136,7 +138,7 @@ def one_rank_group(backend: str, torch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from digenrl.tasks.context_parallel import MESH_DIMS
+    from digenrl.tasks.ulysses import MESH_DIMS
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
               f"(torch {torch.__version__}); run it on a machine with an NVIDIA GPU, or "
               "with --tiny for the CPU smoke test", file=sys.stderr)
         return 2
-    from digenrl.tasks.context_parallel import parallel
+    from digenrl.tasks.ulysses import parallel
 
     device = "cuda" if cuda else "cpu"
     shape = TINY if args.tiny else WAN_14B
