@@ -1,36 +1,62 @@
 """A chunk's denoise step computed by two gloo processes together (Ulysses context
 parallelism, :mod:`digenrl.tasks.context_parallel`) against the same step in one
-process, for tiny FLUX, Wan, Qwen-Image and SD3 folders and the built-in model (with
-classifier-free guidance where the family has it, and prompts of different lengths); and ``rollout.context_parallel``'s
+process, for tiny FLUX, Wan, Qwen-Image and SD3 folders, the built-in model and the
+editing families (FLUX.1 Kontext, Qwen-Image-Edit, with source images), with
+classifier-free guidance where the family has it and prompts of different lengths; and ``rollout.context_parallel``'s
 checks, each one line naming the field before any work."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from digenrl.config import ConfigError, config_to_dict
 from digenrl.models import family
 
 import sharded_ranks as sr
-from conftest import pipeline_config, small_config
+from conftest import pipeline_config, small_config, source_picture
+from digenrl.testing.pipelines import MODEL_SETTINGS
 
-#: The families whose step is computed at degree 2: diffusers' own plans, and the SD3
-#: plan of digenrl.models.sd3 for an SD3 folder and the built-in model ("tiny").
-FAMILIES = ("flux", "wan", "qwenimage", "sd3", "tiny")
+#: The families whose step is computed at degree 2: diffusers' own plans (the editing
+#: families with a source image per prompt, of two sizes), and the SD3 plan of
+#: digenrl.models.sd3 for an SD3 folder and the built-in model ("tiny").
+FAMILIES = ("flux", "wan", "qwenimage", "sd3", "tiny", "kontext", "qwenimage_edit")
+EDITING = {"kontext", "qwenimage_edit"}
+#: Each editing prompt's source image (height, width): two sizes, so the chunk's velocity
+#: is computed by source size, one transformer call each.
+SOURCES = ((48, 64), (64, 48))
 #: How long the two ranks may take (about 15 s on 2 cores).
 TIMEOUT_S = 240
 
 
 def case(folders, name: str):
-    # FLUX is guidance-distilled (an embedding); the others guide with a negative prompt.
-    guidance = {"sampler.guidance_scale": 1.0 if name == "flux" else 2.0}
+    # FLUX and Kontext are guidance-distilled (an embedding); the others guide with a
+    # negative prompt.
+    guidance = {"sampler.guidance_scale": 1.0 if name in ("flux", "kontext") else 2.0}
     if name == "tiny":
         return small_config(**guidance)
+    if name in EDITING:  # (small sources: about 48 x 48 pixels; no prompt file to check)
+        settings = {f"model.{k}": v for k, v in MODEL_SETTINGS[name].items()}
+        return small_config(**{"model.path": str(folders[name]), **settings, **guidance,
+                               "model.source_area": 48 * 48})
     return pipeline_config(folders[name], name, **guidance)
+
+
+def sources(folder: Path, name: str) -> list[list[str]]:
+    """Each prompt's source image, written to ``folder``: ``[path, sha256]``."""
+    if name not in EDITING:
+        return []
+    out = []
+    for k, (height, width) in enumerate(SOURCES):
+        path = folder / f"source-{k}.png"
+        Image.fromarray(source_picture(height, width, k)).save(path)
+        out.append([str(path), hashlib.sha256(path.read_bytes()).hexdigest()])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +65,8 @@ def steps(tiny_pipelines, tmp_path_factory):
     StepOut}``: one launch of two ranks computing every case."""
     folder = tmp_path_factory.mktemp("context-parallel")
     cases = folder / "cases.json"
-    cases.write_text(json.dumps({n: config_to_dict(case(tiny_pipelines, n))
-                                 for n in FAMILIES}))
+    cases.write_text(json.dumps({n: {"config": config_to_dict(case(tiny_pipelines, n)),
+                                     "sources": sources(folder, n)} for n in FAMILIES}))
     out = folder / "step"
     script = str(Path(__file__).with_name("context_parallel_ranks.py"))
     sr.finish(sr.start(2, out, str(cases), script=script), TIMEOUT_S)
