@@ -1196,11 +1196,11 @@ class RunConfig:
         c, degree = self.cluster, self.rollout.context_parallel
         if c.scheduler is None and not c.gpus:
             workers = c.rollout_workers if self.schedule.options().pools else c.total_workers
+            pools = "cluster.rollout_workers" + (
+                "" if self.schedule.options().pools else " + cluster.trainer_workers")
             require(degree <= workers, CONTEXT_PARALLEL_FIELD,
-                    f"at most the {workers} workers that generate in the cluster the run "
-                    f"starts (cluster.rollout_workers"
-                    f"{'' if self.schedule.options().pools else ' + cluster.trainer_workers'})",
-                    degree)
+                    f"at most {workers}, the workers that generate in the cluster the run "
+                    f"starts ({pools})", degree)
         fail(CONTEXT_PARALLEL_FIELD, "1 (a chunk's step over several workers runs through "
              "digenrl.tasks.context_parallel, not yet in runs)", degree)
 

@@ -151,10 +151,10 @@ def test_a_family_without_a_plan_refuses_a_degree_above_one(tiny_pipelines):
     ({"rollout.context_parallel": 0},
      "rollout.context_parallel: expected an integer >= 1, got 0"),
     ({"rollout.context_parallel": 2},
-     "rollout.context_parallel: expected at most the 1 workers that generate in the "
+     "rollout.context_parallel: expected at most 1, the workers that generate in the "
      "cluster the run starts (cluster.rollout_workers), got 2"),
     ({"rollout.context_parallel": 3, "schedule.mode": "colocated"},
-     "rollout.context_parallel: expected at most the 2 workers that generate in the "
+     "rollout.context_parallel: expected at most 2, the workers that generate in the "
      "cluster the run starts (cluster.rollout_workers + cluster.trainer_workers), got 3"),
     ({"rollout.context_parallel": 2, "cluster.rollout_workers": 2},
      "rollout.context_parallel: expected 1 (a chunk's step over several workers runs "

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from digenrl.checks import require
 from digenrl.config import CONTEXT_PARALLEL_FIELD, ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
@@ -520,19 +521,17 @@ class ModelFamily:
         """A chunk's step can run over ``degree`` processes: the family has a plan and
         its heads divide among them. Raises :class:`ConfigError` naming the field in one
         line (nothing is built)."""
-        field = CONTEXT_PARALLEL_FIELD
         if degree == 1:
             return
         what = (f"this {self.pipeline_class} folder" if self.pipeline_class
                 else "the built-in model")
-        if self.context_parallel_plan() is None:
-            raise ConfigError(f"{field}: expected 1 for {what} ({self.transformer_class_name} "
-                              f"has no context-parallel plan), got {degree}")
+        require(self.context_parallel_plan() is not None, CONTEXT_PARALLEL_FIELD,
+                f"1 for {what} ({self.transformer_class_name} has no context-parallel "
+                f"plan)", degree)
         heads = self.attention_heads()
-        if heads % degree:
-            raise ConfigError(f"{field}: expected a divisor of the transformer's {heads} "
-                              f"attention heads for {what} (Ulysses gives each process "
-                              f"heads / degree of them), got {degree}")
+        require(heads % degree == 0, CONTEXT_PARALLEL_FIELD,
+                f"a divisor of the transformer's {heads} attention heads for {what} "
+                f"(Ulysses gives each process heads / degree of them)", degree)
 
     # ------------------------------------------------------------------ computation
 
