@@ -3,9 +3,10 @@ the context-parallel path (digenrl.tasks.ulysses) on a group of one.
 
 Builds a diffusers ``WanTransformer3DModel`` with Wan2.1-T2V-14B's shape (40 layers, 40
 heads x 128 = 5120 hidden, feed-forward 13824, text dim 4096, patch (1, 2, 2), 16 latent
-channels in and out) with seeded random bf16 weights made directly on the GPU (on the
-meta device first, then ``to_empty`` and a seeded init there: nothing is downloaded and
-no 14B-parameter CPU copy is made), and times with CUDA events (``--warmup`` runs, then
+channels in and out) with seeded random bf16 weights made directly on the GPU (the
+parameters on the meta device first, then made and seeded there, the modules diffusers
+keeps in float32 in float32: nothing is downloaded and no 14B-parameter CPU copy is
+made), and times with CUDA events (``--warmup`` runs, then
 the median of ``--iters``) one velocity prediction (no gradient) at batch 1 of each
 ``--sizes`` (frames x height x width in pixels: 81 x 480 x 832 is a 21 x 60 x 104
 latent, 32760 tokens; 81 x 720 x 1280 is 21 x 90 x 160, 75600 tokens) with 512 text
@@ -45,7 +46,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]   # gpu_step_time beside it; digenrl above it
-from gpu_step_time import materialize, time_it  # noqa: E402
+from gpu_step_time import materialize, on_meta, time_it  # noqa: E402
 
 #: Wan2.1-T2V-14B's transformer config (its folder's transformer/config.json).
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128,
@@ -91,14 +92,13 @@ def latent(size: tuple[int, int, int]) -> tuple[int, int, int]:
 
 
 def build_model(shape: dict, device: str, seed: int, torch):
-    """A WanTransformer3DModel of ``shape`` in bf16 on ``device``, seeded random weights
-    made there."""
+    """A WanTransformer3DModel of ``shape`` on ``device``, seeded random weights made
+    there (bf16; float32 where the class keeps them so), its rotary tables computed."""
     from diffusers import WanTransformer3DModel
     from diffusers.utils import logging as diffusers_logging
 
-    diffusers_logging.set_verbosity_error()  # (the bf16 cast's "kept in float32" note)
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**shape)
+    diffusers_logging.set_verbosity_error()
+    model = on_meta(lambda: WanTransformer3DModel(**shape), torch)
     return materialize(model, device, seed, torch)
 
 
