@@ -2,7 +2,8 @@
 parallelism, :mod:`digenrl.tasks.context_parallel`) against the same step in one
 process, for tiny FLUX, Wan, Qwen-Image and SD3 folders, the built-in model and the
 editing families (FLUX.1 Kontext, Qwen-Image-Edit, with source images), with
-classifier-free guidance where the family has it and prompts of different lengths; and ``rollout.context_parallel``'s
+classifier-free guidance where the family has it and prompts of different lengths; the
+same step by two Dask workers over a collective group they joined; and ``rollout.context_parallel``'s
 checks, each one line naming the field before any work."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from digenrl.models import family
 
 import sharded_ranks as sr
 from conftest import pipeline_config, small_config, source_picture
+from digenrl.tasks import collective
+from test_collective import TIMEOUT, group_name, on_each, trainers  # noqa: F401
 from digenrl.testing.pipelines import MODEL_SETTINGS
 
 #: The families whose step is computed at degree 2: diffusers' own plans (the editing
@@ -103,6 +106,34 @@ def test_the_module_computes_alone_again_after_the_step(steps, name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_rank_returns_the_same_step(steps, name):
     first, second = (got["together"] for got in steps[name])
+    assert torch.equal(first.latent, second.latent)
+    assert torch.equal(first.log_prob, second.log_prob)
+
+
+def _steps_as_member(name: str, members: list[str], generation: int, case: dict):
+    """On a worker: the chunk's step alone, then with the other members in the
+    collective group ``name`` joined here, as a task of a run's gang would compute it."""
+    from context_parallel_ranks import step_of
+
+    alone, _ = step_of(case, None)
+    group = collective.join(name, members, generation, backend="gloo", timeout=TIMEOUT)
+    together, tokens = step_of(case, group)
+    return alone, together, tokens, group.formation
+
+
+def test_two_dask_workers_compute_a_step_together_in_a_group_they_joined(
+        trainers):  # noqa: F811 (test_collective's fixture)
+    """The built-in model's step at degree 2 by the trainers of a local cluster, each in
+    a task pinned to it, over a group joined through the scheduler (the mesh built on the
+    group's formation)."""
+    client, members, addresses = trainers
+    case = {"config": config_to_dict(small_config(**{"sampler.guidance_scale": 2.0})),
+            "sources": []}
+    got = on_each(client, addresses, members, _steps_as_member, group_name(), members, 1,
+                  case)
+    (alone, first, tokens, formation), (_, second, other_tokens, formation_1) = got
+    assert formation == formation_1 and tokens == other_tokens == 8   # (16 image tokens)
+    assert (first.latent - alone.latent).abs().max().item() < 1e-5
     assert torch.equal(first.latent, second.latent)
     assert torch.equal(first.log_prob, second.log_prob)
 
