@@ -3,8 +3,8 @@ parallelism, :mod:`digenrl.tasks.context_parallel`) against the same step in one
 process, for tiny FLUX, Wan, Qwen-Image and SD3 folders, the built-in model and the
 editing families (FLUX.1 Kontext, Qwen-Image-Edit, with source images), with
 classifier-free guidance where the family has it and prompts of different lengths; the
-same step by two Dask workers over a collective group they joined; and ``rollout.context_parallel``'s
-checks, each one line naming the field before any work."""
+same step by two Dask workers over a collective group they joined; and
+``rollout.context_parallel``'s checks, each one line naming the field before any work."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from PIL import Image
 
 from digenrl.config import ConfigError, config_to_dict
 from digenrl.models import family
+from digenrl.tasks import collective
+from digenrl.testing.pipelines import MODEL_SETTINGS
 
 import sharded_ranks as sr
 from conftest import pipeline_config, small_config, source_picture
-from digenrl.tasks import collective
 from test_collective import TIMEOUT, group_name, on_each, trainers  # noqa: F401
-from digenrl.testing.pipelines import MODEL_SETTINGS
 
 #: The families whose step is computed at degree 2: diffusers' own plans (the editing
 #: families with a source image per prompt, of two sizes), and the SD3 plan of
@@ -33,7 +33,7 @@ EDITING = {"kontext", "qwenimage_edit"}
 #: Each editing prompt's source image (height, width): two sizes, so the chunk's velocity
 #: is computed by source size, one transformer call each.
 SOURCES = ((48, 64), (64, 48))
-#: How long the two ranks may take (about 15 s on 2 cores).
+#: How long the two ranks may take (about 20 s on 2 cores).
 TIMEOUT_S = 240
 
 
@@ -64,8 +64,9 @@ def sources(folder: Path, name: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def steps(tiny_pipelines, tmp_path_factory):
-    """``{family: [rank 0's, rank 1's]}``, each ``{"alone": StepOut, "together":
-    StepOut}``: one launch of two ranks computing every case."""
+    """``{family: [rank 0's, rank 1's]}``, each ``{"alone", "together", "after":
+    StepOut, "tokens", "own_tokens": int}`` (context_parallel_ranks.py): one launch of
+    two ranks computing every case."""
     folder = tmp_path_factory.mktemp("context-parallel")
     cases = folder / "cases.json"
     cases.write_text(json.dumps({n: {"config": config_to_dict(case(tiny_pipelines, n)),
