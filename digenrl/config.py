@@ -420,6 +420,10 @@ class DataConfig:
         return self.prompts_per_iteration * self.samples_per_prompt
 
 
+#: The field of a chunk's context-parallel degree (``rollout.context_parallel``).
+CONTEXT_PARALLEL_FIELD = "rollout.context_parallel"
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """How samples are batched into denoise tasks."""
@@ -430,9 +434,12 @@ class RolloutConfig:
     """fixed: every chunk holds chunk_size samples (results bit-identical across clusters). adaptive: each iteration's chunk size is chosen from measured step times and per-task costs so every generating slot holds a chain (results equal up to floating-point summation order)."""
     max_chunk_size: int = 16
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
+    context_parallel: int = 1
+    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Runs take only 1 so far: digenrl.tasks.context_parallel computes such a step, no run's graph uses it yet."""
 
     def validate(self, p: str) -> None:
         positive_int(self.chunk_size, f"{p}.chunk_size")
+        positive_int(self.context_parallel, f"{p}.context_parallel")
         choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
         positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
         if self.chunking == "adaptive":
@@ -1176,6 +1183,8 @@ class RunConfig:
                  f"step is never an SDE step of a window)", list(a.sde_steps))
         if self.train.sharding == "fsdp":
             self._check_sharding()
+        if self.rollout.context_parallel > 1:
+            self._check_context_parallel()
         if not a.coupled:
             require(not self.store.save_latents, "store.save_latents",
                      f"false with algorithm.name {a.name!r} (a decoupled run keeps no "
@@ -1194,6 +1203,23 @@ class RunConfig:
         require(self.train.lora_rank == 0, "train.lora_rank",
                  "0 with train.sharding fsdp (it shards every weight; LoRA adapters train "
                  "unsharded)", self.train.lora_rank)
+
+    def _check_context_parallel(self) -> None:
+        """``rollout.context_parallel`` above 1: no more processes than a local cluster
+        the run starts gives generation (the rollout pool; in colocated mode every
+        worker), and (so far) refused: no run's graph computes a step that way yet. What
+        the model decides (a plan, heads the degree divides) is the family's check
+        (``ModelFamily.check_context_parallel``), which needs its folder."""
+        c, degree = self.cluster, self.rollout.context_parallel
+        if c.scheduler is None and not c.gpus:
+            workers = c.rollout_workers if self.schedule.options().pools else c.total_workers
+            pools = "cluster.rollout_workers" + (
+                "" if self.schedule.options().pools else " + cluster.trainer_workers")
+            require(degree <= workers, CONTEXT_PARALLEL_FIELD,
+                    f"at most {workers}, the workers that generate in the cluster the run "
+                    f"starts ({pools})", degree)
+        fail(CONTEXT_PARALLEL_FIELD, "1 (a chunk's step over several workers runs through "
+             "digenrl.tasks.context_parallel, not yet in runs)", degree)
 
     # Derived totals, logged at start.
     @property

@@ -47,15 +47,16 @@ def context(algorithm: str, prompts: int, dtype: str = "float32"):
     return GraphContext.from_config(config(algorithm, prompts, dtype))
 
 
-def start(world: int, out, *extra: str) -> list[subprocess.Popen]:
-    """This script's ``world`` ranks started, on a free port (each prints to a pipe)."""
+def start(world: int, out, *extra: str, script: str = __file__) -> list[subprocess.Popen]:
+    """``world`` ranks of ``script`` (this one unless named) started, each as ``script
+    RANK WORLD PORT OUT *EXTRA`` on a free port (each prints to a pipe)."""
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(r),
+    return [subprocess.Popen([sys.executable, str(Path(script).resolve()), str(r),
                               str(world), str(port), str(out), *extra],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True) for r in range(world)]

@@ -36,6 +36,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 
 #: --sdpa choices: names of torch.nn.attention.SDPBackend members.
@@ -90,23 +91,65 @@ def build_model(args, torch):
 
     diffusers_logging.set_verbosity_error()  # the bf16 cast's "kept in float32: []" note
 
-    with torch.device("meta"):
+    with torch.device("meta"):   # (no buffers)
         model = FluxTransformer2DModel(
             patch_size=1, in_channels=64, num_layers=args.layers,
             num_single_layers=args.single_layers, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
             guidance_embeds=True, axes_dims_rope=(16, 56, 56))
-    model = model.to(torch.bfloat16).to_empty(device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    return materialize(model, "cuda", args.seed, torch)
+
+
+def materialize(model, device, seed: int, torch):
+    """A model whose parameters are on the meta device, with seeded random parameters
+    made on ``device`` (no full-size copy anywhere else): ~ N(0, 1/fan_in), biases zero,
+    norm scales one; in bf16, but those under the class's ``_keep_in_fp32_modules`` in
+    float32, as ``from_pretrained(..., torch_dtype=torch.bfloat16)`` loads them. Its
+    buffers (rotary tables, computed when the model was built: see :func:`on_meta`) are
+    moved to ``device`` as they are."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.fill_(1.0)
+        for prefix, module in model.named_modules():
+            for name, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                fp32 = any(k in full.split(".") for k in keep)
+                t = torch.empty(p.shape, device=device,
+                                dtype=torch.float32 if fp32 else torch.bfloat16)
+                if t.ndim >= 2:
+                    t.normal_(0.0, t.shape[1] ** -0.5, generator=gen)
+                elif name.endswith("bias"):
+                    t.zero_()
+                else:
+                    t.fill_(1.0)
+                module._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    if b.is_meta:
+                        raise ValueError(f"materialize: buffer {prefix}.{name} is on the meta "
+                                         f"device (build the model with on_meta)")
+                    module._buffers[name] = b.to(device)
     return model.eval()
+
+
+def on_meta(build, torch):
+    """``build()`` with every parameter created on the meta device (made later where it
+    will live, by :func:`materialize`) and every buffer where torch makes it: buffers such
+    as rotary tables are small and computed when the module is built."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        return build()
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def make_inputs(args, batch: int, torch):
@@ -149,10 +192,18 @@ def count_linear_flops(model, inputs, torch) -> float:
     return total[0]
 
 
-def time_it(fn, warmup: int, iters: int, torch) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
+def time_it(fn, warmup: int, iters: int, torch, cuda: bool = True) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events;
+    with ``cuda`` false, the CPU's clock: a smoke test without a GPU)."""
     for _ in range(warmup):
         fn()
+    if not cuda:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

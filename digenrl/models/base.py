@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Sequence
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from digenrl.config import ConfigError, ModelConfig, SamplerConfig
+from digenrl.checks import require
+from digenrl.config import CONTEXT_PARALLEL_FIELD, ConfigError, ModelConfig, SamplerConfig
 from digenrl.models.parts import check_tokens, load_tokenizer, read_json
 
 __all__ = ["Conditioning", "ModelFamily", "PromptCache", "PROMPT_CACHE_BYTES",
@@ -490,6 +492,46 @@ class ModelFamily:
         a source image. Each editing family defines it."""
         raise NotImplementedError(f"{self.pipeline_class or 'the built-in model'}: "
                                   f"encodes no source images (it does not edit images)")
+
+    # ---------------------------------------------------------- context parallelism
+
+    def context_parallel_plan(self) -> dict | None:
+        """How diffusers' context parallelism splits this family's transformer when a
+        chunk's step is computed by several processes together
+        (:mod:`digenrl.tasks.context_parallel`): a ``_cp_plan`` (module names mapped to
+        the inputs split and the outputs gathered along the token axis), or None where
+        the family has none, and a degree above 1 is refused (:meth:`check_context_parallel`).
+        A family whose transformer class carries diffusers' own plan returns that."""
+        return None
+
+    def parallel_attention(self, transformer: torch.nn.Module
+                           ) -> AbstractContextManager[torch.nn.Module]:
+        """``transformer`` with attention processors that take diffusers' parallel
+        configuration, for a context-parallel step (a ``with`` block): its own where they
+        do (diffusers' FLUX, Qwen-Image and Wan processors); a family whose processors
+        do not swaps them for ones that do inside the block, and back after it."""
+        return nullcontext(transformer)
+
+    def attention_heads(self) -> int:
+        """Attention heads of each of the transformer's attention layers (Ulysses gives
+        each process ``heads / degree`` of them)."""
+        return int(self.transformer_config()["num_attention_heads"])
+
+    def check_context_parallel(self, degree: int) -> None:
+        """A chunk's step can run over ``degree`` processes: the family has a plan and
+        its heads divide among them. Raises :class:`ConfigError` naming the field in one
+        line (nothing is built)."""
+        if degree == 1:
+            return
+        what = (f"this {self.pipeline_class} folder" if self.pipeline_class
+                else "the built-in model")
+        require(self.context_parallel_plan() is not None, CONTEXT_PARALLEL_FIELD,
+                f"1 for {what} ({self.transformer_class_name} has no context-parallel "
+                f"plan)", degree)
+        heads = self.attention_heads()
+        require(heads % degree == 0, CONTEXT_PARALLEL_FIELD,
+                f"a divisor of the transformer's {heads} attention heads for {what} "
+                f"(Ulysses gives each process heads / degree of them)", degree)
 
     # ------------------------------------------------------------------ computation
 

@@ -121,5 +121,9 @@ class FluxFamily(ModelFamily):
         return flux_velocity(transformer, x, self.timestep(sigma), cond.to_dtype(x.dtype),
                              guidance_scale)
 
+    def context_parallel_plan(self) -> dict:
+        """Diffusers' own plan for the transformer class."""
+        return self.transformer_class._cp_plan
+
     def decode(self, vae, latents):
         return scaled_vae_decode(vae, latents)

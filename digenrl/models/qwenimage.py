@@ -212,6 +212,10 @@ class QwenImageFamily(ModelFamily):
                             / torch.norm(combined, dim=-1, keepdim=True))
         return unpack(v, h, w)
 
+    def context_parallel_plan(self) -> dict:
+        """Diffusers' own plan for the transformer class."""
+        return self.transformer_class._cp_plan
+
     def decode(self, vae, latents):
         return normalized_vae_decode(vae, latents)
 

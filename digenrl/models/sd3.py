@@ -5,7 +5,9 @@ and T5 (last hidden states), with classifier-free guidance against the negative 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import cached_property
+from typing import Any, Iterator
 
 import torch
 
@@ -14,7 +16,8 @@ from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFami
 from digenrl.models.common import (TextEncoders, guided, scaled_vae_decode, timesteps,
                                    vae_block_factor)
 
-__all__ = ["SD3Family", "sd3_velocity"]
+__all__ = ["SD3Family", "sd3_velocity", "sd3_context_parallel_plan", "JointAttnParallelProcessor",
+           "parallel_joint_attention"]
 
 CLIP_PARTS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
 T5_PARTS = ("tokenizer_3", "text_encoder_3")
@@ -41,6 +44,86 @@ def sd3_velocity(transformer, x: torch.Tensor, timestep: float | torch.Tensor, c
         return guided(v_uncond, v_cond, guidance_scale)
     return transformer(hidden_states=x, encoder_hidden_states=embeds,
                        pooled_projections=pooled, timestep=t, return_dict=False)[0]
+
+
+def sd3_context_parallel_plan() -> dict:
+    """How context parallelism splits an SD3 transformer (diffusers has no plan for it),
+    as diffusers' FLUX plan splits FLUX's: the image's tokens (as the patch embedding
+    gives them, their positions added) and the prompt's (as their projection gives
+    them) split along the token axis, each block on its share, and the last
+    projection's output gathered before the image is unpatched. Attention needs
+    :class:`JointAttnParallelProcessor` (:func:`parallel_joint_attention`)."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    # (Split as the embeddings' outputs: the last block's text output is None, which a
+    # split hook on a block's inputs would refuse to pass through.)
+    tokens = {0: ContextParallelInput(split_dim=1, expected_dims=3, split_output=True)}
+    return {"pos_embed": tokens, "context_embedder": tokens,
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3)}
+
+
+class JointAttnParallelProcessor:
+    """diffusers' ``JointAttnProcessor2_0`` (SD3's joint attention over the image's and
+    the prompt's tokens; SD3.5's image-only second attention) computed through diffusers'
+    attention dispatcher, which splits it over the processes of a context-parallel step
+    (Ulysses: each attends over every token with its share of the heads). The same
+    projections, norms and output split; the attention's inputs laid out (batch, tokens,
+    heads, head dim) as the dispatcher takes them."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(-1, (attn.heads, -1))
+
+        image = hidden_states.shape[1]
+        query = heads(attn.to_q(hidden_states))
+        key = heads(attn.to_k(hidden_states))
+        value = heads(attn.to_v(hidden_states))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            e = encoder_hidden_states
+            c_query, c_key = heads(attn.add_q_proj(e)), heads(attn.add_k_proj(e))
+            c_value = heads(attn.add_v_proj(e))
+            if attn.norm_added_q is not None:
+                c_query = attn.norm_added_q(c_query)
+            if attn.norm_added_k is not None:
+                c_key = attn.norm_added_k(c_key)
+            query = torch.cat([query, c_query], dim=1)
+            key = torch.cat([key, c_key], dim=1)
+            value = torch.cat([value, c_value], dim=1)
+        out = dispatch_attention_fn(query, key, value, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend,
+                                    parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        context = None
+        if encoder_hidden_states is not None:
+            out, context = out[:, :image], out[:, image:]
+            if not attn.context_pre_only:
+                context = attn.to_add_out(context)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out if context is None else (out, context)
+
+
+@contextmanager
+def parallel_joint_attention(transformer: Any) -> Iterator[Any]:
+    """An SD3 transformer whose attention layers compute through
+    :class:`JointAttnParallelProcessor` inside the block, and through their own
+    processors again after it."""
+    before = transformer.attn_processors
+    transformer.set_attn_processor(JointAttnParallelProcessor())
+    try:
+        yield transformer
+    finally:
+        transformer.set_attn_processor(before)
 
 
 class _SD3Encoder(TextEncoders):
@@ -131,6 +214,12 @@ class SD3Family(ModelFamily):
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
         return sd3_velocity(transformer, x, self.timestep(sigma), cond.to_dtype(x.dtype),
                             guidance_scale)
+
+    def context_parallel_plan(self) -> dict:
+        return sd3_context_parallel_plan()
+
+    def parallel_attention(self, transformer):
+        return parallel_joint_attention(transformer)
 
     def decode(self, vae, latents):
         return scaled_vae_decode(vae, latents)

@@ -20,7 +20,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from digenrl.config import SamplerConfig
 from digenrl.models.base import JOINT_ATTENTION_TARGETS, Conditioning, ModelFamily, PromptCache
 from digenrl.models.common import negative_texts, scaled_vae_decode
-from digenrl.models.sd3 import sd3_velocity
+from digenrl.models.sd3 import parallel_joint_attention, sd3_context_parallel_plan, sd3_velocity
 from digenrl.seeding import INIT_DRAW, PROMPT_ENCODER_DRAW, stable_seed
 
 __all__ = ["TinyFamily", "PromptEncoder", "seeded"]
@@ -190,6 +190,12 @@ class TinyFamily(ModelFamily):
 
     def predict_velocity(self, transformer, x, sigma, cond, guidance_scale):
         return sd3_velocity(transformer, x, self.timestep(sigma), cond, guidance_scale)
+
+    def context_parallel_plan(self) -> dict:
+        return sd3_context_parallel_plan()
+
+    def parallel_attention(self, transformer):
+        return parallel_joint_attention(transformer)
 
     def decode(self, vae, latents):
         return scaled_vae_decode(vae, latents)

@@ -137,5 +137,9 @@ class WanFamily(ModelFamily):
             v = guided(v_uncond, v, guidance_scale)
         return v
 
+    def context_parallel_plan(self) -> dict:
+        """Diffusers' own plan for the transformer class."""
+        return self.transformer_class._cp_plan
+
     def decode(self, vae, latents):
         return normalized_vae_decode(vae, latents)
