@@ -234,7 +234,7 @@ def _tampered(value, change):
      r"PolicyWeights: class: expected one of \[.*'PolicyWeights'.*\], got 'Evil'"),
     (lambda v: v.update(type="GradOut"),
      r"PolicyWeights: expected the fields \['grads', 'stats'\] of GradOut, got "
-     r"\['sampling_copy', 'tensors', 'version'\]"),
+     r"\['held', 'sampling_copy', 'store', 'tensors', 'version'\]"),
     (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(dtype="object"),
      r"PolicyWeights.tensors\['float32'\]: tensor dtype: expected one of .*, got 'object'"),
     (lambda v: v["fields"]["tensors"]["dict"]["float32"]["tensor"].update(shape=[60, 6]),
