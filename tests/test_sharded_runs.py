@@ -25,12 +25,14 @@ from conftest import DETERMINISTIC_METRICS, small_config
 
 #: Each compared config: the algorithm (with the KL term for Flow-GRPO: its reference
 #: is read by every micro-step), the mode, and the cluster (digenrl mode shards over the
-#: trainer pool, colocated mode over every worker).
+#: trainer pool, colocated mode over every worker). Versions are published by broadcast
+#: (``train.weight_sync: auto``), DPO's through Dask.
 CASES = {
     "flow_grpo-kl-digenrl": ({"train.kl_beta": 0.05}, "digenrl", "cluster_2x2"),
     "diffusion_nft-digenrl": ({"algorithm.name": "diffusion_nft"}, "digenrl", "cluster_2x2"),
     "awm-colocated": ({"algorithm.name": "awm"}, "colocated", "cluster_1x1"),
-    "dpo-colocated": ({"algorithm.name": "dpo"}, "colocated", "cluster_1x1"),
+    "dpo-colocated": ({"algorithm.name": "dpo", "train.weight_sync": "dask"}, "colocated",
+                      "cluster_1x1"),
 }
 
 
