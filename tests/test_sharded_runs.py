@@ -158,6 +158,10 @@ def test_each_version_is_broadcast_to_every_worker_and_none_travels_through_dask
     assert largest(ref, [PUBLISH]) >= size
     assert largest(ds, [PUBLISH, OPTIMIZE, INIT]) < size / 20
     assert ds["metrics"]["weight_sync_bytes"].values[-1] == size
+    # Each iteration's version received by every worker but the sender, and timed.
+    receivers = len(workers) - 1
+    assert (ds["metrics"]["weight_sync_transfers"].values >= receivers).all()
+    assert (ds["metrics"]["weight_sync_seconds"].values > 0).all()
 
 
 @pytest.mark.slow

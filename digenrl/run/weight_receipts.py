@@ -3,7 +3,8 @@
 A policy version is the output of its ``publish`` task; Dask moves it to every worker
 that runs a task reading it. :class:`WeightReceipts` is a worker plugin that times each
 such move on the worker receiving it (the task's ``flight`` state: from the fetch's
-start until the bytes are in memory), and :func:`drain` hands a worker's total to the
+start until the bytes are in memory), or, for a version published by broadcast, the
+worker's receiving member of the broadcast (its ``executing`` state), and :func:`drain` hands a worker's total to the
 driver, which stores the sum over workers per iteration as ``weight_sync_seconds``
 beside ``weight_sync_bytes``.
 """
@@ -38,16 +39,22 @@ class WeightReceipts(WorkerPlugin):
     def transition(self, key, start, finish, **kwargs) -> None:
         if not (isinstance(key, tuple) and key and kind_of(key) == PUBLISH):
             return
-        if finish == "flight":
+        if finish == "flight" or (finish == "executing" and _receives(key)):
             # (A fetch may go back to ``fetch`` and fly again: it is timed from the first.)
             self._since.setdefault(key, time.monotonic())
-        elif finish == "memory" and start == "flight":
+        elif finish == "memory" and start in ("flight", "executing"):
             began = self._since.pop(key, None)
             if began is not None:
                 self.seconds += time.monotonic() - began
                 self.received += 1
         elif finish in ("released", "forgotten"):
             self._since.pop(key, None)
+
+
+def _receives(key: tuple) -> bool:
+    """Whether ``key`` is a broadcast's receiving member (``member_key(publish_key(v),
+    m)``, m > 0): its computing is this worker receiving the version."""
+    return len(key) == 3 and isinstance(key[2], int) and key[2] > 0
 
 
 def drain(dask_worker) -> tuple[float, int]:
