@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from digenrl.algorithms import Algorithm, FlowGRPO
-from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, PUBLISHING_STEP, Key, advantage_key, checkpoint_key,
-                                decode_key, denoise_key, encode_key, eval_key,
+from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, PUBLISHING_STEP, Key, advantage_key,
+                                checkpoint_key, decode_key, denoise_key, encode_key, eval_key,
                                 eval_reward_key, gang_id, grad_key, group_reward_key,
                                 member_key, noise_key, optimize_key, publish_key, reduce_key,
                                 restore_key, reward_key, round_key, stats_key, task_meta,
