@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--reuse", action="store_true",
                      help="with --validate: use the emulated runs already in DIR (from "
                           "digenrl bench --emulate) instead of running them again")
+    sim.add_argument("--context-parallel", metavar="D[,D...]",
+                     help="simulate each context-parallel degree (1, 2, 4, 8 or auto, "
+                          "comma-separated) instead of the profile's, and compare them: "
+                          "iteration time, fraction of the ideal bound, the degree of "
+                          "each chunk")
     sim.add_argument("--network-study", action="store_true",
                      help="instead: weight-sync and all-reduce traffic on a static fat-tree "
                           "against a reconfigurable fabric (GPU counts x oversubscription x "
@@ -544,6 +549,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _degree_arg(text: str) -> int | str:
+    """``--context-parallel``'s degree: ``auto`` or an integer (checked by the profile)."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.network_study:
         from digenrl.sim.network import run_network_study
@@ -555,8 +569,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
-    from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_reports, measured_latencies,
-                                      simulate_variants)
+    from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_degrees, format_reports,
+                                      measured_latencies, simulate_variants)
     from digenrl.figures.variants import VARIANTS
 
     def fits(p, show: bool = True) -> None:
@@ -585,6 +599,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     splits = _parse_splits(args.splits) if args.splits is not None else None
     if splits and args.validate:
         raise ConfigError("--splits: expected without --validate (it simulates only)")
+    if args.context_parallel is not None:
+        if splits or args.validate:
+            raise ConfigError("--context-parallel: expected without --splits and --validate")
+        try:
+            profiles = [profile.with_context_parallel(_degree_arg(d))
+                        for d in args.context_parallel.split(",")]
+        except ProfileError as e:
+            raise ConfigError(f"--context-parallel: {e}") from None
+        latency = args.dispatch_latency if args.dispatch_latency is not None else 0.005
+        fits(profile)
+        print(format_degrees([(v, r) for p in profiles
+                              for v, r in simulate_variants(p, variants, args.iterations,
+                                                            dispatch_latency=latency)]))
+        return 0
     scale = args.time_scale or profile.time_scale
     latency = args.dispatch_latency
     if latency is None:
