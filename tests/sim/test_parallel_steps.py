@@ -11,6 +11,7 @@ from digenrl.graph.keys import member_key
 from digenrl.graph.structure import iteration_nodes
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.sim.costs import ULYSSES_ALL_TO_ALLS, chunk_degrees, cp_step_seconds
+from digenrl.sim.emulate import EmulatedWorkload
 from digenrl.sim.memory import Model
 from digenrl.sim.network import MESSAGE_LATENCY, NVLINK_BANDWIDTH
 from digenrl.sim.profile import ProfileError, load_profile
@@ -144,3 +145,10 @@ def test_auto_speeds_up_a_tail_of_long_videos_and_leaves_images_alone(wan):
     images = load_profile("flux12b-16gpu").with_context_parallel("auto")
     degrees = chunk_degrees(images, images.images_per_iteration // images.chunk_size)
     assert len(degrees) - degrees.count(1) < images.rollout_workers
+
+
+def test_the_emulator_refuses_a_degree_above_one(wan):
+    """It runs the real graph, which computes no step context-parallel yet."""
+    with pytest.raises(ProfileError, match=r"^profile.context_parallel: expected 1 on "
+                                           r"emulated GPUs .*, got 'auto'$"):
+        EmulatedWorkload(wan.with_context_parallel("auto"), opts("digenrl"), 3)
