@@ -596,6 +596,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.gpus < 2:
             raise ConfigError(f"--gpus: expected at least 2, got {args.gpus}")
         profile = profile.scaled(args.gpus)
+        try:   # (the profile's degree, on the scaled rollout pool)
+            profile = profile.with_context_parallel(profile.context_parallel)
+        except ProfileError as e:
+            raise ConfigError(f"--gpus: {e}") from None
     if args.iterations < 3:
         raise ConfigError(f"--iterations: expected at least 3, got {args.iterations}")
     if args.time_scale is not None and not args.time_scale > 0:
