@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--reuse", action="store_true",
                      help="with --validate: use the emulated runs already in DIR (from "
                           "digenrl bench --emulate) instead of running them again")
+    sim.add_argument("--context-parallel", metavar="D[,D...]",
+                     help="simulate each context-parallel degree (1, 2, 4, 8 or auto, "
+                          "comma-separated) instead of the profile's, and compare them: "
+                          "iteration time, fraction of the ideal bound, the degree of "
+                          "each chunk")
     sim.add_argument("--network-study", action="store_true",
                      help="instead: weight-sync and all-reduce traffic on a static fat-tree "
                           "against a reconfigurable fabric (GPU counts x oversubscription x "
@@ -535,6 +540,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             except ProfileError as e:
                 raise ConfigError(f"--rollout-workers/--trainer-workers: {e}") from None
         _check_memory(profile, variants)
+        from digenrl.sim.emulate import check_emulable
+
+        try:
+            check_emulable(profile)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
         results = bench_profile(profile, variants, args.out, iterations=config.iterations,
                                 time_scale=args.time_scale, skip=args.skip, drain=args.drain,
                                 dashboard_address=config.cluster.dashboard_address)
@@ -542,6 +553,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         results = bench_config(config, variants, args.out, skip=args.skip, drain=args.drain)
     print(format_table(results))
     return 0
+
+
+def _degree_arg(text: str) -> int | str:
+    """``--context-parallel``'s degree: ``auto`` or an integer (checked by the profile)."""
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -555,8 +575,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     from digenrl.commands.bench import bench_profile, measure_store
     from digenrl.sim.profile import ProfileError, load_profile
-    from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_reports, measured_latencies,
-                                      simulate_variants)
+    from digenrl.sim.simulate import (DASK_ROUND_TRIP, format_degrees, format_reports,
+                                      measured_latencies, simulate_variants)
     from digenrl.figures.variants import VARIANTS
 
     def fits(p, show: bool = True) -> None:
@@ -576,6 +596,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         if args.gpus < 2:
             raise ConfigError(f"--gpus: expected at least 2, got {args.gpus}")
         profile = profile.scaled(args.gpus)
+        try:   # (the profile's degree, on the scaled rollout pool)
+            profile = profile.with_context_parallel(profile.context_parallel)
+        except ProfileError as e:
+            raise ConfigError(f"--gpus: {e}") from None
     if args.iterations < 3:
         raise ConfigError(f"--iterations: expected at least 3, got {args.iterations}")
     if args.time_scale is not None and not args.time_scale > 0:
@@ -585,6 +609,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     splits = _parse_splits(args.splits) if args.splits is not None else None
     if splits and args.validate:
         raise ConfigError("--splits: expected without --validate (it simulates only)")
+    if args.context_parallel is not None:
+        if splits or args.validate:
+            raise ConfigError("--context-parallel: expected without --splits and --validate")
+        try:
+            profiles = [profile.with_context_parallel(_degree_arg(d))
+                        for d in args.context_parallel.split(",")]
+        except ProfileError as e:
+            raise ConfigError(f"--context-parallel: {e}") from None
+        latency = args.dispatch_latency if args.dispatch_latency is not None else 0.005
+        fits(profile)
+        print(format_degrees([(v, r) for p in profiles
+                              for v, r in simulate_variants(p, variants, args.iterations,
+                                                            dispatch_latency=latency)]))
+        return 0
     scale = args.time_scale or profile.time_scale
     latency = args.dispatch_latency
     if latency is None:
@@ -606,6 +644,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             print(f"best split for {v}: {name} ({rate:.4f} images/s)")
         return 0
     fits(profile)
+    if args.validate:
+        from digenrl.sim.emulate import check_emulable
+
+        try:
+            check_emulable(profile)
+        except ProfileError as e:
+            raise ConfigError(str(e)) from None
     if not args.validate:
         print(format_reports(simulate_variants(profile, variants, args.iterations,
                                                dispatch_latency=latency)))

@@ -5,6 +5,13 @@ A task computes for the profile's seconds of its kind and sample count on a spee
 multiplied by any slowdown in force), except that
 
 * a ``reward`` scored remotely (``costs.reward_on: remote``) takes no GPU time;
+* a ``denoise`` step at context-parallel degree ``d`` (a gang of ``d`` members, each on
+  its own rollout worker, all held for the step) computes the degree-1 seconds divided
+  by ``d x cp_efficiency ** log2(d)`` and, on top (network time, not scaled by speed),
+  Ulysses' all-to-alls: per attention layer four (q, k, v and the output), each moving
+  ``(d-1)/d`` of a GPU's ``tokens/d x hidden x 2`` bytes, over NVLink within a node
+  (:func:`cp_step_seconds`); which chunks run at which degree is
+  :func:`chunk_degrees`' choice;
 * the gradient all-reduce among the trainers is paid once per iteration, by the
   reduction root (the other ``reduce`` tasks only sum); with ``model.sharding: fsdp``
   it is a reduce-scatter of the fp32 gradients (:class:`Collectives`).
@@ -33,18 +40,82 @@ task to the worker that pays them, so both pay the same costs by construction.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.sim.network import (FatTree, Placement, allgather_time,
-                                 bucketed_broadcast_time)
-from digenrl.sim.profile import Profile
-from digenrl.vocabulary import (Key, GRAD, GROUP_REWARD, READS_NO_WEIGHTS, REDUCE, REWARD,
-                                ROLLOUT_KINDS, TRAINING_KINDS)
+from digenrl.schedulers.parallelism import (DEGREES, ParallelChoice, choose_parallelism,
+                                            degree_plan)
+from digenrl.sim.network import (FatTree, MESSAGE_LATENCY, NVLINK_BANDWIDTH, Placement,
+                                 allgather_time, bucketed_broadcast_time)
+from digenrl.sim.profile import AUTO, Profile
+from digenrl.vocabulary import (Key, DECODE, DENOISE, GRAD, GROUP_REWARD, READS_NO_WEIGHTS,
+                                REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS)
 
-__all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "reduction_root"]
+__all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "reduction_root",
+           "cp_efficiency", "cp_step_seconds", "sample_chain_seconds", "choose_degree",
+           "chunk_degrees", "ULYSSES_ALL_TO_ALLS"]
+
+#: All-to-alls per attention layer in Ulysses: q, k and v from tokens to heads, the
+#: output back (DeepSpeed-Ulysses; diffusers' ``_all_to_all_single`` calls).
+ULYSSES_ALL_TO_ALLS = 4
+#: GPUs of one node: a gang within it exchanges over NVLink.
+GPUS_PER_NODE = FatTree.gpus_per_node
+
+
+def cp_efficiency(profile: Profile, degree: int) -> float:
+    """The share of ``degree`` GPUs' speed a context-parallel step's compute gets."""
+    return profile.costs.cp_efficiency ** math.log2(degree) if degree > 1 else 1.0
+
+
+def cp_step_seconds(profile: Profile, samples: int, degree: int) -> tuple[float, float]:
+    """(compute on a speed-1 GPU, all-to-all network seconds) of one ``denoise`` step
+    of a chunk of ``samples`` at context-parallel ``degree``, on each of its GPUs."""
+    one = profile.task_seconds(DENOISE, samples)
+    if degree <= 1:
+        return one, 0.0
+    c = profile.costs
+    local = c.tokens_per_sample / degree * c.hidden_size * 2 * samples * c.cfg_factor
+    moved = ULYSSES_ALL_TO_ALLS * c.attention_layers * (degree - 1) / degree * local
+    bandwidth = NVLINK_BANDWIDTH if degree <= GPUS_PER_NODE else profile.network.bandwidth
+    messages = ULYSSES_ALL_TO_ALLS * c.attention_layers * (degree - 1)
+    network = moved / bandwidth + messages * MESSAGE_LATENCY
+    return one / (degree * cp_efficiency(profile, degree)), network
+
+
+def sample_chain_seconds(profile: Profile, degree: int) -> float:
+    """One sample's generation at ``degree``: its steps, then its decode and reward on
+    one GPU (what :func:`choose_degree` compares)."""
+    compute, network = cp_step_seconds(profile, 1, degree)
+    tail = profile.task_seconds(DECODE, 1)
+    if profile.costs.reward_on == "gpu":
+        tail += profile.task_seconds(REWARD, 1)
+    return profile.num_steps * (compute + network) + tail
+
+
+def choose_degree(profile: Profile, samples: int, workers: int,
+                  measured: dict[int, float] | None = None) -> ParallelChoice:
+    """``auto``'s choice for ``samples`` left on ``workers`` free rollout workers: the
+    profile's predicted chain seconds per degree (``measured`` where given), its chunk
+    size, the memory a sample's activations need on its rollout GPUs."""
+    model = profile.model
+    return choose_parallelism(
+        samples, workers, predicted={d: sample_chain_seconds(profile, d) for d in DEGREES},
+        measured=measured, sizes=(profile.chunk_size,),
+        sample_gb=model.sample_activations_gb, free_gb=model.free_for_samples_gb())
+
+
+def chunk_degrees(profile: Profile, chunks: int) -> list[int]:
+    """The degree of each of an iteration's ``chunks``: the profile's fixed degree, or
+    with ``auto`` :func:`choose_degree`'s per wave of chunks on the rollout pool (the
+    tail's chunks a higher degree where that ends the generation sooner)."""
+    workers = profile.rollout_workers
+    if profile.context_parallel != AUTO:
+        return [int(profile.context_parallel)] * chunks
+    return degree_plan(chunks, workers,
+                       lambda left: choose_degree(profile, left * profile.chunk_size, workers))
 
 #: MiB: ``network.sync_bucket_mb`` in bytes.
 MIB = 2**20
@@ -119,6 +190,8 @@ class TaskCosts:
         self.roots = {plan.iteration: reduction_root(layout, plan) for plan in plans}
         # (kind, samples) -> seconds: they depend on nothing else.
         self._seconds: dict[tuple[str, int], float] = {}
+        # (samples, degree) -> a context-parallel step's (compute, network) seconds.
+        self._steps: dict[tuple[int, int], tuple[float, float]] = {}
 
     def seconds(self, kind: str, samples: int, key: Key, iteration: int) -> float:
         """Seconds of the task ``key`` of ``kind`` over ``samples`` samples."""
@@ -132,6 +205,15 @@ class TaskCosts:
                 seconds = self.profile.task_seconds(kind, samples, colocated=self.colocated)
             self._seconds[(kind, samples)] = seconds
         return seconds
+
+    def step(self, samples: int, degree: int) -> tuple[float, float]:
+        """A member's (compute, network) seconds of a ``denoise`` step of ``samples``
+        at context-parallel ``degree`` (:func:`cp_step_seconds`)."""
+        s = self._steps.get((samples, degree))
+        if s is None:
+            s = self._steps[(samples, degree)] = cp_step_seconds(self.profile, samples,
+                                                                 degree)
+        return s
 
 
 @dataclass

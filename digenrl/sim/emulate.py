@@ -24,13 +24,15 @@ from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Node
 from digenrl.schedulers.options import ScheduleOptions
+from digenrl.checks import require
 from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
-from digenrl.sim.profile import Profile, Slowdown, slowdown_at
+from digenrl.sim.profile import Profile, ProfileError, Slowdown, slowdown_at
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
 from digenrl.vocabulary import ROLLOUT, STATS
 
-__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held"]
+__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held",
+           "check_emulable"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,14 @@ def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
     return EmulatedOut(task.kind, task.version)
 
 
+def check_emulable(profile: Profile) -> None:
+    """Refuse (one line) what the emulator cannot run: the real graph computes no step
+    context-parallel yet, so a profile's ``context_parallel`` must be 1."""
+    require(profile.context_parallel == 1, "profile.context_parallel",
+            "1 on emulated GPUs (the run's graph has no context-parallel steps; "
+            "digenrl simulate models them)", profile.context_parallel, ProfileError)
+
+
 class EmulatedWorkload:
     """The iteration DAG of a profile, each task sleeping for its cost."""
 
@@ -101,6 +111,7 @@ class EmulatedWorkload:
         self.images_per_iteration = profile.images_per_iteration
         self.colocated = not options.pools
         profile.check_memory(colocated=self.colocated)
+        check_emulable(profile)
         self._plans = profile.plans(iterations)
         self.costs = TaskCosts(profile, self.layout, self._plans, colocated=self.colocated)
         self.extras = Extras.of(profile, colocated=self.colocated)

@@ -4,7 +4,10 @@ A profile that sets ``model.params`` (billions of parameters) and ``model.gpu_me
 is checked against its GPUs' memory:
 
 * a rollout GPU holds the policy's weights in bf16 (2 bytes a parameter) and
-  ``rollout_activations_gb`` beside them (activations, text encoders, VAE);
+  ``rollout_activations_gb`` beside them (activations, text encoders, VAE), plus
+  ``sample_activations_gb`` per sample of its chunk (one sample's activations in a
+  denoise forward; 0 unless set), divided by the context-parallel degree: each of a
+  step's ``d`` GPUs holds ``1/d`` of the tokens;
 * a trainer GPU holds 16 bytes a parameter (fp32 master weights, fp32 gradients and
   the two fp32 AdamW moments), divided among the ``k`` trainers with
   ``sharding: fsdp`` (each holds ``1/k`` of them) and whole without, plus
@@ -65,6 +68,9 @@ class Model:
     gpu_memory_gb: float = 0.0          # per GPU; 0: not checked
     rollout_activations_gb: float = 0.0  # beside the bf16 weights on a rollout GPU
     trainer_activations_gb: float = 0.0  # beside the trainer state on a trainer GPU
+    #: One sample's activations in a denoise forward (a rollout GPU holds a chunk's,
+    #: split over the context-parallel degree); 0: counted in rollout_activations_gb.
+    sample_activations_gb: float = 0.0
 
     @property
     def fsdp(self) -> bool:
@@ -80,34 +86,51 @@ class Model:
         """The fp32 gradients of one optimizer step."""
         return FP32_BYTES * self.params * GB
 
-    def rollout_gb(self) -> float:
-        return self.weight_bytes / GB + self.rollout_activations_gb
+    def rollout_gb(self, samples: int = 1, degree: int = 1) -> float:
+        """A rollout GPU's gigabytes while a chunk of ``samples`` is denoised at
+        context-parallel ``degree`` (its activations split over the ``degree`` GPUs)."""
+        return (self.weight_bytes / GB + self.rollout_activations_gb
+                + samples * self.sample_activations_gb / degree)
+
+    def free_for_samples_gb(self) -> float:
+        """What a rollout GPU has beside its weights and fixed activations for the
+        chunk's samples (infinite when the GPU's memory is not given)."""
+        if not self.gpu_memory_gb:
+            return float("inf")
+        return self.gpu_memory_gb - self.weight_bytes / GB - self.rollout_activations_gb
 
     def trainer_gb(self, ranks: int) -> float:
         """A trainer GPU's gigabytes when the trainer state is trained on ``ranks`` GPUs."""
         state = TRAINER_BYTES_PER_PARAM * self.params / (ranks if self.fsdp else 1)
         return state + self.trainer_activations_gb
 
-    def per_gpu(self, rollout_workers: int, trainer_workers: int) -> MemoryPerGpu:
+    def per_gpu(self, rollout_workers: int, trainer_workers: int, *, samples: int = 1,
+                degree: int = 1) -> MemoryPerGpu:
         """Each role's gigabytes on pools of these sizes (co-located: the state sharded
-        over all of their GPUs)."""
+        over all of their GPUs), chunks of ``samples`` denoised at context-parallel
+        ``degree``."""
         gpus = rollout_workers + trainer_workers
+        rollout = self.rollout_gb(samples, degree)
         return MemoryPerGpu(
-            rollout_gb=self.rollout_gb(), trainer_gb=self.trainer_gb(trainer_workers),
-            colocated_gb=self.rollout_gb() + self.trainer_gb(gpus),
+            rollout_gb=rollout, trainer_gb=self.trainer_gb(trainer_workers),
+            colocated_gb=rollout + self.trainer_gb(gpus),
             gpu_memory_gb=self.gpu_memory_gb, shards=trainer_workers if self.fsdp else 1,
             colocated_shards=gpus if self.fsdp else 1)
 
     def check(self, rollout_workers: int, trainer_workers: int, *, colocated: bool,
-              error: type[Exception], path: str = "profile.model") -> None:
+              error: type[Exception], path: str = "profile.model", samples: int = 1,
+              degree: int = 1) -> None:
         """Refuse, in one line naming ``gpu_memory_gb``, pools whose GPUs cannot hold
-        their roles (``colocated``: both roles on each GPU; else each pool its own)."""
+        their roles (``colocated``: both roles on each GPU; else each pool its own), with
+        chunks of ``samples`` denoised at context-parallel ``degree``."""
         if not (self.params and self.gpu_memory_gb):
             return
-        m = self.per_gpu(rollout_workers, trainer_workers)
+        m = self.per_gpu(rollout_workers, trainer_workers, samples=samples, degree=degree)
         weights = f"{BF16_BYTES} bytes x {self.params:g}e9 params"
+        per_sample = (f" + {samples} x {self.sample_activations_gb:g} GB / degree {degree}"
+                      if self.sample_activations_gb else "")
         rollout = (f"{m.rollout_gb:.1f} GB a rollout GPU holds ({weights} + "
-                   f"{self.rollout_activations_gb:g} GB)")
+                   f"{self.rollout_activations_gb:g} GB{per_sample})")
 
         def trainer(gb: float, ranks: int) -> str:
             shard = f" / {ranks} ranks" if self.fsdp else ""

@@ -31,6 +31,7 @@ from digenrl.figures.analysis import ideal_bound
 from digenrl.checks import require
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
+from digenrl.schedulers.parallelism import DEGREES
 from digenrl.sim.memory import Model, MemoryPerGpu
 from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD,
                                 ROLLOUT,
@@ -44,6 +45,10 @@ PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
 
 class ProfileError(ValueError):
     pass
+
+
+#: ``context_parallel: auto``: the degree chosen per iteration.
+AUTO = "auto"
 
 
 def _need(cond: Any, path: str, expected: str, got: Any) -> None:
@@ -88,6 +93,15 @@ class Costs:
     #: has no ``encode`` tasks (a CLIP/T5 encoder's share is small; a language-model
     #: encoder's is not).
     encode_per_group: float = 0.0
+    #: Context parallelism (:mod:`digenrl.sim.costs`, ``context_parallel``): a step at
+    #: degree ``d`` computes ``d x cp_efficiency ** log2(d)`` times faster than on one
+    #: GPU (0.9 per doubling: docs/sources.md, "Context parallelism"), plus Ulysses'
+    #: all-to-alls over a sample's ``tokens_per_sample`` x ``hidden_size`` bf16
+    #: activations in each of ``attention_layers`` (0: no all-to-all charged).
+    cp_efficiency: float = 0.9
+    tokens_per_sample: float = 0.0
+    hidden_size: float = 0.0
+    attention_layers: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +167,9 @@ class Profile:
     #: The model's size, how training shards it and the GPUs' memory
     #: (:mod:`digenrl.sim.memory`); unset: no memory model, no sharded collectives.
     model: Model = field(default_factory=Model)
+    #: How many rollout workers compute a chunk's denoise steps together (a gang):
+    #: 1, a power of two, or ``auto`` (:func:`digenrl.sim.costs.chunk_degrees`).
+    context_parallel: int | str = 1
 
     # ------------------------------------------------------------------ shape
 
@@ -303,14 +320,29 @@ class Profile:
             capacity = sum(self.speeds().values())
         return ideal_bound(self.images_per_iteration, self.gpu_seconds_per_iteration(), capacity)
 
+    def memory_degree(self) -> int:
+        """The context-parallel degree the memory check assumes: the fixed one, or for
+        ``auto`` the highest the rollout pool allows."""
+        if self.context_parallel == AUTO:
+            return max(d for d in DEGREES if d <= self.rollout_workers)
+        return int(self.context_parallel)
+
     def memory(self) -> MemoryPerGpu:
         """Each role's gigabytes per GPU on the profile's pools."""
-        return self.model.per_gpu(self.rollout_workers, self.trainer_workers)
+        return self.model.per_gpu(self.rollout_workers, self.trainer_workers,
+                                  samples=self.chunk_size, degree=self.memory_degree())
 
     def check_memory(self, *, colocated: bool) -> None:
         """Refuse (:class:`ProfileError`, one line) GPUs too small for their roles."""
         self.model.check(self.rollout_workers, self.trainer_workers, colocated=colocated,
-                         error=ProfileError)
+                         error=ProfileError, samples=self.chunk_size,
+                         degree=self.memory_degree())
+
+    def with_context_parallel(self, degree: int | str) -> "Profile":
+        """The same profile at context-parallel ``degree`` (1, a power of two, ``auto``),
+        checked as the profile's field is."""
+        return dataclasses.replace(self, context_parallel=_degree(
+            degree, self.rollout_workers, self.costs, "context_parallel"))
 
     def pools(self) -> dict[str, tuple[int, float]]:
         return {ROLLOUT: (self.rollout_workers, self.rollout_speed),
@@ -326,6 +358,27 @@ def _section(cls, data: Mapping[str, Any] | None, path: str):
         if f.name in data and f.type in ("float", float):
             data[f.name] = _pos(data[f.name], f"{path}.{f.name}", zero_ok=True)
     return cls(**data)
+
+
+def _degree(v: Any, rollout_workers: int, costs: Costs, path: str) -> int | str:
+    """A checked context-parallel degree: ``auto`` or a power of two the rollout pool
+    holds; above 1 only with the all-to-all's sizes (``costs.tokens_per_sample``,
+    ``hidden_size``, ``attention_layers``)."""
+    if v == AUTO:
+        degree = 2
+    else:
+        ok = (isinstance(v, int) and not isinstance(v, bool) and v in DEGREES
+              and v <= rollout_workers)
+        _need(ok, path, f"'auto' or one of {[d for d in DEGREES if d <= rollout_workers]} "
+              f"(at most the {rollout_workers} rollout workers)", v)
+        degree = v
+    if degree > 1:
+        for k in ("tokens_per_sample", "hidden_size", "attention_layers"):
+            _need(getattr(costs, k) > 0, f"profile.costs.{k}",
+                  f"a number > 0 with {path} {v} (the all-to-alls' size)", getattr(costs, k))
+        _need(0 < costs.cp_efficiency <= 1, "profile.costs.cp_efficiency",
+              "a number in (0, 1]", costs.cp_efficiency)
+    return v
 
 
 def profile_from_dict(data: Mapping[str, Any]) -> Profile:
@@ -390,9 +443,9 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
                   data["costs"].get(k))
         costs = dataclasses.replace(costs, weight_bytes=model.weight_bytes,
                                     grad_bytes=model.grad_bytes)
-    model.check(ints["rollout_workers"], ints["trainer_workers"], colocated=False,
-                error=ProfileError)
-    return Profile(
+    degree = _degree(data.get("context_parallel", 1), ints["rollout_workers"], costs,
+                     "profile.context_parallel")
+    profile = Profile(
         name=str(data["name"]), description=str(data.get("description", "")),
         sources=tuple(str(s) for s in data.get("sources", ())), **ints,
         rollout_speed=_pos(data.get("rollout_speed", 1.0), "profile.rollout_speed"),
@@ -400,7 +453,10 @@ def profile_from_dict(data: Mapping[str, Any]) -> Profile:
         costs=costs, network=network, model=model,
         colocated=_section(ColocatedCosts, data.get("colocated"), "profile.colocated"),
         time_scale=_pos(data.get("time_scale", 0.1), "profile.time_scale"),
-        worker_speeds=worker_speeds, slowdowns=tuple(slowdowns), algorithm=algorithm)
+        worker_speeds=worker_speeds, slowdowns=tuple(slowdowns), algorithm=algorithm,
+        context_parallel=degree)
+    profile.check_memory(colocated=False)
+    return profile
 
 
 def list_profiles() -> list[str]:

@@ -4,9 +4,9 @@ The discrete-event engine (:mod:`digenrl.sim.engine`) runs a profile's iteration
 under the same :class:`~digenrl.schedulers.policy.SchedulingPolicy` the Dask plugin
 uses. Tasks cost what :mod:`digenrl.sim.costs` says, the one cost model the emulator
 sleeps too (weight sync, phase switch, remote reward, the all-reduce at the reduction
-root); on top of it the simulator models what Dask does for the emulator: moving
-latents between workers (``latent_bytes / bandwidth + latency``) and a dispatch latency
-per task (the scheduler round trip).
+root, a context-parallel step's gang); on top of it the simulator models what Dask
+does for the emulator: moving latents between workers (``latent_bytes / bandwidth +
+latency``) and a dispatch latency per task (the scheduler round trip).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any, Callable, Mapping
 from digenrl.figures.analysis import ideal_fraction
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
-from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, chunk_degrees
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
 from digenrl.figures.variants import variant_schedule
 from digenrl.vocabulary import COLOCATED, DENOISE, NOISE, ROLLOUT, TRAINER
 
 __all__ = ["SimulationReport", "simulate", "simulate_variants", "format_reports",
-           "DASK_ROUND_TRIP"]
+           "format_degrees", "degree_runs", "DASK_ROUND_TRIP"]
 
 #: The scheduler<->worker round trip of one task on this kind of machine, seconds
 #: (``python workflows/microbench.py dispatch``: 5.7 ms per hop of a dependent chain).
@@ -51,10 +51,20 @@ class SimulationReport:
     #: With ``model.sharding: fsdp``: the share of the GPUs' simulated time spent in
     #: collectives (all-gathers, the reduce-scatter, the weights' publish), as charged.
     collective_share: float | None = None
+    #: The profile's ``context_parallel`` and the degree of each chunk of an iteration.
+    context_parallel: int | str = 1
+    degrees: tuple[int, ...] = ()
+    images_per_iteration: int = 0
+
+    @property
+    def iteration_s(self) -> float:
+        """Seconds per iteration (the profile's time): its images over the rate."""
+        return self.images_per_iteration / self.images_per_s
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("result")
+        d["iteration_s"] = self.iteration_s
         return d
 
 
@@ -86,11 +96,17 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     """
     colocated = not options.pools
     profile.check_memory(colocated=colocated)
+    plans = profile.plans(iterations)
+    chunks = plans[0].num_samples // profile.chunk_size if plans else 0
+    degrees = tuple(chunk_degrees(profile, chunks))
+    pool = profile.gpus if colocated else profile.rollout_workers
+    if degrees and max(degrees) > pool:
+        raise ValueError(f"context_parallel: expected at most the {pool} workers that "
+                         f"generate, got {max(degrees)}")
     options = dataclasses.replace(options, transfer_bandwidth=profile.network.bandwidth)
     if slowdown is None and profile.slowdowns:
         slowdown = profile.slowdown_factor
     layout = profile.layout(options.max_staleness, stale_groups)
-    plans = profile.plans(iterations)
     workers = _workers(profile, speeds)
     costs = TaskCosts(profile, layout, plans, colocated=colocated)
     extras = Extras.of(profile, colocated=colocated)
@@ -100,10 +116,15 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
 
     def cost(info: TaskInfo, worker: SimWorker) -> float:
         kind, name = info.kind, worker.name
-        seconds = costs.seconds(kind, info.samples, info.key, info.iteration)
+        gang = info.gang
+        if gang is not None and kind == DENOISE:   # a context-parallel step's member
+            seconds, network = costs.step(info.samples, gang[2])
+        else:
+            seconds, network = costs.seconds(kind, info.samples, info.key, info.iteration), 0.0
         if slowdown is not None:
             seconds *= slowdown(name, clock.now)
-        extra = extras.pay(held[name], kind, info.policy_version, rollout_worker[name])
+        extra = network + extras.pay(held[name], kind, info.policy_version,
+                                     rollout_worker[name])
         # The engine divides by the worker's speed; extras are network time, not compute.
         return seconds + extra * worker.speed if extra else seconds
 
@@ -121,10 +142,13 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                     output_bytes=lambda kind, samples: max(samples, 1),
                     clock=clock, trail=trail)
     t = time.perf_counter()
-    result = sim.run(layout, plans)
+    cp = None if max(degrees, default=1) <= 1 else (lambda plan: degrees)
+    result = sim.run(layout, plans, degrees=cp)
     wall = time.perf_counter() - t
     synced = sum(h.synced for h in held.values())
     report = _report(profile, options, result, iterations, skip, drain, wall, synced)
+    report.context_parallel = profile.context_parallel
+    report.degrees = degrees
     if profile.model.fsdp:
         charged = (synced + sum(h.gathered for h in held.values())
                    + costs.allreduce * len(result.completed))
@@ -157,7 +181,8 @@ def _report(profile: Profile, options: ScheduleOptions, result: SimResult, itera
                             ideal_images_per_s=ideal,
                             ideal_fraction=ideal_fraction(rate, ideal),
                             utilisation=util, weight_sync_s=sync, wall_s=wall,
-                            tasks=result.tasks, result=result)
+                            tasks=result.tasks, result=result,
+                            images_per_iteration=profile.images_per_iteration)
 
 
 def simulate_variants(profile: Profile, variants, iterations: int, *,
@@ -218,4 +243,29 @@ def format_reports(reports, emulated: Mapping[str, float] | None = None,
     if shares:
         lines.append("collectives: the share of the GPUs' simulated time in FSDP's all-gathers, "
                      "the gradients' reduce-scatter and the weights' publish")
+    return "\n".join(lines)
+
+
+def degree_runs(degrees) -> str:
+    """An iteration's chunk degrees as runs in chunk order: ``50x1 5x2 9x1``."""
+    runs: list[list[int]] = []
+    for d in degrees:
+        if runs and runs[-1][1] == d:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, d])
+    return " ".join(f"{n}x{d}" for n, d in runs)
+
+
+def format_degrees(reports) -> str:
+    """A table of ``(variant, report)`` at several context-parallel degrees: each row's
+    iteration time, images/s, fraction of the ideal bound (the degree-1 GPU work with
+    every GPU busy) and its iteration's chunks by degree."""
+    head = (f"{'variant':<14}{'cp':>6}{'GPUs':>6}{'iteration s':>13}{'img/s':>10}"
+            f"{'ideal':>7}  chunks x degree")
+    lines = [head, "-" * len(head)]
+    for name, r in reports:
+        lines.append(f"{name:<14}{str(r.context_parallel):>6}{r.gpus:>6}"
+                     f"{r.iteration_s:>13.1f}{r.images_per_s:>10.4f}{r.ideal_fraction:>7.3f}"
+                     f"  {degree_runs(r.degrees)}")
     return "\n".join(lines)

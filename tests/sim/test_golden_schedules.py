@@ -7,7 +7,8 @@ with a ``model`` section may not fit the co-located design), the digest of the s
 pinned in ``golden_schedules.json``. Any change in what runs where and when fails here,
 including one that leaves the throughput figures alone. A few extra cases reach the
 costs the shipped profiles leave out: a reward scored remotely, a straggler window
-inside the short run, a queued hand-over latency.
+inside the short run, a queued hand-over latency, context-parallel steps (gangs of two
+rollout workers).
 
 The digest reads keys, worker names and ``repr`` of the start times (exact for floats),
 never the builtin ``hash``, so it is the same in every interpreter whatever
@@ -81,6 +82,9 @@ def _cases():
                   ("colocated", "digenrl", "digenrl-pinned"), {}))
     cases.append(("flux12b-16gpu+queued-latency", flux, ("disaggregated", "digenrl"),
                   {"queued_latency": 0.05, "dispatch_latency": 0.002}))
+    wan = _small("wan14b-32gpu")
+    cases.append(("wan14b-32gpu+context-parallel-2", wan.with_context_parallel(2),
+                  ("disaggregated", "digenrl"), {}))
     return cases
 
 

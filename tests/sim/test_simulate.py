@@ -192,12 +192,26 @@ def test_simulate_command(capsys):
     assert "digenrl" in out and "64" in out
 
 
+def test_simulate_compares_context_parallel_degrees(capsys):
+    assert main(["simulate", "wan14b-32gpu", "--gpus", "16", "--iterations", "3",
+                 "--variants", "digenrl", "--context-parallel", "1,2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("digenrl")]
+    assert [r[1] for r in rows] == ["1", "2"] and [r[-1] for r in rows] == ["32x1", "32x2"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["simulate", "nope"], "profile: expected a YAML file or one of"),
     (["simulate", "flux12b-16gpu", "--variants", "fast"], "--variants: expected names from"),
     (["simulate", "flux12b-16gpu", "--gpus", "1"], "--gpus: expected at least 2, got 1"),
     (["simulate", "flux12b-16gpu", "--splits", "11-5"],
      "--splits: expected ROLLOUT:TRAINER pairs of positive integers"),
+    (["simulate", "wan14b-32gpu", "--context-parallel", "1,3"],
+     "--context-parallel: context_parallel: expected 'auto' or one of [1, 2, 4, 8] (at most "
+     "the 10 rollout workers), got 3"),
+    (["simulate", "qwenimage20b-32gpu", "--context-parallel", "auto"],
+     "--context-parallel: profile.costs.tokens_per_sample: expected a number > 0 with "
+     "context_parallel auto"),
 ])
 def test_simulate_refuses_bad_input(capsys, argv, message):
     assert main(argv) == 2

@@ -209,14 +209,20 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
     def settle():
         out = p.decide()
         by_gang: dict[int, set] = {}
+        on: dict[int, set] = {}
         for d in out:
             m = d.info
             if m.gang is not None:
                 assert not (d.tag or d.rat or d.stolen)
-                assert d.worker == _member_worker(p, m)
+                if m.kind == DENOISE:    # placed: any worker of its pool, one each
+                    assert d.worker in {w.address for w in p.pool_workers(m.pool)}
+                else:
+                    assert d.worker == _member_worker(p, m)
                 by_gang.setdefault(m.gang[0], set()).add(m.gang[1])
+                on.setdefault(m.gang[0], set()).add(d.worker)
         for gid, released in by_gang.items():
             assert released == set(range(len(gangs[gid])))      # every member at once
+            assert len(on[gid]) == len(gangs[gid])              # each on its own worker
         for key in p.take_withdrawn():
             p.task_lost(key)                                     # as Dask reports it
         for g in gangs:

@@ -5,8 +5,12 @@ A gang is one task per member of a collective group (the task annotation's ``gan
 pool (by name, as the pools list them), and only there. A gang spanning both pools
 (``(gang id, member index, size, trainers)``: a sharded run's gang that publishes by
 broadcast) puts its first ``trainers`` members on the trainer pool's workers and the
-others on the rollout pool's, each in that order. The members wait here, in no
-ready heap, so no other rule sees them: TAG, RAT and rebalancing never move one.
+others on the rollout pool's, each in that order. A gang of ``denoise`` members (a
+chunk's step computed with context parallelism) is *placed* instead: its members go to
+any ``size`` workers of its pool, those of the chunk's previous step first (so a
+chunk's steps stay on one set of workers), then idle ones, then the least loaded
+(:meth:`Gang.placement`). The members wait here, in no ready heap, so no other rule sees
+them: TAG, RAT and rebalancing never move one.
 
 * **Released together**: once every member of a gang is ready (past every hold), the
   gang *reserves* its members' workers, the oldest complete gang first, each worker for
@@ -14,7 +18,11 @@ ready heap, so no other rule sees them: TAG, RAT and rebalancing never move one.
   its slot, an idle worker is lent nothing). When every reserved worker has nothing in
   flight, all members are released in the same round, each to its worker, where it
   runs at once: a member never waits behind another task on its worker while the
-  others wait for it in the collective. A gang wider than its pool waits.
+  others wait for it in the collective. A gang wider than its pool waits. A placed
+  gang's workers are kept at the start of each round too, before any worker takes
+  other work, so the workers that just finished a chunk's step are kept for its next.
+  A placed gang that starts a chunk waits until every chunk of its iteration (and older
+  ones) computed on one worker has started: the gangs take the iteration's tail.
 * **Failing together**: a member that goes back to waiting (lost with its worker or an
   input, or ready again after it finished: its result was lost) while the other members
   are released or finished fails the gang's step: every other member is taken back
@@ -37,7 +45,7 @@ from digenrl.schedulers.policy.rules import Pick, Rule
 from digenrl.schedulers.policy.state import (DONE, RELEASED, Decision, Key, TaskInfo,
                                              WorkerInfo)
 from digenrl.schedulers.policy.trail import KEPT, RELEASED as RELEASED_VERB, WAITS
-from digenrl.vocabulary import ROLLOUT, TRAINER
+from digenrl.vocabulary import DENOISE, ROLLOUT, TRAINER
 
 __all__ = ["Gang"]
 
@@ -45,11 +53,13 @@ __all__ = ["Gang"]
 class _Members:
     """One gang: its members by index, and which of them are ready to be released."""
 
-    __slots__ = ("size", "members", "ready", "pool", "trainers")
+    __slots__ = ("size", "members", "ready", "pool", "trainers", "placed")
 
-    def __init__(self, size: int, pool: str, trainers: int) -> None:
+    def __init__(self, size: int, pool: str, trainers: int, placed: bool = False) -> None:
         self.size = size
         self.pool = pool
+        #: Its members go to any workers of the pool (a context-parallel step).
+        self.placed = placed
         #: Members on the trainer pool (the first ones); the others are on the rollout
         #: pool's workers (with pools).
         self.trainers = trainers
@@ -63,7 +73,7 @@ class _Members:
 class Gang(Rule):
     """Releases each gang's members together, on their own workers."""
 
-    __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing")
+    __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing", "homes")
     name = "gang"
 
     def __init__(self, policy) -> None:
@@ -76,6 +86,8 @@ class Gang(Rule):
         #: Each failed step, oldest first: one line naming the gang and why.
         self.failed: list[str] = []
         self._failing = False      # taking a failed step's members back
+        #: (iteration, chunk) -> the workers of its placed gang's last step, by member.
+        self.homes: dict[tuple, list[str]] = {}
 
     # ---------------------------------------------------------------- members
 
@@ -85,7 +97,8 @@ class Gang(Rule):
             g = self.gangs.get(gid)
             if g is None:
                 trainers = info.gang[3] if len(info.gang) > 3 else size
-                g = self.gangs[gid] = _Members(size, info.pool, trainers)
+                g = self.gangs[gid] = _Members(size, info.pool, trainers,
+                                               placed=info.kind == DENOISE)
             g.members[index] = info
 
     def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
@@ -123,6 +136,8 @@ class Gang(Rule):
         self._not_ready(gid, g, index)
         if not g.members:
             del self.gangs[gid]
+            if g.placed and info.timestep is not None:
+                self.homes.pop((info.iteration, info.chunk), None)
 
     def worker_removed(self, w: WorkerInfo) -> None:
         """A worker left: the members released to it are lost (Dask reports each
@@ -178,6 +193,69 @@ class Gang(Rule):
         pool = self.policy.pool_workers(g.pool)
         return pool[:g.size] if len(pool) >= g.size else None
 
+    def placement(self, g: _Members, taken) -> list[WorkerInfo] | None:
+        """A placed gang's worker of each member (by index), among its pool's workers
+        not in ``taken`` (addresses kept for older gangs): the worker member ``i`` of
+        the chunk's previous step ran on first, then the idle workers, then the least
+        loaded; None when too few."""
+        pool = [w for w in self.policy.pool_workers(g.pool) if w.address not in taken]
+        if len(pool) < g.size:
+            return None
+        first = next(iter(g.members.values()))
+        home = self.homes.get((first.iteration, first.chunk), ())
+        holders = {a: index for index, a in enumerate(home) if index < g.size}
+        ranked = sorted(pool, key=lambda w: (bool(w.inflight), w.address not in holders,
+                                             len(w.inflight), w.busy_until, w.rank))[:g.size]
+        out: list[WorkerInfo | None] = [None] * g.size
+        rest = []
+        for w in ranked:
+            index = holders.get(w.address)
+            if index is not None and out[index] is None:
+                out[index] = w
+            else:
+                rest.append(w)
+        for index in range(g.size):
+            if out[index] is None:
+                out[index] = rest.pop(0)
+        return out  # type: ignore[return-value]  # (every index filled)
+
+    def behind(self, g: _Members) -> bool:
+        """Whether placed gang ``g`` starts a chunk (its first step) while another
+        chunk of its iteration or an older one, computed on one worker, has not started:
+        that chunk goes first, so the gangs take the iteration's tail."""
+        first = next(iter(g.members.values()))
+        if first.timestep != 0:
+            return False
+        tasks = self.tasks
+        for (iteration, _), keys in self.facts.unstarted.items():
+            if iteration <= first.iteration:
+                for key in keys:
+                    info = tasks.get(key)
+                    if info is not None and info.gang is None:
+                        return True
+        return False
+
+    def wake(self, candidates: set[str]) -> None:
+        """Keep each complete placed gang's workers before any worker takes other work
+        this round (the oldest gang first)."""
+        if not self.waiting:
+            return
+        gangs = self.gangs
+        taken = {a for a, gid in self.reserved.items()
+                 if gid in gangs and not gangs[gid].placed}
+        reserved = {a: gid for a, gid in self.reserved.items() if a in taken}
+        for gid in self.waiting:
+            g = self.gangs[gid]
+            if not g.placed or self.behind(g):
+                continue
+            workers = self.placement(g, taken)
+            if workers is None:
+                continue
+            for w in workers:
+                taken.add(w.address)
+                reserved[w.address] = gid
+        self.reserved = reserved
+
     def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
         """A worker kept for a gang takes nothing else."""
         gid = self.reserved.get(w.address)
@@ -199,7 +277,9 @@ class Gang(Rule):
         policy = self.policy
         for gid in list(self.waiting):
             g = self.gangs[gid]
-            workers = self.member_workers(g)
+            if g.placed and self.behind(g):
+                continue
+            workers = self.placement(g, reserved) if g.placed else self.member_workers(g)
             if workers is None:
                 if self.noting:
                     for info in g.members.values():
@@ -213,6 +293,9 @@ class Gang(Rule):
                 continue
             del self.waiting[gid]
             g.ready.clear()
+            if g.placed:
+                first = g.members[0]
+                self.homes[(first.iteration, first.chunk)] = [w.address for w in workers]
             for index, w in enumerate(workers):
                 info = g.members[index]
                 if self.noting:

@@ -1,0 +1,154 @@
+"""Context-parallel steps in the cost model and the simulator: a chunk's step at degree d
+costs the degree-1 step over d x efficiency plus Ulysses' all-to-alls, and runs as a gang
+of d members, each on its own rollout worker, all held for the step."""
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+
+from digenrl.graph.keys import member_key
+from digenrl.graph.structure import iteration_nodes
+from digenrl.schedulers.options import MODES, ScheduleOptions
+from digenrl.sim.costs import ULYSSES_ALL_TO_ALLS, chunk_degrees, cp_step_seconds
+from digenrl.sim.emulate import EmulatedWorkload
+from digenrl.sim.memory import Model
+from digenrl.sim.network import MESSAGE_LATENCY, NVLINK_BANDWIDTH
+from digenrl.sim.profile import ProfileError, load_profile
+from digenrl.sim.simulate import simulate
+from digenrl.sim.template import context_parallel_batch, node_batch
+from digenrl.vocabulary import DENOISE
+
+
+def opts(mode):
+    return ScheduleOptions(mode=mode, **MODES[mode])
+
+
+@pytest.fixture(scope="module")
+def wan():
+    """Wan2.1-14B at 480p with 4 videos an iteration on its 10 rollout workers: a whole
+    iteration is a tail."""
+    p = load_profile("wan14b-32gpu")
+    return dataclasses.replace(p, prompts_per_iteration=1, samples_per_prompt=4)
+
+
+def test_a_step_at_degree_d_is_the_step_over_d_times_efficiency_plus_the_all_to_alls(wan):
+    one, none = cp_step_seconds(wan, 1, 1)
+    assert (one, none) == (wan.task_seconds(DENOISE, 1), 0.0)
+    compute, network = cp_step_seconds(wan, 1, 4)
+    assert compute == pytest.approx(one / (4 * 0.9 ** 2))
+    c = wan.costs
+    local = c.tokens_per_sample / 4 * c.hidden_size * 2 * c.cfg_factor
+    moved = ULYSSES_ALL_TO_ALLS * c.attention_layers * 3 / 4 * local
+    assert network == pytest.approx(moved / NVLINK_BANDWIDTH
+                                    + ULYSSES_ALL_TO_ALLS * c.attention_layers * 3
+                                    * MESSAGE_LATENCY)
+    assert 0 < network < 0.05 * compute     # within a node the exchange is small
+    # A chunk of two samples moves twice the bytes.
+    assert cp_step_seconds(wan, 2, 4)[1] > network
+
+
+def test_a_samples_activations_are_split_by_the_degree():
+    m = Model(params=14, sample_activations_gb=18.0, rollout_activations_gb=2.0,
+              gpu_memory_gb=80)
+    assert m.rollout_gb(1, 1) == pytest.approx(28 + 2 + 18)
+    assert m.rollout_gb(2, 4) == pytest.approx(28 + 2 + 9)
+    assert m.free_for_samples_gb() == pytest.approx(80 - 30)
+
+
+def test_bad_degrees_are_refused_in_one_line(wan):
+    for bad in (3, "two", 16, True):
+        with pytest.raises(ProfileError, match=r"^context_parallel: expected 'auto' or one "
+                                               r"of \[1, 2, 4, 8\] \(at most the 10 rollout "
+                                               f"workers\\), got {bad!r}$"):
+            wan.with_context_parallel(bad)
+    small = wan.with_pools(3, 29)
+    with pytest.raises(ProfileError, match=r"one of \[1, 2\] \(at most the 3 rollout"):
+        small.with_context_parallel(4)
+    qwen = load_profile("qwenimage20b-32gpu")     # (no all-to-all sizes)
+    with pytest.raises(ProfileError, match="profile.costs.tokens_per_sample: expected a "
+                                           "number > 0 with context_parallel 2"):
+        qwen.with_context_parallel(2)
+
+
+def test_a_chunks_step_becomes_a_gang_whose_members_read_their_own_previous_step(wan):
+    layout = wan.layout()
+    plan = wan.plans(1)[0]
+    entries, externals = node_batch(iteration_nodes(layout, plan))
+    out, ext = context_parallel_batch((entries, externals), 0, [2, 1, 1, 1])
+    steps = [e for e in entries if e[1].kind == DENOISE]
+    assert len(out) == len(entries) + wan.num_steps and ext == externals
+    keys = [k for k, _, _ in out]
+    by_key = {k: (info, inputs) for k, info, inputs in out}
+    for key, info, _ in steps:
+        if info.chunk != 0:
+            assert by_key[key][0].gang is None
+            continue
+        gangs = {by_key[key][0].gang[0], by_key[member_key(key, 1)][0].gang[0]}
+        assert len(gangs) == 1
+        assert [by_key[k][0].gang[1:] for k in (key, member_key(key, 1))] == [(0, 2), (1, 2)]
+        if info.timestep:
+            before = [k for k, i, _ in steps if i.chunk == 0 and i.timestep == info.timestep - 1]
+            reads = {k: {keys[j] for j in by_key[k][1] if j >= 0}
+                     for k in (key, member_key(key, 1))}
+            assert before[0] in reads[key] and member_key(before[0], 1) not in reads[key]
+            assert member_key(before[0], 1) in reads[member_key(key, 1)]
+    # What reads the chunk's last step (its decode) reads member 0: the step's own key.
+    last = [k for k, i, _ in steps if i.chunk == 0 and i.timestep == wan.num_steps - 1][0]
+    readers = [i for i, inputs in by_key.values() if i.kind != DENOISE
+               and any(j >= 0 and keys[j] == last for j in inputs)]
+    assert readers and not any(j >= 0 and keys[j] == member_key(last, 1)
+                               for i, inputs in by_key.values() for j in inputs)
+
+
+def test_a_gangs_members_run_together_each_on_its_own_worker_and_stay_there(wan):
+    p = wan.with_context_parallel(2)
+    r = simulate(p, opts("disaggregated"), 4).result
+    assert r is not None
+    steps = defaultdict(list)
+    for t in r.records:
+        if t.kind == DENOISE:
+            steps[(t.iteration, t.chunk, t.timestep)].append(t)
+    assert steps and all(len(ms) == 2 for ms in steps.values())
+    for members in steps.values():
+        assert len({m.worker for m in members}) == 2
+        # Released together; a member whose input is on another worker starts once it
+        # has arrived (a chunk's latent over the network).
+        assert len({m.released for m in members}) == 1
+        fetch = p.network.latency + p.costs.latent_bytes_per_sample / p.network.bandwidth
+        assert max(m.start for m in members) - min(m.start for m in members) <= fetch + 1e-9
+    # No other GPU task runs on a member's worker during the step.
+    by_worker = defaultdict(list)
+    for t in r.records:
+        if t.gpu:
+            by_worker[t.worker].append(t)
+    for members in steps.values():
+        for m in members:
+            assert not [t for t in by_worker[m.worker]
+                        if t is not m and t.start < m.stop and m.start < t.stop]
+    # A chunk's steps stay on the workers of its first.
+    chains = defaultdict(set)
+    for (it, chunk, _), members in steps.items():
+        chains[(it, chunk)].add(frozenset(m.worker for m in members))
+    assert all(len(w) == 1 for w in chains.values())
+
+
+def test_auto_speeds_up_a_tail_of_long_videos_and_leaves_images_alone(wan):
+    """4 videos on 10 rollout workers: auto takes degree 2 and the synchronous
+    iteration ends sooner than at degree 1; FLUX's images stay at degree 1 but for the
+    last wave's few chunks."""
+    assert chunk_degrees(wan.with_context_parallel("auto"), 4) == [2, 2, 2, 2]
+    one = simulate(wan, opts("disaggregated"), 4)
+    auto = simulate(wan.with_context_parallel("auto"), opts("disaggregated"), 4)
+    assert auto.degrees == (2, 2, 2, 2) and one.degrees == (1, 1, 1, 1)
+    assert auto.iteration_s < 0.9 * one.iteration_s
+    images = load_profile("flux12b-16gpu").with_context_parallel("auto")
+    degrees = chunk_degrees(images, images.images_per_iteration // images.chunk_size)
+    assert len(degrees) - degrees.count(1) < images.rollout_workers
+
+
+def test_the_emulator_refuses_a_degree_above_one(wan):
+    """It runs the real graph, which computes no step context-parallel yet."""
+    with pytest.raises(ProfileError, match=r"^profile.context_parallel: expected 1 on "
+                                           r"emulated GPUs .*, got 'auto'$"):
+        EmulatedWorkload(wan.with_context_parallel("auto"), opts("digenrl"), 3)
