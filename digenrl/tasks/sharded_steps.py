@@ -132,25 +132,15 @@ def gang_step(shard: ShardSpec, member: int, what: str) -> Iterator[None]:
     try:
         yield
     except GangLost:
-        _abandon(shard)
+        leave(shard.name, shard.generation)
         raise
     except (CollectiveError, RuntimeError) as e:
         if not isinstance(e, CollectiveError) and not _of_the_group(e):
             raise
-        _abandon(shard)
+        leave(shard.name, shard.generation)
         raise GangLost(f"{what} of member {member} ({shard.everyone[member]!r}) of "
                        f"{shard.name!r} generation {shard.generation} failed: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-
-
-def _abandon(shard: ShardSpec) -> None:
-    """Leave ``shard``'s generation of the group, if it is the one this process is in
-    (a task of an older generation leaves a newer group alone)."""
-    with _LOCK:
-        held = _HELD.get(shard.name)
-        if held is not None and held[0] == shard.generation:
-            del _HELD[shard.name]
-    collective.leave(shard.name, shard.generation)
 
 
 def _of_the_group(e: RuntimeError) -> bool:
@@ -367,9 +357,12 @@ def read_published(store: str, sampling_copy: bool, version: int) -> ShardedOut:
     return ShardedOut(0, version, weights=sharded_weights(store, version, sampling_copy))
 
 
-def leave(name: str) -> str | None:
+def leave(name: str, generation: int | None = None) -> str | None:
     """Drop this process's sharded trainer of group ``name`` and leave the group (the
-    run is over)."""
+    run is over), or only of its ``generation`` (a failed step's: a task of an older
+    generation leaves a newer group alone)."""
     with _LOCK:
-        _HELD.pop(name, None)
-    return collective.leave(name)
+        held = _HELD.get(name)
+        if held is not None and (generation is None or held[0] == generation):
+            del _HELD[name]
+    return collective.leave(name, generation)
