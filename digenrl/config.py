@@ -435,7 +435,7 @@ class RolloutConfig:
     max_chunk_size: int = 16
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
     context_parallel: int = 1
-    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Runs take only 1 so far: digenrl.tasks.context_parallel computes such a step, no run's graph uses it yet."""
+    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Above 1: each step of every chunk is a gang of that many denoise tasks, placed on any that many workers of the rollout pool and released together (docs/architecture.md, "Context parallelism"); decoding stays per chunk."""
 
     def validate(self, p: str) -> None:
         positive_int(self.chunk_size, f"{p}.chunk_size")
@@ -788,6 +788,8 @@ class TrainConfig:
     """How each new version's weights reach the workers that generate with it. dask: as Dask data from the trainer that made it (LoRA adapters, the built-in model); broadcast: over the sharded gang's collective group, which then spans every worker of the run, from the first trainer to every other worker in buckets of sync_bucket_mb, each loading them into its resident transformer in place, only the version and its manifest travelling through Dask (docs/architecture.md, "Publishing by broadcast"); needs sharding fsdp. auto: broadcast with sharding fsdp, dask otherwise."""
     sync_bucket_mb: float = 512.0
     """With weight_sync broadcast: MiB of weights per broadcast bucket (one is filled while the last is in flight)."""
+    context_parallel: int = 1
+    """Processes that compute one micro-step together over a context-parallel axis (beside FSDP's data-parallel one). Only 1 is offered: micro-steps are computed whole on each trainer; a sample whose backward does not fit one GPU needs gradient checkpointing (train.gradient_checkpointing) or more memory."""
 
     def validate(self, p: str) -> None:
         finite(self.learning_rate, f"{p}.learning_rate", 0.0, lo_open=True)
@@ -815,6 +817,10 @@ class TrainConfig:
                 f"{p}.weight_sync", "dask or auto without sharding fsdp (a broadcast goes "
                 "from a sharded gang's first trainer)", self.weight_sync)
         finite(self.sync_bucket_mb, f"{p}.sync_bucket_mb", 0.0, lo_open=True)
+        require(self.context_parallel == 1, f"{p}.context_parallel", "1 (micro-steps are "
+                "computed whole on each trainer: a context-parallel axis of the trainers' "
+                "mesh is not offered; rollout.context_parallel splits generation)",
+                self.context_parallel)
 
     @property
     def broadcasts(self) -> bool:
@@ -1207,8 +1213,9 @@ class RunConfig:
     def _check_context_parallel(self) -> None:
         """``rollout.context_parallel`` above 1: no more processes than a local cluster
         the run starts gives generation (the rollout pool; in colocated mode every
-        worker), and (so far) refused: no run's graph computes a step that way yet. What
-        the model decides (a plan, heads the degree divides) is the family's check
+        worker), and not with a broadcast publish (a process is in one collective group
+        at a time, and a broadcast's group spans the rollout workers). What the model
+        decides (a plan, heads the degree divides) is the family's check
         (``ModelFamily.check_context_parallel``), which needs its folder."""
         c, degree = self.cluster, self.rollout.context_parallel
         if c.scheduler is None and not c.gpus:
@@ -1218,8 +1225,10 @@ class RunConfig:
             require(degree <= workers, CONTEXT_PARALLEL_FIELD,
                     f"at most {workers}, the workers that generate in the cluster the run "
                     f"starts ({pools})", degree)
-        fail(CONTEXT_PARALLEL_FIELD, "1 (a chunk's step over several workers runs through "
-             "digenrl.tasks.context_parallel, not yet in runs)", degree)
+        require(not self.train.broadcasts, CONTEXT_PARALLEL_FIELD,
+                "1 when versions are published by collective broadcast (train.weight_sync "
+                f"{self.train.weight_sync!r} with train.sharding {self.train.sharding!r}: "
+                "its group spans the rollout workers; set train.weight_sync: dask)", degree)
 
     # Derived totals, logged at start.
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Key", "ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION",
+__all__ = ["Key", "ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION", "CONTEXT_METADATA",
            "INIT", "ENCODE", "NOISE", "DENOISE", "DECODE", "REWARD", "ADVANTAGE", "GRAD",
            "REDUCE",
            "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
@@ -29,6 +29,10 @@ POOLS = (ROLLOUT, TRAINER)
 
 #: The annotation carrying a task's kind, pool, iteration, versions... on every task.
 ANNOTATION = "digenrl"
+#: The scheduler metadata under which each released context-parallel gang's placement is
+#: kept for its members, by gang id: its workers' names by member, and how many such
+#: steps had failed before it.
+CONTEXT_METADATA = "digenrl-context"
 
 # ----------------------------------------------------------------------- kinds
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +21,8 @@ from digenrl.models.lora import trainable_spec
 from digenrl.models import flow_sigmas, model_seed
 from digenrl.prompts import HeldOut, held_out_prompts
 from digenrl.tasks import advantage as adv_tasks
-from digenrl.tasks import rollout, sharded_steps, train
+from digenrl.tasks import context_parallel, rollout, sharded_steps, train
+from digenrl.tasks.context_parallel import ContextSpec
 from digenrl.tasks.rollout import RolloutSpec
 from digenrl.tasks.sharded_steps import ShardSpec
 from digenrl.tasks.reward_sources import resolve_rewards
@@ -52,6 +54,9 @@ class GraphContext:
     #: The gang of a sharded run (``train.sharding: fsdp``), known once its cluster is:
     #: None until then, and for a run that trains unsharded.
     shard: ShardSpec | None = None
+    #: How the run's context-parallel steps form their groups (None: a run whose
+    #: chunks are all computed at degree 1).
+    context: ContextSpec | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig) -> "GraphContext":
@@ -104,9 +109,15 @@ class GraphContext:
             evaluation = dataclasses.replace(rspec, sampler=esampler, sigmas=esigmas,
                                              save_latents=False)
             held_out = held_out_prompts(config.data)
+        context = None
+        if config.rollout.context_parallel != 1:
+            # A generation newer than any earlier run's groups on these workers.
+            context = ContextSpec(backend=config.cluster.collective_backend,
+                                  timeout=config.cluster.collective_timeout,
+                                  generation=time.time_ns() // 1_000_000)
         return cls(config=config, layout=layout, rollout=rspec, train=tspec,
                    rewards=rewards, group_rewards=group_rewards, evaluation=evaluation,
-                   held_out=held_out)
+                   held_out=held_out, context=context)
 
     def eval_nodes(self, version: int) -> list[Node]:
         """The evaluation of policy ``version`` (none when it is not evaluated)."""
@@ -122,6 +133,11 @@ class GraphContext:
             bound = self._sharded_binding(node)
             if bound is not None:
                 return bound
+        if node.op == DENOISE and node.meta.get("gang") is not None:
+            assert self.context is not None, "a run with context-parallel steps has a spec"
+            gang, member = node.meta["gang"][:2]
+            return context_parallel.denoise_member, (self.rollout, self.context, gang,
+                                                     member)
         on_error = self.config.reward.on_error
         assert self.layout.algorithm is not None    # (set when the layout is made)
         table: dict[str, tuple[Callable, tuple]] = {

@@ -20,7 +20,8 @@ __all__ = ["Key", "task_meta", "kind_of", "INIT_KEY", "encode_key", "noise_key",
            "denoise_key", "decode_key", "reward_key", "group_reward_key", "advantage_key",
            "grad_key", "reduce_key", "optimize_key", "publish_key", "trained_key",
            "checkpoint_key", "restore_key", "stats_key", "eval_key", "eval_reward_key",
-           "member_key", "round_key", "gang_id", "MAKING_STEP", "PUBLISHING_STEP"]
+           "member_key", "round_key", "gang_id", "context_gang_id", "MAKING_STEP",
+           "PUBLISHING_STEP", "CONTEXT_STEPS"]
 
 
 #: The trainer state of version 0.
@@ -133,6 +134,9 @@ def round_key(iteration: int, round_: int) -> Key:
 MAKING_STEP = 999_999
 #: The step of :func:`gang_id` that publishes a policy version by collective broadcast.
 PUBLISHING_STEP = MAKING_STEP - 1
+#: The first step of :func:`gang_id` of a chunk's context-parallel denoise steps
+#: (:func:`context_gang_id`); the rounds of micro-steps are the steps below it.
+CONTEXT_STEPS = 500_000
 
 
 def gang_id(iteration: int, step: int) -> int:
@@ -142,6 +146,17 @@ def gang_id(iteration: int, step: int) -> int:
     if not 0 <= step <= MAKING_STEP:
         raise ValueError(f"step: expected 0 .. {MAKING_STEP}, got {step}")
     return (iteration + 1) * (MAKING_STEP + 1) + step
+
+
+def context_gang_id(iteration: int, chunk: int, timestep: int, num_steps: int) -> int:
+    """The id of the gang computing chunk ``chunk``'s denoise step ``timestep`` (of
+    ``num_steps``) of iteration ``iteration`` with context parallelism."""
+    step = CONTEXT_STEPS + chunk * num_steps + timestep
+    if step >= PUBLISHING_STEP:
+        raise ValueError(f"chunk: expected fewer than "
+                         f"{(PUBLISHING_STEP - CONTEXT_STEPS) // num_steps} chunks computed "
+                         f"with context parallelism in an iteration, got chunk {chunk}")
+    return gang_id(iteration, step)
 
 
 def task_meta(kind: str, iteration: int, policy_version: int, *, gpu: bool | None = None,

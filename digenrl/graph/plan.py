@@ -15,7 +15,10 @@ class IterationPlan:
     sample ranges, one per denoise chain. ``metadata`` is each prompt's metadata for the
     rewards, as JSON text (empty for none), or empty when no prompt has any; ``inputs``
     each prompt's source images and negative prompt
-    (:class:`~digenrl.prompts.PromptInputs`), or empty when no prompt has any."""
+    (:class:`~digenrl.prompts.PromptInputs`), or empty when no prompt has any.
+    ``context_parallel`` is each chunk's context-parallel degree (how many rollout
+    workers compute each of its denoise steps together), or empty when every chunk's is
+    1."""
 
     iteration: int
     prompts: tuple[str, ...]
@@ -23,17 +26,22 @@ class IterationPlan:
     chunks: tuple[tuple[int, int], ...]
     metadata: tuple[str, ...] = ()
     inputs: tuple = ()
+    context_parallel: tuple[int, ...] = ()
 
     @classmethod
     def uniform(cls, iteration: int, prompts, samples_per_prompt: int,
-                chunk_size: int, metadata=(), inputs=()) -> "IterationPlan":
+                chunk_size: int, metadata=(), inputs=(), degree: int = 1) -> "IterationPlan":
+        """Chunks of ``chunk_size`` samples, each computed at context-parallel
+        ``degree``."""
         n = len(prompts) * samples_per_prompt
         if n % chunk_size:
             raise ValueError(f"chunk_size: expected a divisor of {n}, got {chunk_size}")
         chunks = tuple((s, s + chunk_size) for s in range(0, n, chunk_size))
         metadata = tuple(metadata) if any(metadata) else ()
         inputs = tuple(inputs) if any(inputs) else ()
-        return cls(iteration, tuple(prompts), samples_per_prompt, chunks, metadata, inputs)
+        degrees = (degree,) * len(chunks) if degree > 1 else ()
+        return cls(iteration, tuple(prompts), samples_per_prompt, chunks, metadata, inputs,
+                   degrees)
 
     def __post_init__(self) -> None:
         for name in ("metadata", "inputs"):
@@ -41,6 +49,10 @@ class IterationPlan:
             if got and got != len(self.prompts):
                 raise ValueError(f"{name}: expected one entry per prompt "
                                  f"({len(self.prompts)}), got {got}")
+        degrees = self.context_parallel
+        if degrees and (len(degrees) != len(self.chunks) or min(degrees) < 1):
+            raise ValueError(f"context_parallel: expected a degree >= 1 per chunk "
+                             f"({len(self.chunks)}), got {degrees}")
         covered = [s for a, b in self.chunks for s in range(a, b)]
         if covered != list(range(self.num_samples)):
             raise ValueError(f"chunks: expected consecutive ranges covering 0..{self.num_samples - 1},"
@@ -56,6 +68,10 @@ class IterationPlan:
 
     def group_of(self, sample: int) -> int:
         return sample // self.samples_per_prompt
+
+    def degree(self, chunk: int) -> int:
+        """Chunk ``chunk``'s context-parallel degree."""
+        return self.context_parallel[chunk] if self.context_parallel else 1
 
     def sample_ids(self, chunk: int) -> tuple[int, ...]:
         a, b = self.chunks[chunk]

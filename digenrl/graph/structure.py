@@ -20,6 +20,10 @@ released as soon as the next step has them. An algorithm with a sampling copy
 (DiffusionNFT) publishes the copy, and its micro-steps read the trained weights from a
 ``trained`` task besides the copy the chunk was sampled with.
 
+A chunk the plan computes with context parallelism (:meth:`IterationPlan.degree` above
+1) has each ``denoise`` step as a gang of that many members (:func:`_context_step`), one
+per rollout worker computing it; member 0 keeps the step's key.
+
 Each :class:`Node` names its operation, its annotation, and its arguments -- literals
 and :class:`Dep` references to other keys. :mod:`digenrl.graph.build` binds operations
 to task functions for Dask; the simulator reads the same nodes without torch or Dask.
@@ -40,7 +44,8 @@ from typing import Any, Callable, Hashable
 from digenrl.algorithms import Algorithm, FlowGRPO
 from digenrl.graph.keys import (INIT_KEY, MAKING_STEP, PUBLISHING_STEP, Key, advantage_key,
                                 checkpoint_key, decode_key, denoise_key, encode_key, eval_key,
-                                eval_reward_key, gang_id, grad_key, group_reward_key,
+                                eval_reward_key, context_gang_id, gang_id, grad_key,
+                                group_reward_key,
                                 member_key, noise_key, optimize_key, publish_key, reduce_key,
                                 restore_key, reward_key, round_key, stats_key, task_meta,
                                 trained_key)
@@ -336,27 +341,55 @@ def rollout_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:
         weights = publish_key(rv)
         # The steps' annotations differ only in their timestep and kind of step.
         step_meta = task_meta(DENOISE, i, rv, timestep=0, **common)
+        degree = plan.degree(c)
+        # Each member's previous step (at degree 1 the step itself).
+        before = [prev] * degree
         for t in steps:
             key = denoise_key(i, c, t)
             meta = step_meta.copy()
             meta["timestep"] = t
             meta["sde"] = t in sde
-            append(Node(key, DENOISE, meta, (Dep(weights), prompts, i, t, Dep(prev)),
-                        [weights, prev]))
+            if degree == 1:
+                append(Node(key, DENOISE, meta, (Dep(weights), prompts, i, t, Dep(prev)),
+                            [weights, prev]))
+            else:
+                before = _context_step(key, meta, degree, layout.num_steps, before,
+                                       (Dep(weights), prompts, i, t), out)
             if layout.save_latents or t in sde or t == last:
                 chain.append(key)
             prev = key
         if not alg.keeps_trajectory():
             chain = chain[-1:]  # the final latent: the other steps' results go at once
+        # A context-parallel chunk's decoding waits for every member of its last step
+        # (member 0 gives the latents; the others only end their part).
+        reads = chain + before[1:] if degree > 1 else chain
         decoded = decode_key(i, c)
         append(Node(decoded, DECODE, task_meta(DECODE, i, rv, **common),
-                    tuple(Dep(k) for k in chain), chain))
+                    tuple(Dep(k) for k in reads), reads))
         append(Node(reward_key(i, c), REWARD,
                     task_meta(REWARD, i, rv, gpu=layout.reward_gpu, **common),
                     (prompts, Dep(decoded), plan.chunk_metadata(c), inputs), [decoded]))
     if layout.group_rewards:
         out += group_reward_nodes(layout, plan)
     return out
+
+
+def _context_step(key: Key, meta: dict[str, Any], degree: int, num_steps: int,
+                  before: list[Key], args: tuple, out: list[Node]) -> list[Key]:
+    """A chunk's denoise step ``key`` computed with context parallelism: a gang of
+    ``degree`` members, each reading ``args`` (the weights, prompts, iteration and
+    timestep) and its own member's previous step (``before``; the chunk's noise before
+    the first step), and each giving the step's whole result (but at the chunk's last
+    step, which only member 0 gives). Member 0 keeps the step's key, so what reads the
+    step reads it. Returns the members' keys."""
+    i, c, t = meta["iteration"], meta["chunk"], meta["timestep"]
+    gang = context_gang_id(i, c, t, num_steps)
+    weights = args[0].key
+    members = [key] + [member_key(key, m) for m in range(1, degree)]
+    for m, (k, previous) in enumerate(zip(members, before)):
+        out.append(Node(k, DENOISE, dict(meta, gang=(gang, m, degree)),
+                        (*args, Dep(previous)), [weights, previous]))
+    return members
 
 
 def group_reward_nodes(layout: GraphLayout, plan: IterationPlan) -> list[Node]:

@@ -43,7 +43,7 @@ from digenrl.schedulers.options import MODES
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, evaluation_means, frame_strip, reward_column)
 from digenrl.tasks.advantage import scored_samples
-from digenrl.tasks import sharded_steps
+from digenrl.tasks import context_parallel, sharded_steps
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
 from digenrl.tasks.sharded_steps import ShardSpec
 from digenrl.tasks.resident import ResidentPlugin, sharded_weights
@@ -91,7 +91,7 @@ class RLWorkload:
                                                       self.config.seed, iteration)
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
                                      chunk_size or self.config.rollout.chunk_size, metadata,
-                                     inputs)
+                                     inputs, self.config.rollout.context_parallel)
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""
@@ -222,15 +222,20 @@ class RLWorkload:
         self.ctx = dataclasses.replace(self.ctx, layout=self.layout, shard=shard)
 
     def close(self, client) -> None:
-        """A sharded run's members leave its group and drop their trainer state."""
-        shard = self.ctx.shard
-        if shard is None:
-            return
+        """A sharded run's members leave its group and drop their trainer state; the
+        workers of a run's context-parallel steps leave their groups."""
         named = {str(w.get("name")): a
                  for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
-        futures = [client.submit(sharded_steps.leave, shard.name, workers=[named[m]],
-                                 allow_other_workers=False, pure=False)
-                   for m in shard.everyone if m in named]
+        futures = []
+        shard = self.ctx.shard
+        if shard is not None:
+            futures += [client.submit(sharded_steps.leave, shard.name, workers=[named[m]],
+                                      allow_other_workers=False, pure=False)
+                        for m in shard.everyone if m in named]
+        if self.ctx.context is not None:
+            futures += [client.submit(context_parallel.leave, workers=[address],
+                                      allow_other_workers=False, pure=False)
+                        for address in named.values()]
         wait(futures, timeout=30)
 
     def describe(self) -> list[str]:

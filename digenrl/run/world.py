@@ -67,6 +67,7 @@ def check_world(config: RunConfig) -> None:
     if model.path is not None:
         _check_prompts(config)
     _check_sample_kind(config)
+    family(model).check_context_parallel(config.rollout.context_parallel)
     if config.cluster.scheduler is None:
         # The workers of a cluster started here run this process's torch.
         resolve_backend(config.cluster.collective_backend)

@@ -45,7 +45,7 @@ from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
-from digenrl.vocabulary import ANNOTATION, POOLS, Key
+from digenrl.vocabulary import ANNOTATION, CONTEXT_METADATA, POOLS, Key
 
 if TYPE_CHECKING:
     from dask.typing import Key as DaskKey
@@ -140,11 +140,13 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.run = run
         self.active = True
         self.policy = SchedulingPolicy(ScheduleOptions.from_dict(options))
+        self._gang().handing = True
         self.telemetry = Telemetry()
         self._meta.clear()
         self._to_err.clear()
         self.warnings = []
         assert self.scheduler is not None    # (set when it starts)
+        self.scheduler.task_metadata.pop(CONTEXT_METADATA, None)
         for addr in list(self.scheduler.workers):
             self._add_worker(addr)
         # What the scheduler's process holds now (the driver's too, on a local cluster)
@@ -302,6 +304,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             releases[d.key] = "processing"
             released.append(d.key)
             self.telemetry.released(d)
+        self._hand_formations()
         if releases:
             s.transitions(releases, stimulus_id)
         for key in released:
@@ -325,6 +328,28 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
 
+    def _gang(self) -> Gang:
+        assert self.policy is not None      # (set by begin_run)
+        gang = self.policy.rule(Gang)
+        assert isinstance(gang, Gang)
+        return gang
+
+    def _hand_formations(self) -> None:
+        """Each placed gang released this round: its members' worker names and its
+        count of failed steps before it, where its members read them
+        (:data:`~digenrl.vocabulary.CONTEXT_METADATA`); ended gangs' entries go."""
+        s = self.scheduler
+        assert s is not None    # (set when it starts)
+        formed, ended = self._gang().take_formations()
+        if not formed and not ended:
+            return
+        entries = s.task_metadata.setdefault(CONTEXT_METADATA, {})
+        for gid in ended:
+            entries.pop(str(gid), None)
+        for gid, addresses, failed in formed:
+            entries[str(gid)] = {"workers": [str(s.workers[a].name) for a in addresses],
+                                 "failed": failed}
+
     # ----------------------------------------------------------------- telemetry
 
     def task_records(self, start: int = 0) -> dict[str, Any]:
@@ -344,8 +369,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         """The first failed gang step of ``run`` (one line), or None."""
         if self.policy is None or run != self.run:
             return None
-        gang = self.policy.rule(Gang)
-        assert isinstance(gang, Gang)
+        gang = self._gang()
         return gang.failed[0] if gang.failed else None
 
     def state(self) -> dict[str, Any]:

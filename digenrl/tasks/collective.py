@@ -82,7 +82,8 @@ import torch.distributed as dist
 from digenrl.checks import choice, finite, is_int, require
 from digenrl.config import COLLECTIVE_BACKENDS
 
-__all__ = ["Group", "join", "group", "leave", "live", "resolve_backend", "CollectiveError",
+__all__ = ["Group", "join", "group", "leave", "live", "failed", "resolve_backend",
+           "CollectiveError",
            "StaleGeneration", "NotJoined", "RendezvousTimeout", "METADATA", "BACKEND_FIELD",
            "TIMEOUT_FIELD"]
 
@@ -222,6 +223,18 @@ def leave(name: str | None = None, generation: int | None = None) -> str | None:
             return None
         _tear_down(g)
         return g.name
+
+
+def failed(e: BaseException) -> bool:
+    """Whether ``e`` is a failure of a group: this module's, or torch.distributed's (a
+    collective that failed: a peer lost, a timeout, as gloo and NCCL raise it)."""
+    if isinstance(e, CollectiveError):
+        return True
+    if not isinstance(e, RuntimeError):
+        return False
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "Gloo", "NCCL",
+                                                                      "Connection closed"))
 
 
 def join(name: str, members: Sequence[str], generation: int, *, backend: str,

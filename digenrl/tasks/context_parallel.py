@@ -19,27 +19,54 @@ split where they are not: ``ModelFamily.parallel_attention``), and :func:`denois
 :func:`digenrl.tasks.rollout.denoise` run inside one, so the sampler step is one code.
 Outside the block the resident module computes as before, so other tasks of the worker
 use it between steps; during the block every call of it is a collective step of the
-group. No run's graph uses this yet ("Context parallelism" in docs/architecture.md).
+group.
+
+In a run (``rollout.context_parallel`` above 1) each step of a chunk is a gang of ``d``
+``denoise`` tasks (:func:`denoise_member`), which the scheduler places on any ``d``
+rollout workers and releases together; it hands the members the workers it chose (the
+scheduler's metadata, :data:`~digenrl.vocabulary.CONTEXT_METADATA`). The members form a
+collective group of those workers (:mod:`.collective`) named by them, and keep it for the
+chunk's next steps, which the scheduler places on the same workers; a worker placed with
+others leaves its group and joins theirs. A step that failed (a member lost) runs again
+on a group formed anew: its generation counts the failed steps before it.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from digenrl.config import ModelConfig
 from digenrl.models import family
-from digenrl.tasks import rollout
-from digenrl.tasks.collective import Group
+from digenrl.tasks import collective, rollout
+from digenrl.tasks.collective import CollectiveError, Group
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import RolloutSpec
 from digenrl.tasks.types import Latents, PolicyWeights, StepOut
 from digenrl.tasks.ulysses import degree, parallel
+from digenrl.vocabulary import CONTEXT_METADATA
 
 if TYPE_CHECKING:
     from diffusers import ModelMixin
 
-__all__ = ["context_parallel", "denoise"]
+__all__ = ["context_parallel", "denoise", "ContextSpec", "denoise_member", "leave",
+           "GROUP_PREFIX"]
+
+#: The name of every context-parallel group starts so (then its workers' names).
+GROUP_PREFIX = "context-"
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """How a run's context-parallel steps form their groups."""
+
+    backend: str            # cluster.collective_backend
+    timeout: float          # cluster.collective_timeout
+    #: The run's first generation of its groups: newer than any earlier run's on the
+    #: same workers (a failed step's group is formed again one generation up).
+    generation: int
 
 
 @contextmanager
@@ -68,3 +95,94 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
     models = resident(spec.model, spec.model_seed, spec.trainable)
     with context_parallel(models.policy(weights), spec.model, over):
         return rollout.denoise(spec, weights, prompts, iteration, t, previous)
+
+
+def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: int,
+                   weights: PolicyWeights, prompts: tuple[str, ...], iteration: int, t: int,
+                   previous: Latents | StepOut) -> StepOut | None:
+    """Member ``member`` of gang ``gang``: its part of a chunk's denoise step computed
+    with context parallelism (:func:`denoise`), on the group of the workers the
+    scheduler placed the gang on (formed, or kept from the chunk's previous step). Every
+    member gives the step's result, which its own part of the next step reads, but at
+    the chunk's last step only member 0 does (its decoding reads every member, so that
+    each runs, and needs the latents once).
+
+    When the group fails under it (a peer lost), the member leaves the group, so its
+    other peers fail at once too, and raises only once the scheduler has taken the step
+    back to run it again (its placement changed or gone), so that the error of a step
+    that runs again is dropped rather than ending the run; after
+    ``cluster.collective_timeout`` without that, it raises all the same."""
+    placed = _placement(context, gang)
+    group = _group_of(context, placed, member)
+    try:
+        out = denoise(spec, weights, prompts, iteration, t, previous, group)
+    except BaseException as e:
+        collective.leave(group.name, group.generation)
+        if collective.failed(e):
+            _await_retry(context, gang, placed)
+        raise
+    return out if member == 0 or t < len(spec.sigmas) - 2 else None
+
+
+def _placement(context: ContextSpec, gang: int) -> dict:
+    """The scheduler's placement of gang ``gang`` (set as it releases the gang)."""
+    from distributed import get_client
+
+    client = get_client()
+    deadline = time.monotonic() + context.timeout
+    placed = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
+    while placed is None:
+        if time.monotonic() > deadline:
+            raise CollectiveError(f"context-parallel gang {gang}: no placement of its "
+                                  f"members within {context.timeout:g} s "
+                                  f"({collective.TIMEOUT_FIELD})")
+        time.sleep(0.01)
+        placed = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
+    return placed
+
+
+def _await_retry(context: ContextSpec, gang: int, placed: dict) -> None:
+    """Wait until gang ``gang``'s step is placed anew (or its placement is gone), at most
+    ``context.timeout`` seconds."""
+    from distributed import get_client
+
+    client = get_client()
+    deadline = time.monotonic() + context.timeout
+    while time.monotonic() < deadline:
+        now = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
+        if now is None or now["failed"] != placed["failed"]:
+            return
+        time.sleep(0.05)
+
+
+def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
+    """This member's group: the live one where it is the placement's, else joined."""
+    workers = tuple(placed["workers"])
+    name = GROUP_PREFIX + "+".join(workers)
+    generation = context.generation + int(placed["failed"])
+    live = collective.live()
+    if live is not None and live.name == name and live.generation == generation:
+        group = collective.group(name, generation)
+    else:
+        if live is not None and live.name != name:
+            if not live.name.startswith(GROUP_PREFIX):
+                raise CollectiveError(
+                    f"rollout.context_parallel: worker {workers[member]!r} is in "
+                    f"collective group {live.name!r}, and a process is in one group at a "
+                    f"time: its context-parallel steps cannot form their own")
+            collective.leave(live.name)
+        group = collective.join(name, workers, generation, backend=context.backend,
+                                timeout=context.timeout)
+    if group.rank != member:
+        raise CollectiveError(f"context-parallel group {name!r}: member {member} joined "
+                              f"as rank {group.rank}")
+    return group
+
+
+def leave() -> str | None:
+    """Leave this process's context-parallel group, if it is in one (the run is over).
+    Returns its name."""
+    live = collective.live()
+    if live is None or not live.name.startswith(GROUP_PREFIX):
+        return None
+    return collective.leave(live.name)

@@ -135,22 +135,12 @@ def gang_step(shard: ShardSpec, member: int, what: str) -> Iterator[None]:
         leave(shard.name, shard.generation)
         raise
     except (CollectiveError, RuntimeError) as e:
-        if not isinstance(e, CollectiveError) and not _of_the_group(e):
+        if not collective.failed(e):
             raise
         leave(shard.name, shard.generation)
         raise GangLost(f"{what} of member {member} ({shard.everyone[member]!r}) of "
                        f"{shard.name!r} generation {shard.generation} failed: "
                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
-
-
-def _of_the_group(e: RuntimeError) -> bool:
-    """Whether ``e`` is torch.distributed's: a collective that failed (a peer lost, a
-    timeout), as gloo and NCCL raise it."""
-    import torch.distributed as dist
-
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "Gloo", "NCCL",
-                                                                      "Connection closed"))
 
 
 def held_trainer(shard: ShardSpec, member: int, version: int) -> ShardedTrainer:

@@ -30,7 +30,14 @@ them: TAG, RAT and rebalancing never move one.
   gang is released again once every member is ready again. Each failed step is noted in
   :attr:`Gang.failed` (one line each): a gang whose members keep state between steps
   (a sharded run's trainers) cannot simply run again, and its driver reads the line
-  (the plugin's ``digenrl_gang_failed``) to form the gang anew.
+  (the plugin's ``digenrl_gang_failed``) to form the gang anew. A placed gang's step
+  (a chunk's context-parallel step) keeps no state: it simply runs again, on the workers
+  placed then, and is counted in :attr:`Gang.retried` instead.
+* **Formations**: each release of a placed gang is noted in :attr:`Gang.formed` (its id,
+  its members' workers by index and how many placed steps had failed before it), which
+  the plugin hands to the members (the scheduler's metadata under
+  :data:`~digenrl.vocabulary.CONTEXT_METADATA`): they learn there which workers form
+  their group, and that a step run again forms a group of its own.
 
 Its entry in :data:`~digenrl.schedulers.policy.core.RULES` comes before the rules that
 queue ready work (TSP, background, rebalancing): the first rule to queue a task keeps it.
@@ -73,7 +80,8 @@ class _Members:
 class Gang(Rule):
     """Releases each gang's members together, on their own workers."""
 
-    __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing", "homes")
+    __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing", "homes", "retried",
+                 "formed", "ended", "handing")
     name = "gang"
 
     def __init__(self, policy) -> None:
@@ -86,8 +94,19 @@ class Gang(Rule):
         #: Each failed step, oldest first: one line naming the gang and why.
         self.failed: list[str] = []
         self._failing = False      # taking a failed step's members back
-        #: (iteration, chunk) -> the workers of its placed gang's last step, by member.
-        self.homes: dict[tuple, list[str]] = {}
+        #: (iteration, chunk) -> its placed gang's last step: the gang's id and its
+        #: workers, by member.
+        self.homes: dict[tuple, tuple[int, list[str]]] = {}
+        #: How many placed gangs' steps failed (each runs again).
+        self.retried = 0
+        #: Placed gangs released since the plugin last took them: (gang id, each
+        #: member's worker address, :attr:`retried` at the release).
+        self.formed: list[tuple[int, list[str], int]] = []
+        #: Placed gangs whose members are all forgotten since the plugin last took them.
+        self.ended: list[int] = []
+        #: Whether :attr:`formed` and :attr:`ended` are kept (by a plugin that takes
+        #: them; the simulator's members need no placement).
+        self.handing = False
 
     # ---------------------------------------------------------------- members
 
@@ -136,8 +155,12 @@ class Gang(Rule):
         self._not_ready(gid, g, index)
         if not g.members:
             del self.gangs[gid]
-            if g.placed and info.timestep is not None:
-                self.homes.pop((info.iteration, info.chunk), None)
+            if g.placed:
+                if self.handing:
+                    self.ended.append(gid)
+                home = (info.iteration, info.chunk)
+                if self.homes.get(home, (None,))[0] == gid:
+                    del self.homes[home]
 
     def worker_removed(self, w: WorkerInfo) -> None:
         """A worker left: the members released to it are lost (Dask reports each
@@ -173,7 +196,9 @@ class Gang(Rule):
                                          "member {} of gang {} must run again: the gang's "
                                          "step fails, and runs again together",
                                          member, gid)
-            if withdrawn:
+            if withdrawn and g.placed:
+                self.retried += 1
+            elif withdrawn:
                 self.failed.append(f"gang {gid}'s step failed: member {member} "
                                    f"({info.key!r}) must run again after the others ran")
         finally:
@@ -202,7 +227,7 @@ class Gang(Rule):
         if len(pool) < g.size:
             return None
         first = next(iter(g.members.values()))
-        home = self.homes.get((first.iteration, first.chunk), ())
+        home = self.homes.get((first.iteration, first.chunk), (0, []))[1]
         holders = {a: index for index, a in enumerate(home) if index < g.size}
         ranked = sorted(pool, key=lambda w: (bool(w.inflight), w.address not in holders,
                                              len(w.inflight), w.busy_until, w.rank))[:g.size]
@@ -295,7 +320,10 @@ class Gang(Rule):
             g.ready.clear()
             if g.placed:
                 first = g.members[0]
-                self.homes[(first.iteration, first.chunk)] = [w.address for w in workers]
+                addresses = [w.address for w in workers]
+                self.homes[(first.iteration, first.chunk)] = (gid, addresses)
+                if self.handing:
+                    self.formed.append((gid, addresses, self.retried))
             for index, w in enumerate(workers):
                 info = g.members[index]
                 if self.noting:
@@ -321,6 +349,13 @@ class Gang(Rule):
     def _unreserve(self, gid: int) -> None:
         for a in [a for a, g in self.reserved.items() if g == gid]:
             del self.reserved[a]
+
+    def take_formations(self) -> tuple[list[tuple[int, list[str], int]], list[int]]:
+        """The placed gangs released (:attr:`formed`) and ended (:attr:`ended`) since
+        the last call, for the plugin to hand to their members."""
+        formed, ended = self.formed, self.ended
+        self.formed, self.ended = [], []
+        return formed, ended
 
     def members_of(self, gid: int) -> dict[int, Key]:
         """The known members of gang ``gid``: index -> key (for tests and tools)."""
