@@ -422,6 +422,8 @@ class DataConfig:
 
 #: The field of a chunk's context-parallel degree (``rollout.context_parallel``).
 CONTEXT_PARALLEL_FIELD = "rollout.context_parallel"
+#: ``rollout.context_parallel: auto``: each iteration's degrees chosen by the run.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -434,12 +436,14 @@ class RolloutConfig:
     """fixed: every chunk holds chunk_size samples (results bit-identical across clusters). adaptive: each iteration's chunk size is chosen from measured step times and per-task costs so every generating slot holds a chain (results equal up to floating-point summation order)."""
     max_chunk_size: int = 16
     """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
-    context_parallel: int = 1
-    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Above 1: each step of every chunk is a gang of that many denoise tasks, placed on any that many workers of the rollout pool and released together (docs/architecture.md, "Context parallelism"); decoding stays per chunk."""
+    context_parallel: int | str = 1
+    """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Above 1: each step of every chunk is a gang of that many denoise tasks, placed on any that many workers of the rollout pool and released together (docs/architecture.md, "Context parallelism"); decoding stays per chunk. auto: the run chooses each iteration's degrees (powers of two the heads divide, at most the rollout workers at the time) from each degree's measured step seconds, predicting a degree not yet measured from a measured one (probing it when chosen), the chunks and the rollout workers: degree 1 while chunks outnumber the workers, higher ones on an iteration's last chunks (docs/architecture.md, "Context parallelism")."""
 
     def validate(self, p: str) -> None:
         positive_int(self.chunk_size, f"{p}.chunk_size")
-        positive_int(self.context_parallel, f"{p}.context_parallel")
+        degree = self.context_parallel
+        require(degree == AUTO or (isinstance(degree, int) and is_int(degree) and degree >= 1),
+                f"{p}.context_parallel", f"an integer >= 1 or {AUTO!r}", degree)
         choice(self.chunking, f"{p}.chunking", ("fixed", "adaptive"))
         positive_int(self.max_chunk_size, f"{p}.max_chunk_size")
         if self.chunking == "adaptive":
@@ -1189,7 +1193,7 @@ class RunConfig:
                  f"step is never an SDE step of a window)", list(a.sde_steps))
         if self.train.sharding == "fsdp":
             self._check_sharding()
-        if self.rollout.context_parallel > 1:
+        if self.rollout.context_parallel != 1:
             self._check_context_parallel()
         if not a.coupled:
             require(not self.store.save_latents, "store.save_latents",
@@ -1218,11 +1222,11 @@ class RunConfig:
         decides (a plan, heads the degree divides) is the family's check
         (``ModelFamily.check_context_parallel``), which needs its folder."""
         c, degree = self.cluster, self.rollout.context_parallel
-        if c.scheduler is None and not c.gpus:
+        if c.scheduler is None and not c.gpus and degree != AUTO:
             workers = c.rollout_workers if self.schedule.options().pools else c.total_workers
             pools = "cluster.rollout_workers" + (
                 "" if self.schedule.options().pools else " + cluster.trainer_workers")
-            require(degree <= workers, CONTEXT_PARALLEL_FIELD,
+            require(int(degree) <= workers, CONTEXT_PARALLEL_FIELD,
                     f"at most {workers}, the workers that generate in the cluster the run "
                     f"starts ({pools})", degree)
         require(not self.train.broadcasts, CONTEXT_PARALLEL_FIELD,

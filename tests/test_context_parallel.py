@@ -181,16 +181,24 @@ def test_a_family_without_a_plan_refuses_a_degree_above_one(tiny_pipelines):
 
 @pytest.mark.parametrize("changes, message", [
     ({"rollout.context_parallel": 0},
-     "rollout.context_parallel: expected an integer >= 1, got 0"),
+     "rollout.context_parallel: expected an integer >= 1 or 'auto', got 0"),
+    ({"rollout.context_parallel": "most"},
+     "rollout.context_parallel: expected an integer >= 1 or 'auto', got 'most'"),
     ({"rollout.context_parallel": 2},
      "rollout.context_parallel: expected at most 1, the workers that generate in the "
      "cluster the run starts (cluster.rollout_workers), got 2"),
     ({"rollout.context_parallel": 3, "schedule.mode": "colocated"},
      "rollout.context_parallel: expected at most 2, the workers that generate in the "
      "cluster the run starts (cluster.rollout_workers + cluster.trainer_workers), got 3"),
-    ({"rollout.context_parallel": 2, "cluster.rollout_workers": 2},
-     "rollout.context_parallel: expected 1 (a chunk's step over several workers runs "
-     "through digenrl.tasks.context_parallel, not yet in runs), got 2"),
+    ({"rollout.context_parallel": 2, "cluster.rollout_workers": 2,
+      "cluster.trainer_workers": 2, "train.sharding": "fsdp"},
+     "rollout.context_parallel: expected 1 when versions are published by collective "
+     "broadcast (train.weight_sync 'auto' with train.sharding 'fsdp': its group spans the "
+     "rollout workers; set train.weight_sync: dask), got 2"),
+    ({"train.context_parallel": 2},
+     "train.context_parallel: expected 1 (micro-steps are computed whole on each trainer: "
+     "a context-parallel axis of the trainers' mesh is not offered; "
+     "rollout.context_parallel splits generation), got 2"),
 ])
 def test_bad_context_parallel_fails_naming_the_field(changes, message):
     with pytest.raises(ConfigError) as e:

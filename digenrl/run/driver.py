@@ -10,8 +10,10 @@ RL workload (:mod:`digenrl.run.runner`) or an emulated one (:mod:`digenrl.sim.em
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
+import statistics
 import time
 import uuid
 import weakref
@@ -42,6 +44,7 @@ from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
                                          measure_chunks)
 from digenrl.schedulers.options import ScheduleOptions
+from digenrl.schedulers.parallelism import DegreePlan, plan_degrees
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.tasks.sharded_steps import GangLost
@@ -217,6 +220,12 @@ class Driver:
         #: its chunk size then, from what the iterations collected so far measured).
         self._plans: dict[int, IterationPlan] = {}
         self._measured: ChunkMeasurement | None = None
+        #: With ``rollout.context_parallel: auto``: the degrees the run may choose from,
+        #: each one's latest measured seconds of a sample's step, and each iteration's
+        #: choice.
+        self._degrees: tuple[int, ...] | None = getattr(workload, "context_degrees", None)
+        self._step_seconds: dict[int, float] = {}
+        self._degree_plans: dict[int, DegreePlan] = {}
         #: The task records of iterations computed again (the store holds them), until
         #: they are stored with the next iteration committed.
         self._carried: list[dict] = []
@@ -260,8 +269,60 @@ class Driver:
                     capacity=self._generating_capacity(), slots=self.w.options.slots_per_worker,
                     measured=self._measured, fallback=spec.start)
                 plan = self.w.plan(j, size)
+            if self._degrees is not None:
+                plan = self._choose_degrees(plan)
             self._plans[j] = plan
         return plan
+
+    def _choose_degrees(self, plan: IterationPlan) -> IterationPlan:
+        """``rollout.context_parallel: auto``: ``plan`` with each chunk's degree, chosen
+        for the generating workers there are now from the degrees' measured step times
+        (:func:`~digenrl.schedulers.parallelism.plan_degrees`), logged and kept for the
+        iteration's metrics."""
+        assert self._degrees is not None
+        workers = sum(len(ns) for p, ns in self.pools().items() if p != TRAINER)
+        size = plan.num_samples // len(plan.chunks)
+        chosen = plan_degrees(len(plan.chunks), size, workers, self._degrees,
+                              self._step_seconds)
+        self._degree_plans[plan.iteration] = chosen
+        logger.info("iteration %d: context parallelism on %d rollout workers: %s",
+                    plan.iteration, workers, chosen.describe())
+        degrees = chosen.degrees if max(chosen.degrees, default=1) > 1 else ()
+        return dataclasses.replace(plan, context_parallel=degrees)
+
+    def _measure_degrees(self, records: list[dict]) -> None:
+        """``auto``: each degree's seconds of a sample's step, the median over the
+        denoise tasks of the newest iteration that ran it (so a workload that changes
+        is measured anew)."""
+        newest: dict[int, tuple[int, list[float]]] = {}
+        for r in records:
+            if r.get("kind") != DENOISE or r.get("start") is None or r.get("stop") is None:
+                continue
+            i, c = int(r["iteration"]), int(r["chunk"])
+            plan = self._plans.get(i)
+            if plan is None:
+                continue
+            d = plan.degree(c)
+            a, b = plan.chunks[c]
+            held = newest.get(d)
+            if held is None or held[0] < i:
+                held = newest[d] = (i, [])
+            if held[0] == i:
+                held[1].append((r["stop"] - r["start"]) / (b - a))
+        for d, (_, seconds) in newest.items():
+            self._step_seconds[d] = statistics.median(seconds)
+
+    def _degree_metrics(self, i: int) -> dict[str, float]:
+        """``auto``: iteration ``i``'s chosen degrees as metrics (none otherwise)."""
+        chosen = self._degree_plans.get(i)
+        if self._degrees is None:
+            return {}
+        if chosen is None:
+            return dict.fromkeys(("context_parallel_mean", "context_parallel_max",
+                                  "context_parallel_probes"), float("nan"))
+        return {"context_parallel_mean": float(np.mean(chosen.degrees)),
+                "context_parallel_max": float(max(chosen.degrees)),
+                "context_parallel_probes": float(len(chosen.probes))}
 
     def _speeds(self) -> dict[str, float]:
         """Each worker's declared speed, by name (as the cluster description has them)."""
@@ -450,6 +511,8 @@ class Driver:
         let_go(futs.values())  # (before the checkpoints they were computed from go)
         records, t1 = window.close(client, i)
         self._measure(records)
+        if self._degrees is not None:
+            self._measure_degrees(records)
         records, self._carried = self._carried + records, []
         t0 = window.opened
         seconds = t1 - t0
@@ -463,6 +526,7 @@ class Driver:
             "wall_time": t1 - window.started,
             "policy_version": float(i + 1),
             **self._weight_receipts(),
+            **self._degree_metrics(i),
             **self._cpu(),
             **window_metrics(window.recent, self.pools(), t0, t1),
         })

@@ -27,7 +27,7 @@ from digenrl.store.checkpoints import write_weights
 from digenrl.checks import require
 from digenrl.figures.analysis import pools_served
 from digenrl.run.cluster import ClusterHandle, pool_counts, start_cluster
-from digenrl.config import (ConfigError, RunConfig, StoreConfig, config_from_dict,
+from digenrl.config import (AUTO, ConfigError, RunConfig, StoreConfig, config_from_dict,
                             config_to_dict)
 from digenrl.run.driver import Driver, IterationSummary, RunResult, check_store, library_versions
 from digenrl.graph.build import GraphContext
@@ -35,10 +35,11 @@ from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.keys import (advantage_key, decode_key, eval_reward_key,
                                 group_reward_key, kind_of, reward_key, stats_key)
 from digenrl.graph.plan import IterationPlan
-from digenrl.models import model_seed
+from digenrl.models import family, model_seed
 from digenrl.prompts import load_prompt_file, prompt_source, source_table
 from digenrl.run.world import check_world
 from digenrl.schedulers.chunking import ChunkingSpec
+from digenrl.schedulers.parallelism import DEGREES
 from digenrl.schedulers.options import MODES
 from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE,
                            RunStore, evaluation_means, frame_strip, reward_column)
@@ -86,12 +87,28 @@ class RLWorkload:
         self.tracking_runs: dict[str, dict] = {}
 
     def plan(self, iteration: int, chunk_size: int | None = None) -> IterationPlan:
+        """Iteration ``iteration``'s prompts in chunks of ``chunk_size`` (default
+        ``rollout.chunk_size``), each at the configured context-parallel degree (with
+        ``auto``, 1 until the driver sets the iteration's degrees)."""
         d = self.config.data
         prompts, metadata, inputs = self.prompts.draw(d.prompts_per_iteration,
                                                       self.config.seed, iteration)
+        degree = self.config.rollout.context_parallel
         return IterationPlan.uniform(iteration, prompts, d.samples_per_prompt,
                                      chunk_size or self.config.rollout.chunk_size, metadata,
-                                     inputs, self.config.rollout.context_parallel)
+                                     inputs, degree if isinstance(degree, int) else 1)
+
+    @property
+    def context_degrees(self) -> tuple[int, ...] | None:
+        """With ``rollout.context_parallel: auto``, the degrees the run may choose from
+        (those of :data:`~digenrl.schedulers.parallelism.DEGREES` the family's plan and
+        heads take); None when the degree is fixed."""
+        if self.config.rollout.context_parallel != AUTO:
+            return None
+        fam = family(self.config.model)
+        if fam.context_parallel_plan() is None:
+            return (1,)
+        return tuple(d for d in DEGREES if fam.attention_heads() % d == 0)
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from digenrl.checks import ConfigError, choice, require, sub_path
-from digenrl.config import RewardConfig, RunConfig
+from digenrl.config import AUTO, RewardConfig, RunConfig
 from digenrl.models.lora import check_targets
 from digenrl.models.base import SourceImage
 from digenrl.models.registry import family
@@ -67,7 +67,8 @@ def check_world(config: RunConfig) -> None:
     if model.path is not None:
         _check_prompts(config)
     _check_sample_kind(config)
-    family(model).check_context_parallel(config.rollout.context_parallel)
+    if config.rollout.context_parallel != AUTO:
+        family(model).check_context_parallel(int(config.rollout.context_parallel))
     if config.cluster.scheduler is None:
         # The workers of a cluster started here run this process's torch.
         resolve_backend(config.cluster.collective_backend)

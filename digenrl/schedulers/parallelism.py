@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 __all__ = ["ParallelChoice", "generation_seconds", "choose_parallelism", "degree_plan",
-           "DEGREES"]
+           "DEGREES", "CP_EFFICIENCY", "speedup", "DegreePlan", "plan_degrees"]
 
 #: The degrees ``auto`` considers: powers of two, as attention heads divide by them.
 DEGREES = (1, 2, 4, 8)
@@ -99,3 +99,73 @@ def degree_plan(chunks: int, workers: int, choose) -> list[int]:
         d = choose(left).degree
         out.extend([d] * min(left, max(1, workers // d)))
     return sorted(out)
+
+
+#: How much faster a step runs per doubling of its degree, before any degree above 1 is
+#: measured: ``d`` processes compute it ``d x CP_EFFICIENCY ** log2(d)`` times faster
+#: than one (xDiT's Ulysses timings of HunyuanVideo on H100s: docs/sources.md).
+CP_EFFICIENCY = 0.9
+
+
+def speedup(degree: int, efficiency: float = CP_EFFICIENCY) -> float:
+    """How much faster ``degree`` processes compute a step than one, by the prior."""
+    return degree * efficiency ** math.log2(degree) if degree > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """A run's iteration: each chunk's degree, the degrees used without a measurement
+    (probes, predicted from the lowest measured degree by :func:`speedup`), and the
+    predicted seconds of its generation (NaN with nothing measured)."""
+
+    degrees: tuple[int, ...]
+    probes: tuple[int, ...]
+    seconds: float
+
+    def describe(self) -> str:
+        counts = {d: self.degrees.count(d) for d in sorted(set(self.degrees))}
+        text = ", ".join(f"{n} chunk{'s' * (n != 1)} at {d}" for d, n in counts.items())
+        if self.probes:
+            text += f" (probing {', '.join(map(str, self.probes))}: not measured yet)"
+        return text
+
+
+def plan_degrees(chunks: int, chunk_size: int, workers: int, allowed: Sequence[int],
+                 measured: Mapping[int, float]) -> DegreePlan:
+    """Each of an iteration's ``chunks`` (of ``chunk_size`` samples) degree, from the
+    ``allowed`` degrees that ``workers`` free rollout workers hold, by
+    :func:`degree_plan` and :func:`choose_parallelism` over ``measured`` (per degree,
+    seconds of one sample's step) and, for the degrees not measured, their prediction
+    from the lowest measured one. With nothing measured every chunk is at degree 1,
+    which measures it."""
+    usable = sorted(d for d in set(allowed) | {1} if d <= max(workers, 1))
+    if not measured or chunks < 1:
+        return DegreePlan((1,) * chunks, (), math.nan)
+    lowest = min(measured)
+    base = measured[lowest] * speedup(lowest)
+    predicted = {d: base / speedup(d) for d in usable}
+    known = {d: s for d, s in measured.items() if d in predicted}
+
+    def choose(left: int) -> ParallelChoice:
+        return choose_parallelism(left * chunk_size, max(workers, 1), predicted=predicted,
+                                  measured=known, sizes=(chunk_size,))
+
+    degrees = degree_plan(chunks, max(workers, 1), choose)
+    probes = tuple(sorted({d for d in degrees if d not in known}))
+    waves = _waves(degrees, max(workers, 1))
+    seconds = sum(max(known.get(d, predicted[d]) for d in wave) * chunk_size
+                  for wave in waves)
+    return DegreePlan(tuple(degrees), probes, seconds)
+
+
+def _waves(degrees: Sequence[int], workers: int) -> list[list[int]]:
+    """``degrees`` (sorted) in waves of gangs that fit ``workers`` at once."""
+    waves: list[list[int]] = [[]]
+    used = 0
+    for d in degrees:
+        if used + d > workers and waves[-1]:
+            waves.append([])
+            used = 0
+        waves[-1].append(d)
+        used += d
+    return waves

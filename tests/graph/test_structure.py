@@ -175,3 +175,33 @@ def test_plan_rejects_bad_chunks():
         IterationPlan.uniform(0, ("a", "b"), 3, 4)
     with pytest.raises(ValueError, match="chunks"):
         IterationPlan(0, ("a",), 2, ((0, 1),))
+
+
+def test_a_context_parallel_chunk_computes_each_step_as_a_gang():
+    """A chunk at degree 2: each step two members, member 0 keeping the step's key (what
+    reads the step reads it), member m reading member m of the previous step (both the
+    noise first), decoding reading every member of the last step; a chunk at degree 1
+    alongside stays one task a step; a bad list of degrees is refused in one line."""
+    from digenrl.graph.keys import (context_gang_id, decode_key, denoise_key, member_key,
+                                    noise_key)
+    from digenrl.graph.structure import Dep, rollout_nodes
+
+    plan = IterationPlan(0, ("a", "b"), 2, ((0, 2), (2, 4)), context_parallel=(2, 1))
+    nodes = {n.key: n for n in rollout_nodes(GraphLayout(num_steps=3, trained_steps=2), plan)}
+    reads = {k: [a.key for a in n.args if isinstance(a, Dep)] for k, n in nodes.items()}
+    for t in range(3):
+        step = denoise_key(0, 0, t)
+        before = noise_key(0, 0) if t == 0 else denoise_key(0, 0, t - 1)
+        assert nodes[step].meta["gang"] == (context_gang_id(0, 0, t, 3), 0, 2)
+        assert nodes[member_key(step, 1)].meta["gang"] == (context_gang_id(0, 0, t, 3), 1, 2)
+        assert reads[step][-1] == before
+        assert reads[member_key(step, 1)][-1] == (before if t == 0 else member_key(before, 1))
+        assert nodes[denoise_key(0, 1, t)].meta["gang"] is None
+        assert member_key(denoise_key(0, 1, t), 1) not in nodes
+    last = denoise_key(0, 0, 2)
+    assert reads[decode_key(0, 0)][-2:] == [last, member_key(last, 1)]
+    assert reads[decode_key(0, 1)][-1] == denoise_key(0, 1, 2)
+    assert not any(len(k) > 4 for k in reads[decode_key(0, 1)])
+    with pytest.raises(ValueError, match=r"^context_parallel: expected a degree >= 1 per "
+                                         r"chunk \(2\), got \(2,\)$"):
+        IterationPlan(0, ("a", "b"), 2, ((0, 2), (2, 4)), context_parallel=(2,))

@@ -89,3 +89,34 @@ def test_the_profiles_prediction_picks_per_length():
     assert sample_chain_seconds(wan, 2) < sample_chain_seconds(wan, 1)
     flux = load_profile("flux12b-16gpu")
     assert choose_degree(flux, flux.images_per_iteration, flux.rollout_workers).degree == 1
+
+
+def test_a_run_plans_degree_one_until_measured_then_probes_and_follows_its_measurements():
+    """``rollout.context_parallel: auto`` in a run (plan_degrees): nothing measured,
+    every chunk at 1 (which measures it); one chunk on two workers, degree 2 predicted
+    1.8x faster, probed; measured slower than predicted but still faster, kept; measured
+    slower than degree 1, dropped."""
+    from digenrl.schedulers.parallelism import plan_degrees, speedup
+
+    assert plan_degrees(3, 4, 2, (1, 2), {}).degrees == (1, 1, 1)
+    first = plan_degrees(1, 4, 2, (1, 2), {1: 1.0})
+    assert first.degrees == (2,) and first.probes == (2,)
+    assert first.seconds == pytest.approx(4 / speedup(2))
+    assert "1 chunk at 2 (probing 2" in first.describe()
+    assert plan_degrees(1, 4, 2, (1, 2), {1: 1.0, 2: 0.9}).degrees == (2,)
+    kept = plan_degrees(1, 4, 2, (1, 2), {1: 1.0, 2: 1.2})
+    assert kept.degrees == (1,) and kept.probes == ()
+    # Many chunks per worker stay at 1; the tail of a wave takes the free workers.
+    assert plan_degrees(8, 1, 4, (1, 2, 4), {1: 1.0}).degrees == (1,) * 8
+    assert plan_degrees(5, 1, 4, (1, 2, 4), {1: 1.0}).degrees[-1] > 1
+
+
+def test_a_pool_that_shrinks_lowers_the_degree():
+    """One chunk: degree 4 on four workers, 2 on two or three, 1 on one; a degree the
+    family cannot take is never chosen."""
+    from digenrl.schedulers.parallelism import plan_degrees
+
+    measured = {1: 1.0}
+    assert [plan_degrees(1, 2, w, (1, 2, 4), measured).degrees for w in (4, 3, 2, 1)] == [
+        (4,), (2,), (2,), (1,)]
+    assert plan_degrees(1, 2, 4, (1,), measured).degrees == (1,)

@@ -276,3 +276,38 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
     fit = [m for g in gangs if len(p.pool_workers(g[0].pool)) >= len(g) for m in g]
     assert [t.key for t in others + fit if t.state is not DONE] == []
     assert not p.rule(Gang).reserved                     # nothing kept once all is done
+
+
+def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_count_up():
+    """A context-parallel step (a gang of denoise members): its release is noted with
+    its members' workers for the plugin to hand over; lost mid-step, it is counted as
+    retried (not as a failure a driver must act on), and its next release carries the
+    count; while a member computes, its worker takes no other GPU task."""
+    p = policy_with(opts("digenrl", slots_per_worker=2), rollout=2, trainer=0)
+    p.rule(Gang).handing = True
+    members = gang(9, 2, kind=DENOISE)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    out = p.decide()
+    assert sorted(d.key for d in out) == sorted(m.key for m in members)
+    formed, ended = p.rule(Gang).take_formations()
+    workers = sorted(d.worker for d in out)
+    assert [(gid, sorted(a), n) for gid, a, n in formed] == [(9, workers, 0)] and not ended
+    # Beside a member, its worker's second slot takes no other GPU task.
+    other = info(("d", 5), DENOISE, chunk=5, timestep=1)
+    p.add_tasks([other])
+    p.task_ready(other.key)
+    assert p.decide() == []
+    assert any(s.reason.startswith("the worker computes its part of gang 9")
+               for s in steps(p, other.key))
+    # Lost mid-step: the other member is taken back, the step counted and run again.
+    p.task_lost(members[0].key)
+    assert p.take_withdrawn() == [members[1].key]
+    assert p.rule(Gang).failed == [] and p.rule(Gang).retried == 1
+    for m in members:
+        p.task_ready(m.key)
+    out = p.decide()
+    assert sorted(d.key for d in out if d.info.gang) == sorted(m.key for m in members)
+    formed, _ = p.rule(Gang).take_formations()
+    assert [(gid, n) for gid, _, n in formed] == [(9, 1)]

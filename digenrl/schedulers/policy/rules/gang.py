@@ -282,15 +282,27 @@ class Gang(Rule):
         self.reserved = reserved
 
     def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
-        """A worker kept for a gang takes nothing else."""
+        """A worker kept for a gang takes nothing else; one computing its part of a
+        placed gang's step takes no other GPU task (the step makes the worker's model
+        context-parallel while it runs)."""
         gid = self.reserved.get(w.address)
-        if gid is None:
-            return pick
-        if self.noting:
-            self.policy.note(pick.info, KEPT, self.name, w,
-                             "the worker is kept for gang {}, released once its members' "
-                             "workers are all free", gid)
-        return None
+        if gid is not None:
+            if self.noting:
+                self.policy.note(pick.info, KEPT, self.name, w,
+                                 "the worker is kept for gang {}, released once its "
+                                 "members' workers are all free", gid)
+            return None
+        if pick.info.gpu:
+            for key in w.inflight:
+                info = self.tasks.get(key)
+                if info is not None and info.gang is not None and info.kind == DENOISE:
+                    if self.noting:
+                        self.policy.note(pick.info, KEPT, self.name, w,
+                                         "the worker computes its part of gang {}, a "
+                                         "context-parallel step, which holds its model: "
+                                         "nothing else runs beside it", info.gang[0])
+                    return None
+        return pick
 
     def round_over(self, idle: list[WorkerInfo], now: float) -> Iterable[Decision]:
         """Release every complete gang whose members' workers have nothing in flight,

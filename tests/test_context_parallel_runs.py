@@ -1,0 +1,116 @@
+"""Whole runs whose chunks are computed with context parallelism
+(``rollout.context_parallel: 2``) on a real local Dask cluster of two rollout workers:
+each denoise step of a chunk is a gang of two tasks, one on each rollout worker, which
+form a gloo group and compute the step together. Against the run at degree 1: the same
+rewards (bar 1e-4) and log-probabilities; the same run twice is the same bits; a rollout
+worker killed while it computes its part of a step costs the run nothing."""
+
+from __future__ import annotations
+
+import ast
+
+import numpy as np
+import pytest
+import torch
+
+from digenrl.run.runner import Runner
+from digenrl.store import open_run
+from digenrl.store.checkpoints import read_weights
+from digenrl.vocabulary import DECODE, DENOISE, ROLLOUT
+
+from conftest import DETERMINISTIC_METRICS, small_config
+
+
+def config(degree: int | str, **overrides):
+    """Two iterations on the two rollout workers of the 2 + 2 cluster; a collective
+    waits at most 30 s for a lost member."""
+    return small_config(**{"rollout.context_parallel": degree, "iterations": 2,
+                           "cluster.rollout_workers": 2, "cluster.trainer_workers": 2,
+                           "cluster.collective_timeout": 30.0, **overrides})
+
+
+#: The runs made so far in this process: (degree, attempt) -> store path.
+_MADE: dict = {}
+
+
+@pytest.fixture
+def runs(tmp_path_factory, cluster_2x2):
+    def get(degree: int | str, attempt: int = 0, **overrides) -> str:
+        key = (degree, attempt, tuple(sorted(overrides.items())))
+        if key not in _MADE:
+            path = tmp_path_factory.mktemp("cp") / "run.zarr"
+            Runner(config(degree, **overrides), str(path), cluster=cluster_2x2).run()
+            _MADE[key] = str(path)
+        return _MADE[key]
+    return get
+
+
+def test_a_run_at_degree_2_gives_degree_1s_results_and_the_same_bits_twice(runs):
+    one, two, again = open_run(runs(1)), open_run(runs(2)), open_run(runs(2, 1))
+    assert np.max(np.abs(two["samples"]["reward"].values
+                         - one["samples"]["reward"].values)) <= 1e-4
+    assert np.nanmax(np.abs(two["steps"]["log_prob"].values
+                            - one["steps"]["log_prob"].values)) <= 1e-4
+    for name in ("reward", "advantage", "image"):
+        assert np.array_equal(two["samples"][name].values, again["samples"][name].values), name
+    for name in DETERMINISTIC_METRICS:
+        assert np.array_equal(two["metrics"][name].values, again["metrics"][name].values,
+                              equal_nan=True), name
+    (v2, w2), (v3, w3) = read_weights(runs(2)), read_weights(runs(2, 1))
+    assert v2 == v3 and all(np.array_equal(w2[n], w3[n]) for n in w2)
+    # Every step of every chunk ran as two members, each on its own rollout worker; a
+    # chunk's steps stayed on one pair; decoding once per chunk.
+    t = two["tasks"].to_dataframe()
+    steps = t[t.kind == DENOISE]
+    assert set(steps.pool) == {ROLLOUT}
+    members = steps.key.map(ast.literal_eval)  # (keys are stored as their repr)
+    steps = steps.assign(step=members.map(lambda k: k[:4]), member=members.map(len) - 4)
+    per_step = steps.groupby("step")
+    assert (per_step.size() == 2).all() and (per_step.worker_name.nunique() == 2).all()
+    assert sorted(set(steps.member)) == [0, 1]
+    chunks = steps.groupby([steps.step.map(lambda k: k[1:3])]).worker_name.nunique()
+    assert (chunks == 2).all()
+    assert len(t[t.kind == DECODE]) == len(steps) // (2 * config(2).sampler.num_steps)
+
+
+def test_auto_measures_degree_one_first_then_probes_two_for_a_lone_chunk(runs):
+    """``auto`` with one chunk an iteration on two rollout workers: degree 1 until a
+    measurement of it is in (plans are made while the previous iterations still run),
+    then degree 2, predicted faster, probed; the rewards those of the run at degree 1."""
+    single = {"iterations": 4, "rollout.chunk_size": 4}
+    auto, one = open_run(runs("auto", **single)), open_run(runs(1, **single))
+    m = auto["metrics"]
+    assert list(m["context_parallel_max"].values) == [1, 1, 1, 2]
+    assert list(m["context_parallel_probes"].values) == [0, 0, 0, 1]
+    assert np.max(np.abs(auto["samples"]["reward"].values
+                         - one["samples"]["reward"].values)) <= 1e-4
+    t = auto["tasks"].to_dataframe()
+    steps = t[t.kind == DENOISE]
+    last = steps[steps.iteration == 3].key.map(ast.literal_eval)
+    assert sorted(set(last.map(len))) == [4, 5]        # iteration 3's steps: gangs of 2
+    assert set(steps[steps.iteration < 3].key.map(ast.literal_eval).map(len)) == {4}
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_mid_step_costs_the_run_nothing(runs, tmp_path, cluster_2x2):
+    """rollout-1 SIGKILLed while it computes its part of a step of iteration 1: the
+    step's other member fails at once (its peer's connection closes) and is taken back,
+    the chunk's steps run again on a group formed anew once the nanny's new process
+    has joined, and the run gives the undisturbed run's bits."""
+    from test_worker_loss import run_killing
+
+    reference = open_run(runs(2))
+    path = tmp_path / "run.zarr"
+    run_killing(cluster_2x2, path, ROLLOUT, DENOISE, 1, config(2), worker="rollout-1",
+                bound=300.0)
+    ds = open_run(path)
+    assert ds["metrics"].sizes["iteration"] == 2
+    for name in ("reward", "advantage", "image", "behaviour_version"):
+        assert np.array_equal(ds["samples"][name].values,
+                              reference["samples"][name].values), name
+    for name in DETERMINISTIC_METRICS:
+        assert np.array_equal(ds["metrics"][name].values, reference["metrics"][name].values,
+                              equal_nan=True), name
+    (v, w), (rv, rw) = read_weights(path), read_weights(runs(2))
+    assert v == rv and all(torch.equal(torch.from_numpy(w[n]), torch.from_numpy(rw[n]))
+                           for n in rw)
