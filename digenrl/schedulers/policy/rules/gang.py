@@ -52,9 +52,13 @@ from digenrl.schedulers.policy.rules import Pick, Rule
 from digenrl.schedulers.policy.state import (DONE, RELEASED, Decision, Key, TaskInfo,
                                              WorkerInfo)
 from digenrl.schedulers.policy.trail import KEPT, RELEASED as RELEASED_VERB, WAITS
-from digenrl.vocabulary import DENOISE, ROLLOUT, TRAINER
+from digenrl.vocabulary import DENOISE, EVAL, GRAD, ROLLOUT, TRAINER
 
 __all__ = ["Gang"]
+
+#: The kinds that compute with a worker's resident transformer, which a context-parallel
+#: step makes context-parallel while it runs: none of them runs beside such a step.
+WITH_TRANSFORMER = (DENOISE, EVAL, GRAD)
 
 
 class _Members:
@@ -283,8 +287,8 @@ class Gang(Rule):
 
     def ahead(self, w: WorkerInfo, pick: Pick) -> Pick | None:
         """A worker kept for a gang takes nothing else; one computing its part of a
-        placed gang's step takes no other GPU task (the step makes the worker's model
-        context-parallel while it runs)."""
+        placed gang's step takes no other task that computes with its transformer
+        (:data:`WITH_TRANSFORMER`: the step makes it context-parallel while it runs)."""
         gid = self.reserved.get(w.address)
         if gid is not None:
             if self.noting:
@@ -292,7 +296,7 @@ class Gang(Rule):
                                  "the worker is kept for gang {}, released once its "
                                  "members' workers are all free", gid)
             return None
-        if pick.info.gpu:
+        if pick.info.kind in WITH_TRANSFORMER:
             for key in w.inflight:
                 info = self.tasks.get(key)
                 if info is not None and info.gang is not None and info.kind == DENOISE:
