@@ -749,7 +749,7 @@ class TrainConfig:
     """Flow-GRPO loss and the AdamW step that publishes each policy version."""
 
     learning_rate: float = 1.5e-3
-    """AdamW learning rate. Unset in a config: its algorithm's default (docs/algorithm.md, "Each algorithm's defaults"; digenrl run --check prints the values a run gets)."""
+    """AdamW learning rate. Unset in a config: its algorithm's default, with the sampling dynamics the config names (docs/algorithm.md, "Each algorithm's defaults"; digenrl run --check prints the values a run gets)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
