@@ -109,13 +109,13 @@ def choose_degree(profile: Profile, samples: int, workers: int,
 
 def chunk_degrees(profile: Profile, chunks: int) -> list[int]:
     """The degree of each of an iteration's ``chunks``: the profile's fixed degree, or
-    with ``auto`` :func:`choose_degree`'s per wave of chunks on the rollout pool (the
-    tail's chunks a higher degree where that ends the generation sooner)."""
+    with ``auto`` :func:`choose_degree`'s for the iteration's chunks on the rollout
+    pool, widened onto the workers its gangs leave idle (:func:`degree_plan`)."""
     workers = profile.rollout_workers
     if profile.context_parallel != AUTO:
         return [int(profile.context_parallel)] * chunks
     return degree_plan(chunks, workers,
-                       lambda left: choose_degree(profile, left * profile.chunk_size, workers))
+                       choose_degree(profile, chunks * profile.chunk_size, workers))
 
 #: MiB: ``network.sync_bucket_mb`` in bytes.
 MIB = 2**20
