@@ -753,7 +753,7 @@ class TrainConfig:
     """Flow-GRPO loss and the AdamW step that publishes each policy version."""
 
     learning_rate: float = 1.5e-3
-    """AdamW learning rate. Unset in a config: its algorithm's default (docs/algorithm.md, "Each algorithm's defaults"; digenrl run --check prints the values a run gets)."""
+    """AdamW learning rate. Unset in a config: its algorithm's default, with the sampling dynamics the config names (docs/algorithm.md, "Each algorithm's defaults"; digenrl run --check prints the values a run gets)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999
@@ -1350,19 +1350,22 @@ def _build(cls: type, data: Any, path: str) -> Any:
 def algorithm_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
     """The settings of the algorithm ``data`` names (``algorithm.name``, else the default
     algorithm) that ``data`` leaves unset, as dotted fields and the algorithm's values
-    (``Algorithm.defaults``). An unknown name has none (validation names it)."""
+    with the dynamics ``data`` names (``Algorithm.defaults_for``). An unknown name has
+    none (validation names it)."""
     section = data.get("algorithm") if isinstance(data, Mapping) else None
-    name = (section or {}).get("name", DEFAULT_ALGORITHM) \
-        if isinstance(section, Mapping) or section is None else None
+    section = {} if section is None else section
+    name = section.get("name", DEFAULT_ALGORITHM) if isinstance(section, Mapping) else None
     alg = ALGORITHMS.get(name) if isinstance(name, str) else None
+    if alg is None:
+        return {}
     out = {}
-    for dotted, value in (alg.defaults if alg is not None else {}).items():
-        *sections, name = dotted.split(".")
+    for dotted, value in alg.defaults_for(section.get("dynamics")).items():
+        *sections, leaf = dotted.split(".")
         node: Any = data
         for part in sections:
             node = node.get(part) if isinstance(node, Mapping) else None
         # A section that is not a mapping is left for validation to name.
-        if node is None or (isinstance(node, Mapping) and node.get(name) is None):
+        if node is None or (isinstance(node, Mapping) and node.get(leaf) is None):
             out[dotted] = value
     return out
 

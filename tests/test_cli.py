@@ -87,3 +87,16 @@ def test_futures_cancelled_together_for_the_lost_scheduler_are_a_lost_scheduler(
 
     assert _lost_scheduler(cancelled("scheduler-connection-lost"))
     assert not _lost_scheduler(cancelled("unknown"))
+
+
+def test_check_names_the_defaults_of_the_dynamics_a_config_runs(caplog):
+    """``digenrl run --check`` says which defaults a run gets: Flow-GRPO's with the dynamics
+    the config names (docs/algorithm.md, "Each algorithm's defaults")."""
+    config = "workflows/configs/tiny.yaml"
+    said = "flow_grpo's defaults with {} dynamics (a config that leaves them unset gets " \
+           "these): train.learning_rate {}"
+    with caplog.at_level("INFO", logger="digenrl"):
+        assert main(["run", config, "--check", "--set", "algorithm.dynamics=cps"]) == 0
+        assert main(["run", config, "--check"]) == 0
+    assert said.format("cps", "0.0025") in caplog.messages, caplog.messages
+    assert said.format("flow", "0.0015") in caplog.messages, caplog.messages

@@ -29,6 +29,30 @@ def test_each_algorithm_fills_the_settings_a_config_leaves_unset():
     assert ALGORITHMS["dpo"].defaults["train.learning_rate"] != 0.5
 
 
+def test_a_default_may_depend_on_the_dynamics_the_config_names():
+    """Flow-GRPO's rate: 2.5e-3 with the cps and dance dynamics, 1.5e-3 with its own flow
+    dynamics, named or not; a rate the config sets wins over each."""
+    def rate(**overrides):
+        return load_config(TINY, overrides).train.learning_rate
+
+    assert rate() == rate(**{"algorithm.dynamics": "flow"}) == 1.5e-3
+    assert rate(**{"algorithm.dynamics": "cps"}) == rate(**{"algorithm.dynamics": "dance"}) \
+        == 2.5e-3
+    assert rate(**{"algorithm.dynamics": "cps", "train.learning_rate": 1.5e-3}) == 1.5e-3
+    cfg = load_config(TINY, {"algorithm.dynamics": "dance"})
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    # Every algorithm's per-dynamics defaults name dynamics it has, and the settings a
+    # config has (each one applied to a config, and read back from it).
+    for name, alg in ALGORITHMS.items():
+        assert set(alg.dynamics_defaults) <= set(alg.dynamics_choices[1:]), name
+        assert alg.defaults_for(None) == alg.defaults, name
+        for dynamics in alg.dynamics_defaults:
+            cfg = load_config(TINY, {"algorithm.name": name, "algorithm.dynamics": dynamics})
+            for dotted, value in alg.defaults_for(dynamics).items():
+                section, field = dotted.split(".")
+                assert getattr(getattr(cfg, section), field) == value, (name, dynamics)
+
+
 def test_round_trip_through_plain_data():
     cfg = load_config(TINY, {"schedule.mode": "colocated", "train.learning_rate": "3e-4"})
     assert cfg.train.learning_rate == 3e-4  # YAML 1.1 reads 3e-4 as a string

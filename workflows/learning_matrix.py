@@ -116,13 +116,18 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cells = sorted({r["cell"] for r in rows}, key=list(CELLS).index)
+    # One colour per prompt set and seed, one line style per mode, the same in every
+    # panel whatever order the rows were run in (a resumed matrix appends as it goes).
+    runs = sorted({(r["prompt_set"], r["seed"]) for r in rows})
+    colour = {run: f"C{i % 10}" for i, run in enumerate(runs)}
     fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3), squeeze=False,
                              sharey=False)
     for ax, cell in zip(axes[0], cells):
-        for r in rows:
-            if r["cell"] == cell:
-                ax.plot(r["curve"], ls="-" if r["mode"] == "digenrl" else "--", lw=1,
-                        label=f"{r['mode'][:3]} {r['prompt_set'][:6]} {r['seed']}")
+        for r in sorted((r for r in rows if r["cell"] == cell),
+                        key=lambda r: (r["mode"] != "digenrl", r["prompt_set"], r["seed"])):
+            ax.plot(r["curve"], ls="-" if r["mode"] == "digenrl" else "--", lw=1,
+                    color=colour[(r["prompt_set"], r["seed"])],
+                    label=f"{r['mode'][:3]} {r['prompt_set'][:6]} {r['seed']}")
         ax.set_title(cell, fontsize=9)
         ax.set_xlabel("iteration", fontsize=8)
         ax.tick_params(labelsize=7)

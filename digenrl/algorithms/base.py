@@ -95,6 +95,10 @@ class Algorithm:
     #: values: a config read from data (YAML, flags, ``config_from_dict``) that leaves a
     #: field unset gets the value of its algorithm.
     defaults: ClassVar[Mapping[str, Any]] = {}
+    #: Defaults that depend on the sampling dynamics: for a dynamics, the settings whose
+    #: default differs from ``defaults`` with it (a config naming no dynamics runs the
+    #: first of ``dynamics_choices``, and gets that one's).
+    dynamics_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     num_steps: int
     """The sampler's steps."""
@@ -113,6 +117,16 @@ class Algorithm:
     def __post_init__(self) -> None:
         if not self.dynamics:
             object.__setattr__(self, "dynamics", self.dynamics_choices[0])
+
+    @classmethod
+    def defaults_for(cls, dynamics: Any = None) -> dict[str, Any]:
+        """The settings a user starts from with sampling dynamics ``dynamics`` (None or
+        empty: the algorithm's own): ``defaults``, with that dynamics' entries of
+        ``dynamics_defaults`` in place of theirs. A dynamics the algorithm does not
+        have gets ``defaults`` (validation names it)."""
+        chosen = dynamics or cls.dynamics_choices[0]
+        own = cls.dynamics_defaults.get(chosen, {}) if isinstance(chosen, str) else {}
+        return {**cls.defaults, **own}
 
     # ------------------------------------------------------------------ sampling
 

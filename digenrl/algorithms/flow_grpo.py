@@ -26,3 +26,5 @@ class FlowGRPO(Algorithm):
     coupled = True
     dynamics_choices = (FLOW, DANCE, CPS)
     defaults = {"train.learning_rate": 1.5e-3}
+    dynamics_defaults = {DANCE: {"train.learning_rate": 2.5e-3},
+                         CPS: {"train.learning_rate": 2.5e-3}}

@@ -329,9 +329,11 @@ def _check_run(config: RunConfig, out: str | None, resume: bool, overwrite: bool
             computed_from = resume_point(workload, out, start)
     sys.stdout.write(yaml.safe_dump(config_to_dict(config), sort_keys=False))
     alg = ALGORITHMS[config.algorithm.name]
-    logger.info("%s's defaults (a config that leaves them unset gets these): %s", alg.name,
+    dynamics = config.algorithm.dynamics or alg.dynamics_choices[0]
+    logger.info("%s's defaults%s (a config that leaves them unset gets these): %s", alg.name,
+                f" with {dynamics} dynamics" if alg.dynamics_defaults else "",
                 ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in alg.defaults.items()))
+                          for k, v in alg.defaults_for(dynamics).items()))
     for line in workload.describe():
         logger.info(line)
     again = (f", computing iterations {computed_from} to {start - 1} again from their "

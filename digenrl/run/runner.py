@@ -270,7 +270,7 @@ class RLWorkload:
                     f"{shape.dynamics} dynamics")
         options = self.options
         staleness = f"max staleness {options.max_staleness}"
-        if (ALGORITHMS[shape.name].defaults.get("schedule.max_staleness") == options.max_staleness
+        if (ALGORITHMS[shape.name].defaults_for(shape.dynamics).get("schedule.max_staleness") == options.max_staleness
                 != MODES[options.mode]["max_staleness"]):
             staleness += (f" ({shape.name}'s default, not the mode's "
                           f"{MODES[options.mode]['max_staleness']}: docs/algorithm.md)")

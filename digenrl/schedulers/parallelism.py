@@ -5,15 +5,23 @@ A chunk's steps at degree ``d`` run as a gang on ``d`` rollout workers (Ulysses 
 parallelism: each holds ``1/d`` of the tokens), so ``workers // d`` chunks advance at
 once, each faster than on one GPU by less than ``d`` (its efficiency and the attention's
 all-to-alls). Many chunks per worker: degree 1 keeps every GPU busy at full
-efficiency. Few chunks left (a long video's tail, a small pool): degree 1 leaves GPUs
-idle while the last chunks finish, and a higher degree ends the generation sooner.
+efficiency. Few chunks (a long video's iteration, a small pool): degree 1 leaves GPUs
+idle while the chunks finish, and a higher degree ends the generation sooner.
 
 :func:`choose_parallelism` takes, per degree, the seconds one sample's chain of steps
 takes (measured where a degree has run, the cost model's prediction elsewhere: such a
-degree is *probed*, named in the choice), the samples left, the free rollout workers
-and the memory a sample's activations need, and picks the degree and chunk size whose
-generation ends first, by waves: ``ceil(chunks / (workers // d))`` rounds of one chunk
-per gang.
+degree is *probed*, named in the choice), the samples, the free rollout workers and the
+memory a sample's activations need, and picks the degree and chunk size whose
+generation ends first. The scheduler releases a chunk's steps one at a time, each to
+the gang (or worker) free next, so the gangs share the chunks' steps rather than
+taking whole chunks in waves: the generation lasts one chain, or the chains' work over
+the gangs where there are more chunks than gangs (:func:`generation_seconds`).
+
+:func:`degree_plan` gives every chunk of an iteration that degree, and where its gangs
+leave workers idle (fewer chunks than gangs) widens some of them onto the idle ones
+(:func:`widen`): the generation ends as before and the widened chunks sooner, and no
+worker is left beside the gangs for the next iteration's gangs to start on and share
+their workers step by step (which, in a design that overlaps iterations, slows both).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 __all__ = ["ParallelChoice", "generation_seconds", "choose_parallelism", "degree_plan",
-           "DEGREES", "CP_EFFICIENCY", "speedup", "DegreePlan", "plan_degrees"]
+           "widen", "DEGREES", "CP_EFFICIENCY", "speedup", "DegreePlan", "plan_degrees"]
 
 #: The degrees ``auto`` considers: powers of two, as attention heads divide by them.
 DEGREES = (1, 2, 4, 8)
@@ -38,18 +46,22 @@ class ParallelChoice:
     chunk_size: int
     seconds: float
     probes: tuple[int, ...] = ()
+    #: Each degree it could take (within the workers and a sample's memory), lowest
+    #: first, with one sample's chain seconds at it (measured where known).
+    chains: tuple[tuple[int, float], ...] = ()
 
 
 def generation_seconds(sample_seconds: float, samples: int, workers: int, degree: int,
                        chunk_size: int) -> float:
     """Seconds to generate ``samples`` in chunks of ``chunk_size`` on ``workers`` GPUs at
     ``degree`` (``sample_seconds``: one sample's chain at that degree; a chunk of ``b``
-    takes ``b`` times it): one chunk per gang per wave."""
+    takes ``b`` times it): one chain, or, with more chunks than gangs, the chains' work
+    shared by the gangs step by step."""
     gangs = workers // degree
     if gangs < 1:
         return math.inf
     chunks = math.ceil(samples / chunk_size)
-    return math.ceil(chunks / gangs) * chunk_size * sample_seconds
+    return max(1.0, chunks / gangs) * chunk_size * sample_seconds
 
 
 def choose_parallelism(samples: int, workers: int, *, predicted: Mapping[int, float],
@@ -67,15 +79,17 @@ def choose_parallelism(samples: int, workers: int, *, predicted: Mapping[int, fl
                          f"{workers}")
     measured = measured or {}
     best: tuple[float, int, int] | None = None
+    chains: list[tuple[int, float]] = []
     for d in sorted(set(predicted) | set(measured)):
         if d > workers:
             continue
         t = measured.get(d, predicted.get(d))
         if t is None or not t > 0:
             continue
-        for b in sizes:
-            if b * sample_gb / d > free_gb:
-                continue
+        fits = [b for b in sizes if b * sample_gb / d <= free_gb]
+        if fits:
+            chains.append((d, t))
+        for b in fits:
             s = generation_seconds(t, samples, workers, d, b)
             key = (s, d, -b)
             if best is None or key < (best[0], best[1], -best[2]):
@@ -85,20 +99,38 @@ def choose_parallelism(samples: int, workers: int, *, predicted: Mapping[int, fl
                          f"({sample_gb:g} GB / degree) at a degree of at most {workers}, "
                          f"got {free_gb:g}")
     s, d, b = best
-    return ParallelChoice(d, b, s, () if d in measured else (d,))
+    return ParallelChoice(d, b, s, () if d in measured else (d,), tuple(chains))
 
 
-def degree_plan(chunks: int, workers: int, choose) -> list[int]:
-    """The degree of each of an iteration's ``chunks`` (in order), as waves: each wave
-    takes ``choose(chunks_left)``'s degree (a :class:`ParallelChoice`) on every gang the
-    ``workers`` form. The waves' order does not change their sum, so the lower degrees
-    come first and the last chunks (the tail) get the higher ones."""
-    out: list[int] = []
-    while len(out) < chunks:
-        left = chunks - len(out)
-        d = choose(left).degree
-        out.extend([d] * min(left, max(1, workers // d)))
-    return sorted(out)
+def degree_plan(chunks: int, workers: int, choice: ParallelChoice) -> list[int]:
+    """The degree of each of an iteration's ``chunks`` (in order) on ``workers``: the
+    ``choice``'s degree for every chunk, widened onto the workers its gangs leave idle
+    (:func:`widen`, the last chunks widest) where it is above 1. A degree-1 plan leaves
+    its idle workers to whole chunks of the next iteration, at full efficiency."""
+    d = choice.degree
+    out = [d] * chunks
+    if d > 1 and chunks * d < workers:
+        out = widen(out, workers, dict(choice.chains))
+    return out
+
+
+def widen(degrees: Sequence[int], workers: int, chains: Mapping[int, float]) -> list[int]:
+    """``degrees`` (chunks' gangs at once on ``workers``) with the workers they leave
+    idle given to them, sorted (the widest last): the narrowest gang doubles while the
+    idle workers hold the doubling and ``chains`` (one sample's chain seconds per degree
+    allowed) says the wider gang ends its chunk sooner. The generation still ends with
+    its narrowest gangs; the widened chunks end sooner."""
+    out = sorted(degrees)
+    idle = workers - sum(out)
+    while out:
+        d = out[0]
+        wider = chains.get(2 * d)
+        if d > idle or wider is None or not wider < chains.get(d, math.inf):
+            break
+        idle -= d
+        out[0] = 2 * d
+        out.sort()
+    return out
 
 
 #: How much faster a step runs per doubling of its degree, before any degree above 1 is
@@ -134,7 +166,7 @@ def plan_degrees(chunks: int, chunk_size: int, workers: int, allowed: Sequence[i
                  measured: Mapping[int, float]) -> DegreePlan:
     """Each of an iteration's ``chunks`` (of ``chunk_size`` samples) degree, from the
     ``allowed`` degrees that ``workers`` free rollout workers hold, by
-    :func:`degree_plan` and :func:`choose_parallelism` over ``measured`` (per degree,
+    :func:`choose_parallelism` and :func:`degree_plan` over ``measured`` (per degree,
     seconds of one sample's step) and, for the degrees not measured, their prediction
     from the lowest measured one. With nothing measured every chunk is at degree 1,
     which measures it."""
@@ -146,26 +178,8 @@ def plan_degrees(chunks: int, chunk_size: int, workers: int, allowed: Sequence[i
     predicted = {d: base / speedup(d) for d in usable}
     known = {d: s for d, s in measured.items() if d in predicted}
 
-    def choose(left: int) -> ParallelChoice:
-        return choose_parallelism(left * chunk_size, max(workers, 1), predicted=predicted,
-                                  measured=known, sizes=(chunk_size,))
-
-    degrees = degree_plan(chunks, max(workers, 1), choose)
+    choice = choose_parallelism(chunks * chunk_size, max(workers, 1), predicted=predicted,
+                                measured=known, sizes=(chunk_size,))
+    degrees = degree_plan(chunks, max(workers, 1), choice)
     probes = tuple(sorted({d for d in degrees if d not in known}))
-    waves = _waves(degrees, max(workers, 1))
-    seconds = sum(max(known.get(d, predicted[d]) for d in wave) * chunk_size
-                  for wave in waves)
-    return DegreePlan(tuple(degrees), probes, seconds)
-
-
-def _waves(degrees: Sequence[int], workers: int) -> list[list[int]]:
-    """``degrees`` (sorted) in waves of gangs that fit ``workers`` at once."""
-    waves: list[list[int]] = [[]]
-    used = 0
-    for d in degrees:
-        if used + d > workers and waves[-1]:
-            waves.append([])
-            used = 0
-        waves[-1].append(d)
-        used += d
-    return waves
+    return DegreePlan(tuple(degrees), probes, choice.seconds)

@@ -40,22 +40,22 @@ task to the worker that pays them, so both pay the same costs by construction.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
 from digenrl.schedulers.parallelism import (DEGREES, ParallelChoice, choose_parallelism,
-                                            degree_plan)
+                                            degree_plan, speedup)
 from digenrl.sim.network import (FatTree, MESSAGE_LATENCY, NVLINK_BANDWIDTH, Placement,
                                  allgather_time, bucketed_broadcast_time)
-from digenrl.sim.profile import AUTO, Profile
+from digenrl.config import AUTO
+from digenrl.sim.profile import Profile
 from digenrl.vocabulary import (Key, DECODE, DENOISE, GRAD, GROUP_REWARD, READS_NO_WEIGHTS,
                                 REDUCE, REWARD, ROLLOUT_KINDS, TRAINING_KINDS)
 
 __all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "reduction_root",
-           "cp_efficiency", "cp_step_seconds", "sample_chain_seconds", "choose_degree",
+           "cp_step_seconds", "sample_chain_seconds", "choose_degree",
            "chunk_degrees", "ULYSSES_ALL_TO_ALLS"]
 
 #: All-to-alls per attention layer in Ulysses: q, k and v from tokens to heads, the
@@ -63,11 +63,6 @@ __all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "redu
 ULYSSES_ALL_TO_ALLS = 4
 #: GPUs of one node: a gang within it exchanges over NVLink.
 GPUS_PER_NODE = FatTree.gpus_per_node
-
-
-def cp_efficiency(profile: Profile, degree: int) -> float:
-    """The share of ``degree`` GPUs' speed a context-parallel step's compute gets."""
-    return profile.costs.cp_efficiency ** math.log2(degree) if degree > 1 else 1.0
 
 
 def cp_step_seconds(profile: Profile, samples: int, degree: int) -> tuple[float, float]:
@@ -82,7 +77,7 @@ def cp_step_seconds(profile: Profile, samples: int, degree: int) -> tuple[float,
     bandwidth = NVLINK_BANDWIDTH if degree <= GPUS_PER_NODE else profile.network.bandwidth
     messages = ULYSSES_ALL_TO_ALLS * c.attention_layers * (degree - 1)
     network = moved / bandwidth + messages * MESSAGE_LATENCY
-    return one / (degree * cp_efficiency(profile, degree)), network
+    return one / speedup(degree, profile.costs.cp_efficiency), network
 
 
 def sample_chain_seconds(profile: Profile, degree: int) -> float:
@@ -109,13 +104,13 @@ def choose_degree(profile: Profile, samples: int, workers: int,
 
 def chunk_degrees(profile: Profile, chunks: int) -> list[int]:
     """The degree of each of an iteration's ``chunks``: the profile's fixed degree, or
-    with ``auto`` :func:`choose_degree`'s per wave of chunks on the rollout pool (the
-    tail's chunks a higher degree where that ends the generation sooner)."""
+    with ``auto`` :func:`choose_degree`'s for the iteration's chunks on the rollout
+    pool, widened onto the workers its gangs leave idle (:func:`degree_plan`)."""
     workers = profile.rollout_workers
     if profile.context_parallel != AUTO:
         return [int(profile.context_parallel)] * chunks
     return degree_plan(chunks, workers,
-                       lambda left: choose_degree(profile, left * profile.chunk_size, workers))
+                       choose_degree(profile, chunks * profile.chunk_size, workers))
 
 #: MiB: ``network.sync_bucket_mb`` in bytes.
 MIB = 2**20

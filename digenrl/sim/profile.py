@@ -29,9 +29,10 @@ import yaml
 from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM, Algorithm
 from digenrl.figures.analysis import ideal_bound
 from digenrl.checks import require
+from digenrl.config import AUTO
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout
-from digenrl.schedulers.parallelism import DEGREES
+from digenrl.schedulers.parallelism import CP_EFFICIENCY, DEGREES
 from digenrl.sim.memory import Model, MemoryPerGpu
 from digenrl.vocabulary import (DECODE, DENOISE, ENCODE, GRAD, GROUP_REWARD, OPTIMIZE, REWARD,
                                 ROLLOUT,
@@ -45,10 +46,6 @@ PROFILE_DIR = resources.files("digenrl.sim") / "profiles"
 
 class ProfileError(ValueError):
     pass
-
-
-#: ``context_parallel: auto``: the degree chosen per iteration.
-AUTO = "auto"
 
 
 def _need(cond: Any, path: str, expected: str, got: Any) -> None:
@@ -95,10 +92,11 @@ class Costs:
     encode_per_group: float = 0.0
     #: Context parallelism (:mod:`digenrl.sim.costs`, ``context_parallel``): a step at
     #: degree ``d`` computes ``d x cp_efficiency ** log2(d)`` times faster than on one
-    #: GPU (0.9 per doubling: docs/sources.md, "Context parallelism"), plus Ulysses'
-    #: all-to-alls over a sample's ``tokens_per_sample`` x ``hidden_size`` bf16
-    #: activations in each of ``attention_layers`` (0: no all-to-all charged).
-    cp_efficiency: float = 0.9
+    #: GPU (by default the prior a run predicts with, 0.9 per doubling: docs/sources.md,
+    #: "Context parallelism"), plus Ulysses' all-to-alls over a sample's
+    #: ``tokens_per_sample`` x ``hidden_size`` bf16 activations in each of
+    #: ``attention_layers`` (0: no all-to-all charged).
+    cp_efficiency: float = CP_EFFICIENCY
     tokens_per_sample: float = 0.0
     hidden_size: float = 0.0
     attention_layers: float = 0.0

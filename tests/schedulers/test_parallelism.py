@@ -5,7 +5,7 @@ import math
 import pytest
 
 from digenrl.schedulers.parallelism import (choose_parallelism, degree_plan,
-                                            generation_seconds)
+                                            generation_seconds, widen)
 from digenrl.sim.costs import choose_degree, sample_chain_seconds
 from digenrl.sim.profile import load_profile
 
@@ -62,16 +62,45 @@ def test_memory_per_sample_bounds_the_degree_and_the_chunk():
 
 
 def test_the_chunk_size_is_chosen_with_the_degree():
-    """With a per-sample cost, smaller chunks balance the waves better; of equal
-    times the larger chunk is taken."""
-    assert choose_parallelism(20, 10, predicted={1: 10.0}, sizes=(1, 2, 4)).chunk_size == 2
-    assert choose_parallelism(24, 10, predicted={1: 10.0}, sizes=(1, 2, 4)).chunk_size == 1
+    """A chunk's samples share its chain: fewer chunks than workers take chunks of one
+    sample (each worker one chain); with more chunks than workers the workers share the
+    chunks' steps and the sizes tie, and the larger chunk is taken."""
+    sizes = (1, 2, 4)
+    assert choose_parallelism(6, 10, predicted={1: 10.0}, sizes=sizes).chunk_size == 1
+    assert choose_parallelism(20, 10, predicted={1: 10.0}, sizes=sizes).chunk_size == 2
+    assert choose_parallelism(24, 10, predicted={1: 10.0}, sizes=sizes).chunk_size == 2
 
 
-def test_the_degree_plan_gives_the_tail_its_degree():
-    plan = degree_plan(64, 10, lambda left: choose_parallelism(left, 10, predicted=VIDEO))
-    assert len(plan) == 64 and plan == sorted(plan)
-    assert plan.count(1) >= 50 and plan[-1] == 2 and set(plan) == {1, 2}
+def test_more_chunks_than_gangs_share_the_steps():
+    """The scheduler gives each free gang the next step of any chunk, so 6 videos on 5
+    gangs of 2 take 6/5 of a chain, not two chains: degree 2 (and not 1) for them."""
+    assert generation_seconds(VIDEO[2], 6, 10, 2, 1) == pytest.approx(1.2 * VIDEO[2])
+    assert generation_seconds(VIDEO[2], 4, 10, 2, 1) == pytest.approx(VIDEO[2])
+    assert choose_parallelism(6, 10, predicted=VIDEO).degree == 2
+    assert choose_parallelism(9, 10, predicted=VIDEO).degree == 1
+
+
+def test_the_workers_a_plans_gangs_leave_idle_widen_them():
+    """4 videos at degree 2 on 10 workers leave 2 idle: one chunk takes degree 4 there
+    (the generation still ends with the degree-2 chains, that chunk sooner); a degree-1
+    plan leaves its idle workers to whole chunks; many chunks keep one degree."""
+    choose = lambda n, w=10: choose_parallelism(n, w, predicted=VIDEO)  # noqa: E731
+    assert choose(4).chains == tuple(sorted(VIDEO.items()))
+    assert degree_plan(4, 10, choose(4)) == [2, 2, 2, 4]
+    assert degree_plan(3, 10, choose(3)) == [4] * 3   # (3/2 of a chain at 4 < one at 2)
+    assert degree_plan(9, 10, choose(9)) == [1] * 9
+    assert degree_plan(64, 10, choose(64)) == [1] * 64
+    assert degree_plan(5, 10, choose(5)) == [2] * 5          # (no worker idle)
+    # The idle workers widen the narrowest gangs first, one doubling at a time, and only
+    # to a degree allowed (within memory) whose chain is shorter.
+    assert widen([2, 2], 10, VIDEO) == [4, 4]
+    assert widen([2, 2], 10, {2: 50.0, 4: 30.0}) == [4, 4]
+    assert widen([2, 2], 10, {2: 50.0}) == [2, 2]
+    assert widen([2, 2], 10, {2: 50.0, 4: 60.0}) == [2, 2]
+    assert widen([4, 2, 2], 9, VIDEO) == [2, 2, 4]
+    # A sample's memory that rules out degree 1 leaves it out of the choice's chains.
+    assert choose_parallelism(4, 10, predicted=VIDEO, sample_gb=30.0,
+                              free_gb=20.0).chains == tuple(sorted(VIDEO.items()))[1:]
 
 
 def test_bad_input_is_refused():
@@ -81,10 +110,12 @@ def test_bad_input_is_refused():
 
 
 def test_the_profiles_prediction_picks_per_length():
-    """On the shipped profiles' predicted chains: Wan2.1-14B at 720p's last 4 videos on
-    10 rollout workers take degree 2; a full iteration of FLUX images stays at 1."""
+    """On the shipped profiles' predicted chains: Wan2.1-14B at 720p's 4 videos on 10
+    rollout workers take degree 2, 7 of them too (7/5 of a chain at 2 against one at
+    1), 64 degree 1; a full iteration of FLUX images stays at 1."""
     wan = load_profile("wan14b-720p-32gpu")
     assert choose_degree(wan, 4, 10).degree == 2
+    assert choose_degree(wan, 7, 10).degree == 2
     assert choose_degree(wan, 64, 10).degree == 1
     assert sample_chain_seconds(wan, 2) < sample_chain_seconds(wan, 1)
     flux = load_profile("flux12b-16gpu")
@@ -106,9 +137,9 @@ def test_a_run_plans_degree_one_until_measured_then_probes_and_follows_its_measu
     assert plan_degrees(1, 4, 2, (1, 2), {1: 1.0, 2: 0.9}).degrees == (2,)
     kept = plan_degrees(1, 4, 2, (1, 2), {1: 1.0, 2: 1.2})
     assert kept.degrees == (1,) and kept.probes == ()
-    # Many chunks per worker stay at 1; the tail of a wave takes the free workers.
+    # Chunks outnumbering the workers stay at 1; fewer take their free workers.
     assert plan_degrees(8, 1, 4, (1, 2, 4), {1: 1.0}).degrees == (1,) * 8
-    assert plan_degrees(5, 1, 4, (1, 2, 4), {1: 1.0}).degrees[-1] > 1
+    assert plan_degrees(3, 1, 4, (1, 2, 4), {1: 1.0}).degrees == (2, 2, 2)
 
 
 def test_a_pool_that_shrinks_lowers_the_degree():
