@@ -128,10 +128,9 @@ def bench_profile(profile, variants: Sequence[str], out_dir: str | Path, *, iter
                   drain: int = 0, dashboard_address: str | None = ":8787") -> list[BenchResult]:
     """Variants on emulated GPUs following a cost profile."""
     from digenrl.run.cluster import start_emulated_cluster
-    from digenrl.sim.emulate import EmulatedWorkload, check_emulable
+    from digenrl.sim.emulate import EmulatedWorkload
 
     _check_variants(variants, VARIANTS, skip, drain, iterations)
-    check_emulable(profile)     # before any cluster
     schedules = {v: variant_schedule(v) for v in variants}
     for sched in schedules.values():  # each variant's GPUs hold the model, before any cluster
         profile.check_memory(colocated=not sched.options().pools)

@@ -542,12 +542,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             except ProfileError as e:
                 raise ConfigError(f"--rollout-workers/--trainer-workers: {e}") from None
         _check_memory(profile, variants)
-        from digenrl.sim.emulate import check_emulable
-
-        try:
-            check_emulable(profile)
-        except ProfileError as e:
-            raise ConfigError(str(e)) from None
         results = bench_profile(profile, variants, args.out, iterations=config.iterations,
                                 time_scale=args.time_scale, skip=args.skip, drain=args.drain,
                                 dashboard_address=config.cluster.dashboard_address)
@@ -646,13 +640,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             print(f"best split for {v}: {name} ({rate:.4f} images/s)")
         return 0
     fits(profile)
-    if args.validate:
-        from digenrl.sim.emulate import check_emulable
-
-        try:
-            check_emulable(profile)
-        except ProfileError as e:
-            raise ConfigError(str(e)) from None
     if not args.validate:
         print(format_reports(simulate_variants(profile, variants, args.iterations,
                                                dispatch_latency=latency)))

@@ -40,6 +40,7 @@ task to the worker that pays them, so both pay the same costs by construction.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -56,7 +57,7 @@ from digenrl.vocabulary import (Key, DECODE, DENOISE, GRAD, GROUP_REWARD, READS_
 
 __all__ = ["TaskCosts", "Extras", "WorkerHeld", "Collectives", "phase_of", "reduction_root",
            "cp_step_seconds", "sample_chain_seconds", "choose_degree",
-           "chunk_degrees", "ULYSSES_ALL_TO_ALLS"]
+           "chunk_degrees", "planned", "ULYSSES_ALL_TO_ALLS"]
 
 #: All-to-alls per attention layer in Ulysses: q, k and v from tokens to heads, the
 #: output back (DeepSpeed-Ulysses; diffusers' ``_all_to_all_single`` calls).
@@ -114,6 +115,16 @@ def chunk_degrees(profile: Profile, chunks: int) -> list[int]:
 
 #: MiB: ``network.sync_bucket_mb`` in bytes.
 MIB = 2**20
+
+
+def planned(profile: Profile, iterations: int) -> list[IterationPlan]:
+    """The profile's first ``iterations`` plans, each chunk at its degree
+    (:func:`chunk_degrees`): the graph computes a chunk at a degree above 1 as gangs."""
+    plans = profile.plans(iterations)
+    degrees = tuple(chunk_degrees(profile, len(plans[0].chunks))) if plans else ()
+    if max(degrees, default=1) <= 1:
+        return plans
+    return [dataclasses.replace(p, context_parallel=degrees) for p in plans]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ the all-reduce at the reduction root, nothing for a remote reward, and the extra
 worker pays as a real deployment would (a rollout worker's first read of a policy
 version, the co-located phase switch).
 
+A member of a context-parallel step's gang (a chunk the profile's ``context_parallel``
+computes at a degree above 1: the graph's gangs, :func:`digenrl.sim.costs.planned`)
+waits for the step's compute at that degree and its all-to-alls' network time.
+
 A worker's tasks are slower by its injected factor (:mod:`digenrl.tasks.slowdown`) and
 by the profile's ``slowdowns`` in force when they start (profile time since the run began).
 
@@ -24,15 +28,13 @@ from digenrl.graph.dask_graph import IterationGraph, bind
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import Node
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.checks import require
-from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld
-from digenrl.sim.profile import Profile, ProfileError, Slowdown, slowdown_at
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, planned
+from digenrl.sim.profile import Profile, Slowdown, slowdown_at
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
-from digenrl.vocabulary import ROLLOUT, STATS
+from digenrl.vocabulary import DENOISE, ROLLOUT, STATS
 
-__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held",
-           "check_emulable"]
+__all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class EmulatedTask:
     version: int
     time_scale: float
     extras: Extras = Extras()      # what the worker pays before it (the run's mode's)
+    network: float = 0.0           # seconds on the network (a context-parallel step's)
 
 
 @dataclass
@@ -83,17 +86,9 @@ def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:
         now = (time.time() - _EPOCH[0]) / task.time_scale
         wait *= slowdown_at(_SLOWDOWNS[0], name, now)
     with _LOCK:
-        wait += task.extras.pay(held, task.kind, task.version, resources.get(ROLLOUT, 0) > 0)
+        wait += task.network + task.extras.pay(held, task.kind, task.version, resources.get(ROLLOUT, 0) > 0)
     time.sleep(wait * task.time_scale)
     return EmulatedOut(task.kind, task.version)
-
-
-def check_emulable(profile: Profile) -> None:
-    """Refuse (one line) what the emulator cannot run: the real graph computes no step
-    context-parallel yet, so a profile's ``context_parallel`` must be 1."""
-    require(profile.context_parallel == 1, "profile.context_parallel",
-            "1 on emulated GPUs (the run's graph has no context-parallel steps; "
-            "digenrl simulate models them)", profile.context_parallel, ProfileError)
 
 
 class EmulatedWorkload:
@@ -111,8 +106,7 @@ class EmulatedWorkload:
         self.images_per_iteration = profile.images_per_iteration
         self.colocated = not options.pools
         profile.check_memory(colocated=self.colocated)
-        check_emulable(profile)
-        self._plans = profile.plans(iterations)
+        self._plans = planned(profile, iterations)
         self.costs = TaskCosts(profile, self.layout, self._plans, colocated=self.colocated)
         self.extras = Extras.of(profile, colocated=self.colocated)
         self.chunking = None  # the profile's chunk size throughout
@@ -125,10 +119,14 @@ class EmulatedWorkload:
 
     def _task(self, node: Node) -> EmulatedTask:
         meta = node.meta
-        seconds = self.costs.seconds(node.op, meta.get("samples") or 0, node.key,
-                                     meta["iteration"])
+        samples, gang = meta.get("samples") or 0, meta.get("gang")
+        network = 0.0
+        if gang is not None and node.op == DENOISE:     # a context-parallel step's member
+            seconds, network = self.costs.step(samples, gang[2])
+        else:
+            seconds = self.costs.seconds(node.op, samples, node.key, meta["iteration"])
         return EmulatedTask(kind=node.op, seconds=seconds, version=meta["policy_version"],
-                            time_scale=self.time_scale, extras=self.extras)
+                            time_scale=self.time_scale, extras=self.extras, network=network)
 
     def bind(self, nodes, outputs) -> IterationGraph:
         return bind(nodes, lambda node: (run_emulated, (self._task(node),)), outputs)

@@ -44,7 +44,7 @@ from digenrl.records import SimRecord
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
 from digenrl.schedulers.policy.trail import trail_text
-from digenrl.sim.template import Batch, Degrees, IterationSource, node_batch
+from digenrl.sim.template import Batch, IterationSource, node_batch
 from digenrl.vocabulary import Key, STATS
 
 __all__ = ["SimWorker", "SimRecord", "SimResult", "SimClock", "Simulator", "uniform_plans",
@@ -376,18 +376,16 @@ class Simulator:
     # -------------------------------------------------------------------- run
 
     def run(self, layout: GraphLayout, plans: Sequence[IterationPlan], *,
-            window: int | None = None, max_time: float = float("inf"),
-            degrees: Degrees | None = None) -> SimResult:
+            window: int | None = None, max_time: float = float("inf")) -> SimResult:
         """Run ``plans`` (iterations 0..n-1) keeping ``window`` iterations beyond the
-        oldest unfinished one submitted, as the driver does. ``degrees``: each plan's
-        chunks' context-parallel degrees (their steps gangs: :mod:`.template`)."""
+        oldest unfinished one submitted, as the driver does."""
         if window is None:
             window = self.policy.options.max_staleness + 1
         # The run allocates millions of small objects and frees none of them in cycles:
         # the cyclic collector's passes over them would cost a quarter of the run.
         with collector_off():
             try:
-                return self._run(layout, plans, window, max_time, degrees)
+                return self._run(layout, plans, window, max_time)
             finally:
                 # What the run made outlives it (the finished tasks): move it straight
                 # to the oldest generation rather than have the next young collection
@@ -396,9 +394,9 @@ class Simulator:
                 gc.unfreeze()
 
     def _run(self, layout: GraphLayout, plans: Sequence[IterationPlan], window: int,
-             max_time: float, degrees: Degrees | None) -> SimResult:
+             max_time: float) -> SimResult:
         self.add_nodes(init_nodes())
-        source = IterationSource(layout, _Task, degrees)
+        source = IterationSource(layout, _Task)
         submitted = 0
         completed: dict[int, float] = {}
 

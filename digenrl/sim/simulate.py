@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from digenrl.figures.analysis import ideal_fraction
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.policy import TaskInfo
-from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, chunk_degrees
+from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, planned
 from digenrl.sim.engine import SimClock, SimResult, SimWorker, Simulator
 from digenrl.sim.profile import Profile
 from digenrl.figures.variants import variant_schedule
@@ -96,9 +96,9 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
     """
     colocated = not options.pools
     profile.check_memory(colocated=colocated)
-    plans = profile.plans(iterations)
-    chunks = plans[0].num_samples // profile.chunk_size if plans else 0
-    degrees = tuple(chunk_degrees(profile, chunks))
+    plans = planned(profile, iterations)
+    chunks = len(plans[0].chunks) if plans else 0
+    degrees = tuple(plans[0].context_parallel or (1,) * chunks) if plans else ()
     pool = profile.gpus if colocated else profile.rollout_workers
     if degrees and max(degrees) > pool:
         raise ValueError(f"context_parallel: expected at most the {pool} workers that "
@@ -142,8 +142,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
                     output_bytes=lambda kind, samples: max(samples, 1),
                     clock=clock, trail=trail)
     t = time.perf_counter()
-    cp = None if max(degrees, default=1) <= 1 else (lambda plan: degrees)
-    result = sim.run(layout, plans, degrees=cp)
+    result = sim.run(layout, plans)
     wall = time.perf_counter() - t
     synced = sum(h.synced for h in held.values())
     report = _report(profile, options, result, iterations, skip, drain, wall, synced)

@@ -15,29 +15,22 @@ info, inputs)``, an input ``j >= 0`` being entry ``j`` of the batch and ``j < 0`
 key ``externals[~j]`` (a task of an earlier batch). A template's inputs are the same
 integers for every iteration; only the few external keys are shifted.
 
-A chunk computed with context parallelism at degree ``d`` has each ``denoise`` step as a
-gang of ``d`` members (:func:`context_parallel_batch`, applied to an iteration's batch
-however it was made): member 0 keeps the step's key, so what reads the step reads it;
-member ``m`` reads what the step reads, with member ``m`` of the chunk's previous step
-in place of the step itself. The scheduling policy releases a gang's members together,
-each on its own rollout worker (:mod:`digenrl.schedulers.policy.rules.gang`).
+A chunk the plan computes with context parallelism has each ``denoise`` step as a gang
+(:mod:`digenrl.graph.structure`, as a run's graph has it); an iteration with gangs gets
+no template (its gangs' ids are built per iteration), so the builders make each one.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
-from digenrl.graph.keys import gang_id, member_key
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.structure import GraphLayout, Node, iteration_nodes, iteration_shape
 from digenrl.schedulers.policy import TaskInfo
-from digenrl.vocabulary import DENOISE, Key, ROLLOUT
+from digenrl.vocabulary import Key
 
-__all__ = ["Entry", "Batch", "node_batch", "IterationTemplate", "IterationSource",
-           "context_parallel_batch"]
+__all__ = ["Entry", "Batch", "node_batch", "IterationTemplate", "IterationSource"]
 
-#: An iteration's chunk degrees: the context-parallel degree of each chunk of a plan.
-Degrees = Callable[[IterationPlan], Sequence[int]]
 
 Entry = tuple[Key, TaskInfo, Sequence[int]]
 Batch = tuple[list[Entry], list[Key]]
@@ -148,57 +141,14 @@ class IterationTemplate:
         return entries, [_shift(p, d) for p in self._externals]
 
 
-def context_parallel_batch(batch: Batch, iteration: int, degrees: Sequence[int],
-                           factory: type[TaskInfo] = TaskInfo) -> Batch:
-    """``batch`` (iteration ``iteration``'s) with each rollout ``denoise`` step of chunk
-    ``c`` a gang of ``degrees[c]`` members where that is above 1."""
-    entries, externals = batch
-
-    def degree(info: TaskInfo) -> int:
-        if info.kind != DENOISE or info.pool != ROLLOUT or info.chunk is None:
-            return 1
-        return degrees[info.chunk] if info.chunk < len(degrees) else 1
-
-    sizes = [degree(info) for _, info, _ in entries]
-    if max(sizes, default=1) <= 1:
-        return batch
-    first: list[int] = []          # old index -> new index of its (member 0's) entry
-    n = 0
-    for d in sizes:
-        first.append(n)
-        n += d
-    out: list[Entry] = []
-    step = 0
-    for (key, info, inputs), d in zip(entries, sizes):
-        if d == 1:
-            out.append((key, info, [first[j] if j >= 0 else j for j in inputs]))
-            continue
-        gid = gang_id(iteration, step)
-        step += 1
-        for m in range(d):
-            # Member m reads member m of an input step of the same gang size.
-            ins = [j if j < 0 else first[j] + m if sizes[j] == d else first[j]
-                   for j in inputs]
-            out.append((key if m == 0 else member_key(key, m), factory(
-                key=key if m == 0 else member_key(key, m), kind=info.kind, pool=info.pool,
-                iteration=info.iteration, policy_version=info.policy_version, gpu=info.gpu,
-                timestep=info.timestep, chunk=info.chunk, group=info.group,
-                behaviour_version=info.behaviour_version, samples=info.samples,
-                gang=(gid, m, d)), ins))
-    return out, externals
-
-
 class IterationSource:
     """The batch of each iteration of a run with one layout: built by
     :func:`iteration_nodes` until its shape has been built twice, from the shape's
     template after that."""
 
-    def __init__(self, layout: GraphLayout, factory: type[TaskInfo] = TaskInfo,
-                 degrees: Degrees | None = None):
+    def __init__(self, layout: GraphLayout, factory: type[TaskInfo] = TaskInfo):
         self.layout = layout
         self.factory = factory
-        #: The context-parallel degree of each chunk of a plan (None: every chunk 1).
-        self.degrees = degrees
         # The latest shape built once, with its batch (one is kept: a run has few shapes
         # and they come in a row).
         self._first: tuple[Hashable, int, Batch] | None = None
@@ -206,13 +156,6 @@ class IterationSource:
         self.built = 0           # iterations built by the builders (the rest: templates)
 
     def batch(self, plan: IterationPlan) -> Batch:
-        batch = self._batch(plan)
-        if self.degrees is None:
-            return batch
-        return context_parallel_batch(batch, plan.iteration, self.degrees(plan),
-                                      self.factory)
-
-    def _batch(self, plan: IterationPlan) -> Batch:
         shape = iteration_shape(self.layout, plan)
         template = self._templates.get(shape)
         if template is not None:

@@ -7,16 +7,14 @@ from collections import defaultdict
 
 import pytest
 
-from digenrl.graph.keys import member_key
 from digenrl.graph.structure import iteration_nodes
 from digenrl.schedulers.options import MODES, ScheduleOptions
-from digenrl.sim.costs import ULYSSES_ALL_TO_ALLS, chunk_degrees, cp_step_seconds
+from digenrl.sim.costs import ULYSSES_ALL_TO_ALLS, chunk_degrees, cp_step_seconds, planned
 from digenrl.sim.emulate import EmulatedWorkload
 from digenrl.sim.memory import Model
 from digenrl.sim.network import MESSAGE_LATENCY, NVLINK_BANDWIDTH
 from digenrl.sim.profile import ProfileError, load_profile
 from digenrl.sim.simulate import simulate
-from digenrl.sim.template import context_parallel_batch, node_batch
 from digenrl.vocabulary import DENOISE
 
 
@@ -71,34 +69,16 @@ def test_bad_degrees_are_refused_in_one_line(wan):
         qwen.with_context_parallel(2)
 
 
-def test_a_chunks_step_becomes_a_gang_whose_members_read_their_own_previous_step(wan):
-    layout = wan.layout()
-    plan = wan.plans(1)[0]
-    entries, externals = node_batch(iteration_nodes(layout, plan))
-    out, ext = context_parallel_batch((entries, externals), 0, [2, 1, 1, 1])
-    steps = [e for e in entries if e[1].kind == DENOISE]
-    assert len(out) == len(entries) + wan.num_steps and ext == externals
-    keys = [k for k, _, _ in out]
-    by_key = {k: (info, inputs) for k, info, inputs in out}
-    for key, info, _ in steps:
-        if info.chunk != 0:
-            assert by_key[key][0].gang is None
-            continue
-        gangs = {by_key[key][0].gang[0], by_key[member_key(key, 1)][0].gang[0]}
-        assert len(gangs) == 1
-        assert [by_key[k][0].gang[1:] for k in (key, member_key(key, 1))] == [(0, 2), (1, 2)]
-        if info.timestep:
-            before = [k for k, i, _ in steps if i.chunk == 0 and i.timestep == info.timestep - 1]
-            reads = {k: {keys[j] for j in by_key[k][1] if j >= 0}
-                     for k in (key, member_key(key, 1))}
-            assert before[0] in reads[key] and member_key(before[0], 1) not in reads[key]
-            assert member_key(before[0], 1) in reads[member_key(key, 1)]
-    # What reads the chunk's last step (its decode) reads member 0: the step's own key.
-    last = [k for k, i, _ in steps if i.chunk == 0 and i.timestep == wan.num_steps - 1][0]
-    readers = [i for i, inputs in by_key.values() if i.kind != DENOISE
-               and any(j >= 0 and keys[j] == last for j in inputs)]
-    assert readers and not any(j >= 0 and keys[j] == member_key(last, 1)
-                               for i, inputs in by_key.values() for j in inputs)
+def test_the_profiles_plans_carry_each_chunks_degree_and_the_graph_makes_the_gangs(wan):
+    """The simulator and the emulator read the plans the cost model plans
+    (``planned``): at degree 2 every step of every chunk is a gang of two in the graph a
+    run builds; at degree 1 the plans are the profile's own."""
+    assert planned(wan, 2) == wan.plans(2)
+    plans = planned(wan.with_context_parallel(2), 2)
+    assert [p.context_parallel for p in plans] == [(2, 2, 2, 2)] * 2
+    steps = [n for n in iteration_nodes(wan.layout(), plans[1]) if n.op == DENOISE]
+    assert len(steps) == 2 * 4 * wan.num_steps
+    assert all(n.meta["gang"][2] == 2 for n in steps)
 
 
 def test_a_gangs_members_run_together_each_on_its_own_worker_and_stay_there(wan):
@@ -159,8 +139,14 @@ def test_auto_keeps_up_with_every_fixed_degree_where_iterations_overlap(wan):
     assert auto.iteration_s < 0.97 * fixed[2]
 
 
-def test_the_emulator_refuses_a_degree_above_one(wan):
-    """It runs the real graph, which computes no step context-parallel yet."""
-    with pytest.raises(ProfileError, match=r"^profile.context_parallel: expected 1 on "
-                                           r"emulated GPUs .*, got 'auto'$"):
-        EmulatedWorkload(wan.with_context_parallel("auto"), opts("digenrl"), 3)
+def test_the_emulator_makes_each_member_wait_for_its_step_at_its_degree(wan):
+    """An emulated member of a step at degree 2 waits for the step's compute at that
+    degree and its all-to-alls; a step at degree 1 for the profile's own seconds."""
+    two = EmulatedWorkload(wan.with_context_parallel(2), opts("digenrl"), 1)
+    nodes = iteration_nodes(two.layout, two.plan(0))
+    member = next(n for n in nodes if n.op == DENOISE)
+    task = two._task(member)
+    assert (task.seconds, task.network) == cp_step_seconds(wan, member.meta["samples"], 2)
+    one = EmulatedWorkload(wan, opts("digenrl"), 1)
+    step = next(n for n in iteration_nodes(one.layout, one.plan(0)) if n.op == DENOISE)
+    assert one._task(step).network == 0.0 and one._task(step).seconds > task.seconds
