@@ -89,6 +89,12 @@ def test_auto_measures_degree_one_first_then_probes_two_for_a_lone_chunk(runs):
     last = steps[steps.iteration == 3].key.map(ast.literal_eval)
     assert sorted(set(last.map(len))) == [4, 5]        # iteration 3's steps: gangs of 2
     assert set(steps[steps.iteration < 3].key.map(ast.literal_eval).map(len)) == {4}
+    # The report tells the choices.
+    from digenrl.commands.report import summarise
+
+    assert ("context parallelism (auto), each iteration's mean and highest degree: 1/1, "
+            "1/1, 1/1, 2/2; a degree not measured before was probed in iterations [3]"
+            ) in summarise(auto)
 
 
 @pytest.mark.slow

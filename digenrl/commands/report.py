@@ -108,6 +108,13 @@ def summarise(ds, profile: Path | None = None) -> str:
                      f"task {o['denoise_dask_ms']:.1f} ms (median "
                      f"{o['denoise_dask_median_ms']:.1f}) against a mean denoise task of "
                      f"{o['denoise_ms']:.1f} ms")
+    if "context_parallel_mean" in m:
+        mean, top = m.context_parallel_mean.values, m.context_parallel_max.values
+        probed = [i for i, p in enumerate(m.context_parallel_probes.values) if p > 0]
+        lines.append("context parallelism (auto), each iteration's mean and highest degree: "
+                     + ", ".join(f"{a:g}/{b:g}" for a, b in zip(mean, top))
+                     + (f"; a degree not measured before was probed in iterations {probed}"
+                        if probed else ""))
     if n >= 2 and "cpu_seconds" in m:
         lines.append(cpu_line(m.cpu_seconds.values[1:], m.model_cpu_seconds.values[1:]))
     e = ds[EVAL_GROUP]
