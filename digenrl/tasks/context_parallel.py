@@ -113,12 +113,14 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     that runs again is dropped rather than ending the run; after
     ``cluster.collective_timeout`` without that, it raises all the same."""
     placed = _placement(context, gang)
-    group = _group_of(context, placed, member)
+    group = None
     try:
+        group = _group_of(context, placed, member)
         out = denoise(spec, weights, prompts, iteration, t, previous, group)
     except BaseException as e:
-        collective.leave(group.name, group.generation)
-        if collective.failed(e):
+        if group is not None:
+            collective.leave(group.name, group.generation)
+        if collective.failed(e):        # (forming the group, or a collective of it)
             _await_retry(context, gang, placed)
         raise
     return out if member == 0 or t < len(spec.sigmas) - 2 else None
