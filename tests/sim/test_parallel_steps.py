@@ -128,15 +128,17 @@ def test_auto_speeds_up_a_tail_of_long_videos_and_leaves_images_alone(wan):
 
 
 def test_auto_keeps_up_with_every_fixed_degree_where_iterations_overlap(wan):
-    """In the digenrl design the next iteration's chunks take the workers this one's
-    gangs leave idle: 4 videos at degree 2 leave 2, the next iteration's gangs start
-    there and share the workers step by step, and degree 4 ends sooner. Auto's plan
-    leaves none idle and is within 5% of every fixed degree, ahead of degree 2."""
+    """In the digenrl design the next iteration's chunks take the rollout workers this
+    one's gangs leave idle. A worker whose part of a chunk's step is done is kept for the
+    chunk's next step, so the chunks' gangs keep their workers and the two iterations'
+    chunks do not take turns step by step: degree 2 ends the tail soonest, and auto is
+    within 5% of every fixed degree and ahead of degree 1."""
     fixed = {d: simulate(wan.with_context_parallel(d), opts("digenrl"), 6).iteration_s
              for d in (1, 2, 4, 8)}
     auto = simulate(wan.with_context_parallel("auto"), opts("digenrl"), 6)
+    assert min(fixed, key=fixed.__getitem__) == 2
     assert auto.iteration_s <= 1.05 * min(fixed.values())
-    assert auto.iteration_s < 0.97 * fixed[2]
+    assert auto.iteration_s < 0.9 * fixed[1]
 
 
 def test_the_emulator_makes_each_member_wait_for_its_step_at_its_degree(wan):

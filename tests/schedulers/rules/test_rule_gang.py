@@ -311,3 +311,36 @@ def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_cou
     assert sorted(d.key for d in out if d.info.gang) == sorted(m.key for m in members)
     formed, _ = p.rule(Gang).take_formations()
     assert [(gid, n) for gid, _, n in formed] == [(9, 1)]
+
+
+def test_a_chunks_workers_are_kept_for_its_next_step_while_its_step_ends():
+    """A member of a chunk's context-parallel step is done while the other still runs:
+    its worker takes no other chunk's step (nor a micro-step) but stays for the chunk's
+    next step, which is released there once both are done; the chunk's last step keeps
+    nothing."""
+    p = policy_with(opts("digenrl", slots_per_worker=1), rollout=3, trainer=0)
+    first = [info(("s", 0, m), DENOISE, chunk=0, timestep=0, gang=(20, m, 2)) for m in (0, 1)]
+    second = [info(("s", 1, m), DENOISE, chunk=0, timestep=1, gang=(21, m, 2)) for m in (0, 1)]
+    other = info(("d", 7), DENOISE, chunk=7, timestep=0)
+    p.add_tasks(first + second + [other])
+    for t in first + [other]:
+        p.task_ready(t.key)
+    workers = {d.key: d.worker for d in p.decide()}
+    free = workers.pop(other.key)
+    p.task_done(first[0].key, workers[first[0].key], 1.0)
+    # Another chunk's step ready now: not on the kept worker, though it is idle.
+    late = info(("d", 8), DENOISE, chunk=8, timestep=0)
+    p.add_tasks([late])
+    p.task_ready(late.key)
+    assert p.decide() == []
+    assert any(s.reason.startswith("the worker is kept for gang 21")
+               for s in steps(p, late.key))
+    p.task_done(other.key, free, 1.0)
+    assert [d.worker for d in p.decide()] == [free]
+    p.task_done(first[1].key, workers[first[1].key], 1.0)
+    for m in second:
+        p.task_ready(m.key)
+    p.task_done(late.key, free, 1.0)
+    out = {d.key: d.worker for d in p.decide()}
+    assert out == {second[0].key: workers[first[0].key], second[1].key: workers[first[1].key]}
+    assert p.rule(Gang).kept_for == {}

@@ -33,6 +33,12 @@ them: TAG, RAT and rebalancing never move one.
   (the plugin's ``digenrl_gang_failed``) to form the gang anew. A placed gang's step
   (a chunk's context-parallel step) keeps no state: it simply runs again, on the workers
   placed then, and is counted in :attr:`Gang.retried` instead.
+* **Kept for the chunk's next step**: a worker whose member of a placed gang is done
+  is kept for the gang of the chunk's next step (:attr:`Gang.kept_for`) until that gang
+  is released: it takes no other task that computes with the transformer, and no other
+  chunk's gang is placed on it (a gang of the same chunk may be: a step run again). So
+  the workers of a chunk's step, ending one by one, are not taken by other chunks'
+  steps or lent micro-steps, and the chunk's next step finds them free together.
 * **Formations**: each release of a placed gang is noted in :attr:`Gang.formed` (its id,
   its members' workers by index and how many placed steps had failed before it), which
   the plugin hands to the members (the scheduler's metadata under
@@ -85,7 +91,7 @@ class Gang(Rule):
     """Releases each gang's members together, on their own workers."""
 
     __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing", "homes", "retried",
-                 "formed", "ended", "handing")
+                 "formed", "ended", "handing", "steps", "kept_for")
     name = "gang"
 
     def __init__(self, policy) -> None:
@@ -111,6 +117,12 @@ class Gang(Rule):
         #: Whether :attr:`formed` and :attr:`ended` are kept (by a plugin that takes
         #: them; the simulator's members need no placement).
         self.handing = False
+        #: (iteration, chunk, timestep) -> the placed gang computing that step.
+        self.steps: dict[tuple, int] = {}
+        #: Worker address -> (the gang of its chunk's next step, iteration, chunk): a
+        #: worker whose part of a chunk's step is done is kept for the chunk's next step
+        #: until that step is released, so a chunk's gang finds its workers free.
+        self.kept_for: dict[str, tuple[int, int, int | None]] = {}
 
     # ---------------------------------------------------------------- members
 
@@ -122,6 +134,8 @@ class Gang(Rule):
                 trainers = info.gang[3] if len(info.gang) > 3 else size
                 g = self.gangs[gid] = _Members(size, info.pool, trainers,
                                                placed=info.kind == DENOISE)
+                if g.placed:
+                    self.steps[(info.iteration, info.chunk, info.timestep)] = gid
             g.members[index] = info
 
     def queue(self, info: TaskInfo, entry: ReadyEntry) -> bool:
@@ -139,6 +153,16 @@ class Gang(Rule):
         if g.complete():
             self.waiting[gid] = None
         return True
+
+    def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
+        """A placed gang's member is done: its worker is kept for the chunk's next step
+        (when the chunk has one), while the step's other members finish."""
+        if info.gang is None or info.kind != DENOISE or info.where is None \
+                or info.timestep is None:
+            return
+        following = self.steps.get((info.iteration, info.chunk, info.timestep + 1))
+        if following is not None:
+            self.kept_for[info.where] = (following, info.iteration, info.chunk)
 
     def back(self, info: TaskInfo) -> None:
         """A member waits to be released again (lost, or its release failed)."""
@@ -162,6 +186,9 @@ class Gang(Rule):
             if g.placed:
                 if self.handing:
                     self.ended.append(gid)
+                if self.steps.get((info.iteration, info.chunk, info.timestep)) == gid:
+                    del self.steps[(info.iteration, info.chunk, info.timestep)]
+                self._unkeep(gid)
                 home = (info.iteration, info.chunk)
                 if self.homes.get(home, (None,))[0] == gid:
                     del self.homes[home]
@@ -170,6 +197,7 @@ class Gang(Rule):
         """A worker left: the members released to it are lost (Dask reports each
         later), which fails their gangs' steps now."""
         self.reserved.pop(w.address, None)
+        self.kept_for.pop(w.address, None)
         for key in w.inflight:
             info = self.tasks.get(key)
             if info is not None and info.gang is not None:
@@ -227,10 +255,12 @@ class Gang(Rule):
         not in ``taken`` (addresses kept for older gangs): the worker member ``i`` of
         the chunk's previous step ran on first, then the idle workers, then the least
         loaded; None when too few."""
-        pool = [w for w in self.policy.pool_workers(g.pool) if w.address not in taken]
+        first = next(iter(g.members.values()))
+        chunk = (first.iteration, first.chunk)
+        pool = [w for w in self.policy.pool_workers(g.pool) if w.address not in taken
+                and self.kept_for.get(w.address, (0, *chunk))[1:] == chunk]
         if len(pool) < g.size:
             return None
-        first = next(iter(g.members.values()))
         home = self.homes.get((first.iteration, first.chunk), (0, []))[1]
         holders = {a: index for index, a in enumerate(home) if index < g.size}
         ranked = sorted(pool, key=lambda w: (bool(w.inflight), w.address not in holders,
@@ -296,6 +326,13 @@ class Gang(Rule):
                                  "the worker is kept for gang {}, released once its "
                                  "members' workers are all free", gid)
             return None
+        kept = self.kept_for.get(w.address)
+        if kept is not None and pick.info.kind in WITH_TRANSFORMER:
+            if self.noting:
+                self.policy.note(pick.info, KEPT, self.name, w,
+                                 "the worker is kept for gang {}, its chunk's next "
+                                 "context-parallel step", kept[0])
+            return None
         if pick.info.kind in WITH_TRANSFORMER:
             for key in w.inflight:
                 info = self.tasks.get(key)
@@ -340,6 +377,8 @@ class Gang(Rule):
                 self.homes[(first.iteration, first.chunk)] = (gid, addresses)
                 if self.handing:
                     self.formed.append((gid, addresses, self.retried))
+            if g.placed:
+                self._unkeep(gid)
             for index, w in enumerate(workers):
                 info = g.members[index]
                 if self.noting:
@@ -361,6 +400,10 @@ class Gang(Rule):
         else:
             policy.note(info, WAITS, self.name, None, "gang {} needs {} workers of its "
                         "pool: {} serve it", gid, g.size, len(policy.pool_workers(g.pool)))
+
+    def _unkeep(self, gid: int) -> None:
+        for a in [a for a, kept in self.kept_for.items() if kept[0] == gid]:
+            del self.kept_for[a]
 
     def _unreserve(self, gid: int) -> None:
         for a in [a for a, g in self.reserved.items() if g == gid]:
