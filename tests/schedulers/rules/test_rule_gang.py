@@ -278,6 +278,13 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
     assert not p.rule(Gang).reserved                     # nothing kept once all is done
 
 
+def kept_off(p: SchedulingPolicy, task: TaskInfo, reason: str) -> bool:
+    """``task``, added and ready, is released nowhere, and its trail says why."""
+    p.add_tasks([task])
+    p.task_ready(task.key)
+    return p.decide() == [] and any(s.reason.startswith(reason) for s in steps(p, task.key))
+
+
 def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_count_up():
     """A context-parallel step (a gang of denoise members): its release is noted with
     its members' workers for the plugin to hand over; lost mid-step, it is counted as
@@ -296,11 +303,7 @@ def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_cou
     assert [(gid, sorted(a), n) for gid, a, n in formed] == [(9, workers, 0)] and not ended
     # Beside a member, its worker's second slot takes no other GPU task.
     other = info(("d", 5), DENOISE, chunk=5, timestep=1)
-    p.add_tasks([other])
-    p.task_ready(other.key)
-    assert p.decide() == []
-    assert any(s.reason.startswith("the worker computes its part of gang 9")
-               for s in steps(p, other.key))
+    assert kept_off(p, other, "the worker computes its part of gang 9")
     # Lost mid-step: the other member is taken back, the step counted and run again.
     p.task_lost(members[0].key)
     assert p.take_withdrawn() == [members[1].key]
@@ -330,11 +333,7 @@ def test_a_chunks_workers_are_kept_for_its_next_step_while_its_step_ends():
     p.task_done(first[0].key, workers[first[0].key], 1.0)
     # Another chunk's step ready now: not on the kept worker, though it is idle.
     late = info(("d", 8), DENOISE, chunk=8, timestep=0)
-    p.add_tasks([late])
-    p.task_ready(late.key)
-    assert p.decide() == []
-    assert any(s.reason.startswith("the worker is kept for gang 21")
-               for s in steps(p, late.key))
+    assert kept_off(p, late, "the worker is kept for gang 21")
     p.task_done(other.key, free, 1.0)
     assert [d.worker for d in p.decide()] == [free]
     p.task_done(first[1].key, workers[first[1].key], 1.0)
