@@ -517,6 +517,12 @@ class ModelFamily:
         each process ``heads / degree`` of them)."""
         return int(self.transformer_config()["num_attention_heads"])
 
+    def takes_degree(self, degree: int) -> bool:
+        """Whether a chunk's step can run over ``degree`` processes: 1, or a plan and
+        heads the degree divides (:meth:`check_context_parallel` says which is missing)."""
+        return degree == 1 or (self.context_parallel_plan() is not None
+                               and self.attention_heads() % degree == 0)
+
     def check_context_parallel(self, degree: int) -> None:
         """A chunk's step can run over ``degree`` processes: the family has a plan and
         its heads divide among them. Raises :class:`ConfigError` naming the field in one

@@ -106,9 +106,7 @@ class RLWorkload:
         if self.config.rollout.context_parallel != AUTO:
             return None
         fam = family(self.config.model)
-        if fam.context_parallel_plan() is None:
-            return (1,)
-        return tuple(d for d in DEGREES if fam.attention_heads() % d == 0)
+        return tuple(d for d in DEGREES if fam.takes_degree(d))
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""

@@ -212,6 +212,15 @@ class TaskCosts:
             self._seconds[(kind, samples)] = seconds
         return seconds
 
+    def task(self, kind: str, samples: int, key: Key, iteration: int,
+             gang: tuple[int, ...] | None) -> tuple[float, float]:
+        """(compute, network) seconds of a task: a context-parallel step's member
+        (``gang`` set on a ``denoise`` task) at its gang's degree (:meth:`step`), any
+        other task its :meth:`seconds` and no network time."""
+        if gang is not None and kind == DENOISE:
+            return self.step(samples, gang[2])
+        return self.seconds(kind, samples, key, iteration), 0.0
+
     def step(self, samples: int, degree: int) -> tuple[float, float]:
         """A member's (compute, network) seconds of a ``denoise`` step of ``samples``
         at context-parallel ``degree`` (:func:`cp_step_seconds`)."""

@@ -32,7 +32,7 @@ from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, planned
 from digenrl.sim.profile import Profile, Slowdown, slowdown_at
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
-from digenrl.vocabulary import DENOISE, ROLLOUT, STATS
+from digenrl.vocabulary import ROLLOUT, STATS
 
 __all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held"]
 
@@ -119,12 +119,8 @@ class EmulatedWorkload:
 
     def _task(self, node: Node) -> EmulatedTask:
         meta = node.meta
-        samples, gang = meta.get("samples") or 0, meta.get("gang")
-        network = 0.0
-        if gang is not None and node.op == DENOISE:     # a context-parallel step's member
-            seconds, network = self.costs.step(samples, gang[2])
-        else:
-            seconds = self.costs.seconds(node.op, samples, node.key, meta["iteration"])
+        seconds, network = self.costs.task(node.op, meta.get("samples") or 0, node.key,
+                                           meta["iteration"], meta.get("gang"))
         return EmulatedTask(kind=node.op, seconds=seconds, version=meta["policy_version"],
                             time_scale=self.time_scale, extras=self.extras, network=network)
 

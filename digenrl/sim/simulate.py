@@ -116,11 +116,7 @@ def simulate(profile: Profile, options: ScheduleOptions, iterations: int, *,
 
     def cost(info: TaskInfo, worker: SimWorker) -> float:
         kind, name = info.kind, worker.name
-        gang = info.gang
-        if gang is not None and kind == DENOISE:   # a context-parallel step's member
-            seconds, network = costs.step(info.samples, gang[2])
-        else:
-            seconds, network = costs.seconds(kind, info.samples, info.key, info.iteration), 0.0
+        seconds, network = costs.task(kind, info.samples, info.key, info.iteration, info.gang)
         if slowdown is not None:
             seconds *= slowdown(name, clock.now)
         extra = network + extras.pay(held[name], kind, info.policy_version,

@@ -82,7 +82,7 @@ import torch.distributed as dist
 from digenrl.checks import choice, finite, is_int, require
 from digenrl.config import COLLECTIVE_BACKENDS
 
-__all__ = ["Group", "join", "group", "leave", "live", "failed", "resolve_backend",
+__all__ = ["Group", "join", "group", "leave", "live", "failed", "poll", "resolve_backend",
            "CollectiveError",
            "StaleGeneration", "NotJoined", "RendezvousTimeout", "METADATA", "BACKEND_FIELD",
            "TIMEOUT_FIELD"]
@@ -308,7 +308,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                     return None
                 return {m: str(got[m]) for m in others}
 
-            tokens = _poll(arrivals, deadline, lambda: (
+            tokens = poll(arrivals, deadline, lambda: (
                 f"{what}: members {_missing(client, key, others)} did not arrive within "
                 f"{timeout:g} s ({TIMEOUT_FIELD})"))
             tokens[me] = token
@@ -327,7 +327,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                 ok = isinstance(got, dict) and (got.get("tokens") or {}).get(me) == token
                 return got if ok else None
 
-            published = _poll(answer, deadline, lambda: (
+            published = poll(answer, deadline, lambda: (
                 f"{what}: rank 0 ({members[0]!r}) published no store for worker {me!r} "
                 f"within {timeout:g} s ({TIMEOUT_FIELD})"))
             address, formation = published["address"], published["formation"]
@@ -361,7 +361,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                 client.set_metadata(key + ["arrived", me], None)
 
 
-def _poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str]) -> T:
+def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str]) -> T:
     """``read()`` until it gives something, at growing intervals (5 ms to 100 ms), or
     :class:`RendezvousTimeout` with ``message()`` once ``deadline`` passes."""
     pause = 0.005

@@ -33,6 +33,7 @@ on a group formed anew: its generation counts the failed steps before it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from digenrl.config import ModelConfig
 from digenrl.models import family
 from digenrl.tasks import collective, rollout
-from digenrl.tasks.collective import CollectiveError, Group
+from digenrl.tasks.collective import CollectiveError, Group, RendezvousTimeout
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import RolloutSpec
 from digenrl.tasks.types import Latents, PolicyWeights, StepOut
@@ -131,16 +132,11 @@ def _placement(context: ContextSpec, gang: int) -> dict:
     from distributed import get_client
 
     client = get_client()
-    deadline = time.monotonic() + context.timeout
-    placed = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
-    while placed is None:
-        if time.monotonic() > deadline:
-            raise CollectiveError(f"context-parallel gang {gang}: no placement of its "
-                                  f"members within {context.timeout:g} s "
-                                  f"({collective.TIMEOUT_FIELD})")
-        time.sleep(0.01)
-        placed = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
-    return placed
+    return collective.poll(
+        lambda: client.get_metadata([CONTEXT_METADATA, str(gang)], default=None),
+        time.monotonic() + context.timeout,
+        lambda: (f"context-parallel gang {gang}: no placement of its members within "
+                 f"{context.timeout:g} s ({collective.TIMEOUT_FIELD})"))
 
 
 def _await_retry(context: ContextSpec, gang: int, placed: dict) -> None:
@@ -149,12 +145,13 @@ def _await_retry(context: ContextSpec, gang: int, placed: dict) -> None:
     from distributed import get_client
 
     client = get_client()
-    deadline = time.monotonic() + context.timeout
-    while time.monotonic() < deadline:
+
+    def anew() -> bool | None:
         now = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
-        if now is None or now["failed"] != placed["failed"]:
-            return
-        time.sleep(0.05)
+        return True if now is None or now["failed"] != placed["failed"] else None
+
+    with contextlib.suppress(RendezvousTimeout):    # (the step's own error is raised)
+        collective.poll(anew, time.monotonic() + context.timeout, lambda: "")
 
 
 def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
