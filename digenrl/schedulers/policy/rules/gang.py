@@ -278,21 +278,28 @@ class Gang(Rule):
                 out[index] = rest.pop(0)
         return out  # type: ignore[return-value]  # (every index filled)
 
-    def behind(self, g: _Members) -> bool:
-        """Whether placed gang ``g`` starts a chunk (its first step) while another
-        chunk of its iteration or an older one, computed on one worker, has not started:
-        that chunk goes first, so the gangs take the iteration's tail."""
-        first = next(iter(g.members.values()))
-        if first.timestep != 0:
-            return False
+    def whole_chunks_from(self) -> float:
+        """The oldest iteration with a chunk computed on one worker (no gang) that has
+        not started (infinity when none): a placed gang that starts a chunk of that
+        iteration or a later one waits (:meth:`behind`), so the gangs take the
+        iteration's tail. Computed once a round."""
+        oldest = float("inf")
         tasks = self.tasks
         for (iteration, _), keys in self.facts.unstarted.items():
-            if iteration <= first.iteration:
+            if iteration < oldest:
                 for key in keys:
                     info = tasks.get(key)
                     if info is not None and info.gang is None:
-                        return True
-        return False
+                        oldest = iteration
+                        break
+        return oldest
+
+    @staticmethod
+    def behind(g: _Members, whole_from: float) -> bool:
+        """Whether placed gang ``g`` starts a chunk (its first step) of iteration
+        ``whole_from`` (:meth:`whole_chunks_from`) or a later one."""
+        first = next(iter(g.members.values()))
+        return first.timestep == 0 and first.iteration >= whole_from
 
     def wake(self, candidates: set[str]) -> None:
         """Keep each complete placed gang's workers before any worker takes other work
@@ -303,9 +310,10 @@ class Gang(Rule):
         taken = {a for a, gid in self.reserved.items()
                  if gid in gangs and not gangs[gid].placed}
         reserved = {a: gid for a, gid in self.reserved.items() if a in taken}
+        whole_from = self.whole_chunks_from()
         for gid in self.waiting:
             g = self.gangs[gid]
-            if not g.placed or self.behind(g):
+            if not g.placed or self.behind(g, whole_from):
                 continue
             workers = self.placement(g, taken)
             if workers is None:
@@ -352,10 +360,14 @@ class Gang(Rule):
         first and no two gangs wait for each other)."""
         out: list[Decision] = []
         reserved: dict[str, int] = {}
+        self.reserved = reserved
+        if not self.waiting:
+            return out
         policy = self.policy
+        whole_from = self.whole_chunks_from()
         for gid in list(self.waiting):
             g = self.gangs[gid]
-            if g.placed and self.behind(g):
+            if g.placed and self.behind(g, whole_from):
                 continue
             workers = self.placement(g, reserved) if g.placed else self.member_workers(g)
             if workers is None:
@@ -387,7 +399,6 @@ class Gang(Rule):
                                 "together, member {} to worker {} of its pool", g.size,
                                 gid, index, index)
                 out.append(policy.release(info, w, now))
-        self.reserved = reserved
         return out
 
     def _note_too_few(self, gid: int, g: _Members, info) -> None:
