@@ -928,6 +928,7 @@ class ScheduleConfig(_ScheduleChecks):
     transfer_bandwidth: float = SWITCHES["transfer_bandwidth"].default
     stale_groups: int | None = SWITCHES["stale_groups"].default
     slots_per_worker: int = SWITCHES["slots_per_worker"].default
+    context_parallel_wait: float = SWITCHES["context_parallel_wait"].default
     stall_timeout: float | None = SWITCHES["stall_timeout"].default
 
 

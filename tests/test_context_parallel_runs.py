@@ -121,3 +121,34 @@ def test_a_rollout_worker_killed_mid_step_costs_the_run_nothing(runs, tmp_path, 
     (v, w), (rv, rw) = read_weights(path), read_weights(runs(2))
     assert v == rv and all(torch.equal(torch.from_numpy(w[n]), torch.from_numpy(rw[n]))
                            for n in rw)
+
+
+@pytest.mark.slow
+def test_a_step_whose_pool_shrank_runs_at_a_lower_degree(runs, tmp_path, cluster_2x2):
+    """rollout-1 SIGKILLed while it computes its part of a step of iteration 1, with
+    ``schedule.context_parallel_wait: 0``: the step does not wait for the nanny's new
+    process but runs again at degree 1 on rollout-0 (its second member after the first,
+    there); the run finishes with the undisturbed run's rewards (bar 1e-4). (Whether the
+    chunk's later steps find the pool whole again, at degree 2, is the nanny's timing.)"""
+    from test_worker_loss import run_killing
+
+    reference = open_run(runs(2))
+    path = tmp_path / "run.zarr"
+    run_killing(cluster_2x2, path, ROLLOUT, DENOISE, 1,
+                config(2, **{"schedule.context_parallel_wait": 0.0}), worker="rollout-1",
+                bound=300.0)
+    ds = open_run(path)
+    assert ds["metrics"].sizes["iteration"] == 2
+    assert np.max(np.abs(ds["samples"]["reward"].values
+                         - reference["samples"]["reward"].values)) <= 1e-4
+    # Each member's last run (a step run again has a record per run): some steps of
+    # iteration 1 ran alone on rollout-0; those before the kill on both workers.
+    t = ds["tasks"].to_dataframe()
+    steps = t[t.kind == DENOISE].sort_values("stop").drop_duplicates("key", keep="last")
+    members = steps.key.map(ast.literal_eval)
+    per_step = steps.assign(step=members.map(lambda k: k[:4])).groupby("step")
+    assert (per_step.size() == 2).all()
+    workers = per_step.worker_name.nunique()
+    alone = workers[workers == 1].index
+    assert len(alone) >= 1 and all(step[1] == 1 for step in alone)
+    assert (workers == 2).sum() >= 1

@@ -41,6 +41,7 @@ class ScheduleOptions:
     rat: bool
     transfer_bandwidth: float = _default("transfer_bandwidth")
     slots_per_worker: int = _default("slots_per_worker")
+    context_parallel_wait: float = _default("context_parallel_wait")
     stall_timeout: float | None = _default("stall_timeout")
 
     def as_dict(self) -> dict[str, Any]:

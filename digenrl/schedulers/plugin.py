@@ -328,6 +328,15 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                 s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
 
+    def decide_when_due(self) -> None:
+        """Run a decision round if the policy's :meth:`deadline` has passed (called
+        periodically: a wait a rule measures ends with no event)."""
+        if self.policy is None:
+            return
+        due = self.policy.deadline()
+        if due is not None and due <= self.policy.clock():
+            self._schedule_flush()
+
     def _gang(self) -> Gang:
         assert self.policy is not None      # (set by begin_run)
         gang = self.policy.rule(Gang)

@@ -126,6 +126,7 @@ class ProgressGuard(SchedulerPlugin):
             return
         if plugin.run != self._run:
             self._new_run()
+        plugin.decide_when_due()
         now = time.time()
         # A request no answer came back to within the grace is given up (and may be
         # made again).
@@ -199,6 +200,7 @@ class ProgressGuard(SchedulerPlugin):
         assert s is not None        # (asked once started)
         if plugin.run != self._run:
             self._new_run()
+        plugin.decide_when_due()
         now = time.time()
         timeout = stall_timeout(plugin.policy.options.stall_timeout,
                                 plugin.policy.longest_expected())

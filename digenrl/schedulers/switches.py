@@ -186,6 +186,12 @@ declare(Switch(
     help="GPU tasks released to a worker at once (one runs, the rest wait on the "
          "worker and hide the scheduler round trip)."))
 declare(Switch(
+    "context_parallel_wait", float, default=60.0, low=0.0,
+    help="Seconds a context-parallel step of degree d waits while fewer than d workers "
+         "serve its pool (a lost worker's nanny restarts it, a replacement joins) before "
+         "it runs at the largest degree dividing d that the workers there take; its "
+         "later steps are placed at the full degree again once the pool is."))
+declare(Switch(
     "stall_timeout", float, nullable=True, low=0.0, low_open=True,
     help="Seconds without a finished GPU task after which a run the progress watchdog "
          "cannot help stops, naming what it waits for (exit status 1; --resume "

@@ -82,7 +82,8 @@ import torch.distributed as dist
 from digenrl.checks import choice, finite, is_int, require
 from digenrl.config import COLLECTIVE_BACKENDS
 
-__all__ = ["Group", "join", "group", "leave", "live", "failed", "poll", "resolve_backend",
+__all__ = ["Group", "join", "group", "leave", "live", "failed", "poll", "Attempt", "TakenBack",
+           "resolve_backend",
            "CollectiveError",
            "StaleGeneration", "NotJoined", "RendezvousTimeout", "METADATA", "BACKEND_FIELD",
            "TIMEOUT_FIELD"]
@@ -112,6 +113,49 @@ class NotJoined(CollectiveError):
 
 class RendezvousTimeout(CollectiveError):
     """The members did not all meet within the timeout."""
+
+
+class TakenBack(CollectiveError):
+    """The scheduler took back the task waiting for its group (cancelled, or sent again
+    while it still ran)."""
+
+
+class Attempt:
+    """The Dask task this thread runs, as it was when this object was made: the
+    scheduler may take it back while it runs (``cancelled``: Dask drops its outcome) or
+    send it to this worker again (a new run id: Dask takes this execution's outcome for
+    the new run)."""
+
+    __slots__ = ("_task", "run_id")
+
+    def __init__(self, task: Any) -> None:
+        self._task = task           # (the worker's TaskState)
+        self.run_id = task.run_id
+
+    @classmethod
+    def current(cls) -> "Attempt | None":
+        """This thread's task on its worker (None outside a Dask task)."""
+        try:
+            from distributed import get_worker
+
+            worker = get_worker()
+        except ValueError:
+            return None
+        key = worker.active_threads.get(threading.get_ident())
+        task = worker.state.tasks.get(key) if key is not None else None
+        return cls(task) if task is not None else None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._task.state == "cancelled"
+
+    @property
+    def sent_again(self) -> bool:
+        return not self.cancelled and self._task.run_id != self.run_id
+
+    def renew(self) -> None:
+        """This execution now serves the task's latest run."""
+        self.run_id = self._task.run_id
 
 
 @dataclass(eq=False)
@@ -297,6 +341,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
     deadline = time.monotonic() + timeout
     what = f"collective group {name!r} generation {generation}"
     token = uuid.uuid4().hex
+    attempt = Attempt.current()
     store = None
     try:
         if rank == 0:
@@ -310,7 +355,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
 
             tokens = poll(arrivals, deadline, lambda: (
                 f"{what}: members {_missing(client, key, others)} did not arrive within "
-                f"{timeout:g} s ({TIMEOUT_FIELD})"))
+                f"{timeout:g} s ({TIMEOUT_FIELD})"), attempt)
             tokens[me] = token
             store = dist.TCPStore(get_address_host(worker.address), 0, world_size=len(members),
                                   is_master=True, wait_for_workers=False,
@@ -329,7 +374,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
 
             published = poll(answer, deadline, lambda: (
                 f"{what}: rank 0 ({members[0]!r}) published no store for worker {me!r} "
-                f"within {timeout:g} s ({TIMEOUT_FIELD})"))
+                f"within {timeout:g} s ({TIMEOUT_FIELD})"), attempt)
             address, formation = published["address"], published["formation"]
             if published["backend"] != backend:
                 raise CollectiveError(
@@ -361,14 +406,20 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                 client.set_metadata(key + ["arrived", me], None)
 
 
-def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str]) -> T:
+def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], str],
+         attempt: Attempt | None = None) -> T:
     """``read()`` until it gives something, at growing intervals (5 ms to 100 ms), or
-    :class:`RendezvousTimeout` with ``message()`` once ``deadline`` passes."""
+    :class:`RendezvousTimeout` with ``message()`` once ``deadline`` passes, or
+    :class:`TakenBack` once the scheduler takes ``attempt`` back (its peers' step
+    failed: waiting longer only holds the worker's thread)."""
     pause = 0.005
     while True:
         value = read()
         if value is not None:
             return value
+        if attempt is not None and (attempt.cancelled or attempt.sent_again):
+            raise TakenBack("the scheduler took this task back while it waited: "
+                            + message())
         left = deadline - time.monotonic()
         if left <= 0:
             raise RendezvousTimeout(message())

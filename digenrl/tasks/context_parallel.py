@@ -109,25 +109,75 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     each runs, and needs the latents once).
 
     When the group fails under it (a peer lost), the member leaves the group, so its
-    other peers fail at once too, and raises only once the scheduler has taken the step
-    back to run it again (its placement changed or gone), so that the error of a step
-    that runs again is dropped rather than ending the run; after
-    ``cluster.collective_timeout`` without that, it raises all the same."""
-    placed = _placement(context, gang)
-    group = None
-    try:
-        group = _group_of(context, placed, member)
-        out = denoise(spec, weights, prompts, iteration, t, previous, group)
-    except BaseException as e:
-        if group is not None:
-            collective.leave(group.name, group.generation)
-        if collective.failed(e):        # (forming the group, or a collective of it)
-            _await_retry(context, gang, placed)
-        raise
-    return out if member == 0 or t < len(spec.sigmas) - 2 else None
+    other peers fail at once too, and waits for the scheduler to take the step back
+    (:func:`_after_failure`): once this attempt is cancelled it raises, and Dask drops the
+    error of a cancelled task; if the step was placed anew on this worker while the
+    attempt still ran (Dask then takes this execution for the new attempt), it computes
+    the step again on the new placement. After ``cluster.collective_timeout`` without
+    either, it raises all the same.
+
+    A gang the scheduler placed on fewer workers than members (its pool shrank: degree
+    ``k``, member ``i`` on member ``i % k``'s worker) computes the step at degree ``k``
+    (alone at 1): members ``k`` and above run after their leader on its worker and give
+    the result it holds for them (:data:`_HELD`)."""
+    attempt = collective.Attempt.current()
+    placed = _placement(context, gang, attempt)
+    while True:
+        k = len(_workers(placed))
+        last = t >= len(spec.sigmas) - 2
+        if member >= k:
+            return None if last else _from_leader(gang, placed, member, k)
+        group = None
+        try:
+            if k == 1:
+                out = rollout.denoise(spec, weights, prompts, iteration, t, previous)
+            else:
+                group = _group_of(context, placed, member)
+                out = denoise(spec, weights, prompts, iteration, t, previous, group)
+            break
+        except BaseException as e:
+            if group is not None:
+                collective.leave(group.name, group.generation)
+            if not collective.failed(e):    # (forming the group, or a collective of it)
+                raise
+            anew = _after_failure(context, gang, attempt)
+            if anew is None:
+                raise
+            placed = anew
+    followers = {m for m in range(k, len(placed["workers"])) if m % k == member}
+    if followers and not last:
+        _HELD.clear()       # (a step's, whose followers never ran: it ran again)
+        _HELD[gang, placed["failed"]] = (out, followers)
+    return out if member == 0 or not last else None
 
 
-def _placement(context: ContextSpec, gang: int) -> dict:
+#: (gang, failed steps before it) -> the result of this process's member of a gang
+#: placed at a lower degree, and the members still to give it (run after it here).
+_HELD: dict[tuple[int, int], tuple[StepOut, set[int]]] = {}
+
+
+def _workers(placed: dict) -> list[str]:
+    """The distinct workers of a placement, in member order (member ``i`` of a gang at
+    degree ``k`` runs on the ``i % k``-th)."""
+    return list(dict.fromkeys(placed["workers"]))
+
+
+def _from_leader(gang: int, placed: dict, member: int, k: int) -> StepOut:
+    """Member ``member`` of gang ``gang`` placed at degree ``k`` on its leader's worker:
+    the step's result its leader (member ``member % k``) computed and holds here."""
+    held = _HELD.get((gang, placed["failed"]))
+    if held is None or member not in held[1]:
+        raise CollectiveError(f"context-parallel gang {gang}: member {member} runs on "
+                              f"member {member % k}'s worker, which holds no result of "
+                              f"the step for it")
+    out, followers = held
+    followers.discard(member)
+    if not followers:
+        del _HELD[gang, placed["failed"]]
+    return out
+
+
+def _placement(context: ContextSpec, gang: int, attempt: collective.Attempt | None) -> dict:
     """The scheduler's placement of gang ``gang`` (set as it releases the gang)."""
     from distributed import get_client
 
@@ -136,27 +186,40 @@ def _placement(context: ContextSpec, gang: int) -> dict:
         lambda: client.get_metadata([CONTEXT_METADATA, str(gang)], default=None),
         time.monotonic() + context.timeout,
         lambda: (f"context-parallel gang {gang}: no placement of its members within "
-                 f"{context.timeout:g} s ({collective.TIMEOUT_FIELD})"))
+                 f"{context.timeout:g} s ({collective.TIMEOUT_FIELD})"), attempt)
 
 
-def _await_retry(context: ContextSpec, gang: int, placed: dict) -> None:
-    """Wait until gang ``gang``'s step is placed anew (or its placement is gone), at most
-    ``context.timeout`` seconds."""
+def _after_failure(context: ContextSpec, gang: int,
+                   attempt: collective.Attempt | None) -> dict | None:
+    """After this member's group failed: wait until the scheduler takes the step back,
+    at most ``context.timeout`` seconds. None once this attempt is cancelled (the member
+    raises, and Dask drops the error), or the time is up; the new placement when the
+    step was placed anew with this member on this worker again while this attempt still
+    runs (Dask then takes this execution for the new run)."""
     from distributed import get_client
 
+    if attempt is None:
+        return None
     client = get_client()
 
-    def anew() -> bool | None:
+    def taken_back() -> tuple[dict | None] | None:
+        if attempt.cancelled:
+            return (None,)
+        if not attempt.sent_again:
+            return None
+        # (The scheduler writes a placement before it sends the members.)
         now = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
-        return True if now is None or now["failed"] != placed["failed"] else None
+        attempt.renew()
+        return (now,)
 
     with contextlib.suppress(RendezvousTimeout):    # (the step's own error is raised)
-        collective.poll(anew, time.monotonic() + context.timeout, lambda: "")
+        return collective.poll(taken_back, time.monotonic() + context.timeout, lambda: "")[0]
+    return None
 
 
 def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
     """This member's group: the live one where it is the placement's, else joined."""
-    workers = tuple(placed["workers"])
+    workers = tuple(_workers(placed))
     name = GROUP_PREFIX + "+".join(workers)
     generation = context.generation + int(placed["failed"])
     live = collective.live()
@@ -181,6 +244,7 @@ def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
 def leave() -> str | None:
     """Leave this process's context-parallel group, if it is in one (the run is over).
     Returns its name."""
+    _HELD.clear()
     live = collective.live()
     if live is None or not live.name.startswith(GROUP_PREFIX):
         return None

@@ -462,6 +462,13 @@ class SchedulingPolicy:
 
     # ---------------------------------------------------------------- decisions
 
+    def deadline(self) -> float | None:
+        """The earliest time (this policy's clock) from which a round decides otherwise
+        with no event before it (:meth:`.Rule.deadline`); None: none. A scheduler runs a
+        round once it has passed."""
+        times = [t for t in (deadline() for deadline in self._on["deadline"]) if t is not None]
+        return min(times, default=None)
+
     def decide(self) -> list[Decision]:
         """Releases to make now (each is final: the task goes to that worker).
 

@@ -343,3 +343,73 @@ def test_a_chunks_workers_are_kept_for_its_next_step_while_its_step_ends():
     out = {d.key: d.worker for d in p.decide()}
     assert out == {second[0].key: workers[first[0].key], second[1].key: workers[first[1].key]}
     assert p.rule(Gang).kept_for == {}
+
+
+def test_a_placed_gang_short_of_workers_waits_then_runs_at_a_lower_degree():
+    """A chunk's step of 4 members with 2 rollout workers left: it waits
+    ``context_parallel_wait`` seconds for the pool to grow back (the policy's deadline
+    says when), then runs at degree 2: members 0 and 1 on the two workers, together;
+    members 2 and 3 each after its leader (member ``i % 2``) on its worker. The next step
+    finds the pool whole again and runs at degree 4."""
+    now = [0.0]
+    p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=30.0),
+                    rollout=4, trainer=0, clock=lambda: now[0])
+    p.rule(Gang).handing = True
+    first = [info(("s", 0, m), DENOISE, chunk=0, timestep=0, gang=(30, m, 4)) for m in range(4)]
+    second = [info(("s", 1, m), DENOISE, chunk=0, timestep=1, gang=(31, m, 4))
+              for m in range(4)]
+    p.add_tasks(first + second)
+    p.remove_worker("r3")
+    p.remove_worker("r2")
+    for m in first:
+        p.task_ready(m.key)
+    assert p.decide() == [] and p.deadline() == 30.0
+    assert any(s.reason == "gang 30 needs 4 workers of its pool: 2 serve it"
+               for s in steps(p, first[0].key))
+    now[0] = 29.9
+    assert p.decide() == []
+    now[0] = 30.0
+    out = {d.key: d.worker for d in p.decide()}
+    assert out == {first[0].key: "r0", first[1].key: "r1"} and p.deadline() is None
+    formed, _ = p.rule(Gang).take_formations()
+    assert formed == [(30, ["r0", "r1", "r0", "r1"], 0)] and p.rule(Gang).lowered == 1
+    assert any("runs at degree 2 on the 2 workers it has" in s.reason
+               for s in steps(p, first[0].key))
+    p.task_done(first[1].key, "r1", 1.0)
+    assert {d.key: d.worker for d in p.decide()} == {first[3].key: "r1"}
+    p.task_done(first[0].key, "r0", 1.0)
+    assert {d.key: d.worker for d in p.decide()} == {first[2].key: "r0"}
+    p.task_done(first[2].key, "r0", 0.0)
+    p.task_done(first[3].key, "r1", 0.0)
+    p.add_worker("r2", "rollout-2", ROLLOUT, 1)
+    p.add_worker("r3", "rollout-3", ROLLOUT, 1)
+    for m in second:
+        p.task_ready(m.key)
+    out = {d.key: d.worker for d in p.decide()}
+    assert sorted(out) == sorted(m.key for m in second)
+    assert out[second[0].key] == "r0" and out[second[1].key] == "r1"
+    assert sorted(out.values()) == ["r0", "r1", "r2", "r3"]
+
+
+def test_a_lower_degrees_follower_lost_with_its_leaders_worker_runs_the_step_again():
+    """Its leader done, a follower waits to run on the leader's worker; that worker
+    leaves: the step fails and, with every member ready again, runs again whole."""
+    p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=0.0),
+                    rollout=2, trainer=0)
+    members = [info(("s", 0, m), DENOISE, chunk=0, timestep=0, gang=(40, m, 4))
+               for m in range(4)]
+    p.add_tasks(members)
+    p.remove_worker("r1")
+    for m in members:
+        p.task_ready(m.key)
+    assert {d.key: d.worker for d in p.decide()} == {members[0].key: "r0"}
+    # Degree 1: the three others run after member 0 on its worker, which leaves first.
+    p.task_done(members[0].key, "r0", 1.0)
+    p.remove_worker("r0")
+    assert p.take_withdrawn() == [members[0].key]
+    assert p.rule(Gang).retried == 1 and p.decide() == []
+    p.add_worker("r2", "rollout-2", ROLLOUT, 1)
+    p.task_ready(members[0].key)
+    assert {d.key: d.worker for d in p.decide()} == {members[0].key: "r2"}
+    p.task_done(members[0].key, "r2", 1.0)
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members[1:])

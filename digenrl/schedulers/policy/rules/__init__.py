@@ -178,6 +178,11 @@ class Rule:
         at that had nothing in flight when it began. Returns releases to add."""
         return ()
 
+    def deadline(self) -> float | None:
+        """Asked: the time (the policy's clock) from which a round decides otherwise
+        with no event before it (a wait the rule measures ends); None: no such time."""
+        return None
+
 
 #: Every event method of :class:`Rule`, for the core's lists of the rules defining each.
 EVENTS = tuple(name for name, value in vars(Rule).items()

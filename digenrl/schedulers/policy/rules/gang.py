@@ -39,6 +39,13 @@ them: TAG, RAT and rebalancing never move one.
   chunk's gang is placed on it (a gang of the same chunk may be: a step run again). So
   the workers of a chunk's step, ending one by one, are not taken by other chunks'
   steps or lent micro-steps, and the chunk's next step finds them free together.
+* **At a lower degree**: a placed gang whose pool has fewer workers than members waits
+  ``options.context_parallel_wait`` seconds for it to grow back (:meth:`Gang.deadline`
+  tells the plugin when a round is due), then runs at the largest degree ``k`` dividing
+  its size that the workers serve (:meth:`Gang.degree`): members ``0..k-1`` are released
+  together, and member ``i >= k`` after member ``i % k`` on its worker (it gives the
+  result that member holds for it). The chunk's next gang is placed at full degree as
+  soon as the pool is whole.
 * **Formations**: each release of a placed gang is noted in :attr:`Gang.formed` (its id,
   its members' workers by index and how many placed steps had failed before it), which
   the plugin hands to the members (the scheduler's metadata under
@@ -70,7 +77,8 @@ WITH_TRANSFORMER = (DENOISE, EVAL, GRAD)
 class _Members:
     """One gang: its members by index, and which of them are ready to be released."""
 
-    __slots__ = ("size", "members", "ready", "pool", "trainers", "placed")
+    __slots__ = ("size", "members", "ready", "pool", "trainers", "placed", "degree",
+                 "after")
 
     def __init__(self, size: int, pool: str, trainers: int, placed: bool = False) -> None:
         self.size = size
@@ -82,6 +90,11 @@ class _Members:
         self.trainers = trainers
         self.members: dict[int, TaskInfo] = {}
         self.ready: set[int] = set()
+        #: A placed gang released at a lower degree k: member index -> the worker it
+        #: runs on once its leader (member ``index % k``, on the same worker) is done.
+        self.after: dict[int, WorkerInfo] = {}
+        #: The degree of its last release (a placed gang's; ``size`` unless lower).
+        self.degree = size
 
     def complete(self) -> bool:
         return len(self.ready) == self.size
@@ -91,7 +104,8 @@ class Gang(Rule):
     """Releases each gang's members together, on their own workers."""
 
     __slots__ = ("gangs", "waiting", "reserved", "failed", "_failing", "homes", "retried",
-                 "formed", "ended", "handing", "steps", "kept_for")
+                 "formed", "ended", "handing", "steps", "kept_for", "short", "lowered",
+                 "due")
     name = "gang"
 
     def __init__(self, policy) -> None:
@@ -123,6 +137,14 @@ class Gang(Rule):
         #: worker whose part of a chunk's step is done is kept for the chunk's next step
         #: until that step is released, so a chunk's gang finds its workers free.
         self.kept_for: dict[str, tuple[int, int, int | None]] = {}
+        #: Placed gang -> since when fewer workers than its members serve its pool
+        #: (it runs at a lower degree once ``options.context_parallel_wait`` has passed).
+        self.short: dict[int, float] = {}
+        #: How many placed gangs' steps were released at a lower degree.
+        self.lowered = 0
+        #: Members of gangs released at a lower degree whose leader is done: each runs
+        #: on its leader's worker in the next round.
+        self.due: list[tuple[TaskInfo, WorkerInfo]] = []
 
     # ---------------------------------------------------------------- members
 
@@ -160,6 +182,10 @@ class Gang(Rule):
         if info.gang is None or info.kind != DENOISE or info.where is None \
                 or info.timestep is None:
             return
+        g = self.gangs.get(info.gang[0])
+        if g is not None and g.after:
+            for index in [i for i in g.after if i % g.degree == info.gang[1]]:
+                self.due.append((g.members[index], g.after.pop(index)))
         following = self.steps.get((info.iteration, info.chunk, info.timestep + 1))
         if following is not None:
             self.kept_for[info.where] = (following, info.iteration, info.chunk)
@@ -183,6 +209,7 @@ class Gang(Rule):
         self._not_ready(gid, g, index)
         if not g.members:
             del self.gangs[gid]
+            self.short.pop(gid, None)
             if g.placed:
                 if self.handing:
                     self.ended.append(gid)
@@ -204,6 +231,14 @@ class Gang(Rule):
                 g = self.gangs.get(info.gang[0])
                 if g is not None:
                     self._fail_step(g, info)
+        # A member waiting to run after its leader on this worker: the leader's result
+        # went with it, so the step runs again.
+        waiting = [(g, g.members[i]) for g in self.gangs.values()
+                   for i, at in g.after.items() if at is w]
+        waiting += [(self.gangs[info.gang[0]], info) for info, at in self.due  # type: ignore[index]
+                    if at is w]
+        for g, info in waiting:
+            self._fail_step(g, info)
 
     def _not_ready(self, gid: int, g: _Members, index: int) -> None:
         g.ready.discard(index)
@@ -218,6 +253,11 @@ class Gang(Rule):
             return              # (a member taken back below comes back here)
         assert info.gang is not None    # (a member of g)
         gid, member = info.gang[:2]
+        # A lower degree's members not released yet wait with the others.
+        g.ready.update(g.after)
+        g.ready.update(d.gang[1] for d, _ in self.due if d.gang[0] == gid)  # type: ignore[index]
+        self.due = [(d, w) for d, w in self.due if d.gang[0] != gid]  # type: ignore[index]
+        g.after.clear()
         self._failing = True
         try:
             withdrawn = 0
@@ -250,22 +290,29 @@ class Gang(Rule):
         pool = self.policy.pool_workers(g.pool)
         return pool[:g.size] if len(pool) >= g.size else None
 
-    def placement(self, g: _Members, taken) -> list[WorkerInfo] | None:
+    def placement(self, gid: int, g: _Members, taken) -> list[WorkerInfo] | None:
         """A placed gang's worker of each member (by index), among its pool's workers
         not in ``taken`` (addresses kept for older gangs): the worker member ``i`` of
         the chunk's previous step ran on first, then the idle workers, then the least
-        loaded; None when too few."""
+        loaded; None when too few. With fewer workers in the pool than members for
+        ``options.context_parallel_wait`` seconds, the gang runs at the largest degree
+        ``k`` dividing its size that they can serve (:meth:`degree`): member ``i`` goes to
+        member ``i % k``'s worker, and members ``k`` and above run there after it."""
         first = next(iter(g.members.values()))
         chunk = (first.iteration, first.chunk)
-        pool = [w for w in self.policy.pool_workers(g.pool) if w.address not in taken
+        whole = self.policy.pool_workers(g.pool)
+        size = self.degree(gid, g, len(whole))
+        pool = [w for w in whole if w.address not in taken
                 and self.kept_for.get(w.address, (0, *chunk))[1:] == chunk]
-        if len(pool) < g.size:
+        if not size or len(pool) < size:
             return None
         home = self.homes.get((first.iteration, first.chunk), (0, []))[1]
-        holders = {a: index for index, a in enumerate(home) if index < g.size}
+        holders: dict[str, int] = {}
+        for held, a in enumerate(home[:size]):
+            holders.setdefault(a, held)
         ranked = sorted(pool, key=lambda w: (bool(w.inflight), w.address not in holders,
-                                             len(w.inflight), w.busy_until, w.rank))[:g.size]
-        out: list[WorkerInfo | None] = [None] * g.size
+                                             len(w.inflight), w.busy_until, w.rank))[:size]
+        out: list[WorkerInfo | None] = [None] * size
         rest = []
         for w in ranked:
             index = holders.get(w.address)
@@ -273,10 +320,23 @@ class Gang(Rule):
                 out[index] = w
             else:
                 rest.append(w)
-        for index in range(g.size):
+        for index in range(size):
             if out[index] is None:
                 out[index] = rest.pop(0)
-        return out  # type: ignore[return-value]  # (every index filled)
+        return [out[index % size] for index in range(g.size)]  # type: ignore[misc]
+
+    def degree(self, gid: int, g: _Members, serving: int) -> int:
+        """The degree placed gang ``gid`` runs at with ``serving`` workers in its pool:
+        its size when they are enough; else none (0) for ``options.context_parallel_wait``
+        seconds from the first time they were not, then the largest divisor of its size
+        that they can serve."""
+        if serving >= g.size:
+            self.short.pop(gid, None)
+            return g.size
+        since = self.short.setdefault(gid, self.policy.clock())
+        if self.policy.clock() - since < self.options.context_parallel_wait:
+            return 0
+        return max((k for k in range(1, serving + 1) if g.size % k == 0), default=0)
 
     def whole_chunks_from(self) -> float:
         """The oldest iteration with a chunk computed on one worker (no gang) that has
@@ -315,7 +375,7 @@ class Gang(Rule):
             g = self.gangs[gid]
             if not g.placed or self.behind(g, whole_from):
                 continue
-            workers = self.placement(g, taken)
+            workers = self.placement(gid, g, taken)
             if workers is None:
                 continue
             for w in workers:
@@ -361,15 +421,27 @@ class Gang(Rule):
         out: list[Decision] = []
         reserved: dict[str, int] = {}
         self.reserved = reserved
+        policy = self.policy
+        due, self.due = self.due, []
+        for info, w in due:
+            if self.noting:
+                assert info.gang is not None    # (a member)
+                gid, index = info.gang[:2]
+                degree = self.gangs[gid].degree
+                policy.note(info, RELEASED_VERB, self.name, w,
+                            "member {} of gang {} runs after member {} on its worker: the "
+                            "gang's step runs at degree {}", index, gid, index % degree,
+                            degree)
+            out.append(policy.release(info, w, now))
         if not self.waiting:
             return out
-        policy = self.policy
         whole_from = self.whole_chunks_from()
         for gid in list(self.waiting):
             g = self.gangs[gid]
             if g.placed and self.behind(g, whole_from):
                 continue
-            workers = self.placement(g, reserved) if g.placed else self.member_workers(g)
+            workers = (self.placement(gid, g, reserved) if g.placed
+                       else self.member_workers(g))
             if workers is None:
                 if self.noting:
                     for info in g.members.values():
@@ -389,17 +461,37 @@ class Gang(Rule):
                 self.homes[(first.iteration, first.chunk)] = (gid, addresses)
                 if self.handing:
                     self.formed.append((gid, addresses, self.retried))
-            if g.placed:
                 self._unkeep(gid)
+                g.degree = len(set(addresses))
+                if g.degree < g.size:
+                    self.lowered += 1
+                    self.short.pop(gid, None)
             for index, w in enumerate(workers):
                 info = g.members[index]
+                if index >= g.degree:
+                    g.after[index] = w      # (runs after its leader, on its worker)
+                    continue
                 if self.noting:
-                    policy.note(info, RELEASED_VERB, self.name, w,
-                                "all {} members of gang {} can take their part: released "
-                                "together, member {} to worker {} of its pool", g.size,
-                                gid, index, index)
+                    if g.degree < g.size:
+                        policy.note(info, RELEASED_VERB, self.name, w,
+                                    "gang {} of {} members waited for its pool to serve "
+                                    "them and runs at degree {} on the {} workers it has: "
+                                    "member {} to worker {}", gid, g.size, g.degree,
+                                    len(policy.pool_workers(g.pool)), index, w.name)
+                    else:
+                        policy.note(info, RELEASED_VERB, self.name, w,
+                                    "all {} members of gang {} can take their part: "
+                                    "released together, member {} to worker {} of its "
+                                    "pool", g.size, gid, index, index)
                 out.append(policy.release(info, w, now))
         return out
+
+    def deadline(self) -> float | None:
+        """When the first placed gang short of workers has waited
+        ``options.context_parallel_wait`` seconds (it runs at a lower degree then)."""
+        if not self.short:
+            return None
+        return min(self.short.values()) + self.options.context_parallel_wait
 
     def _note_too_few(self, gid: int, g: _Members, info) -> None:
         policy = self.policy
