@@ -4,6 +4,7 @@ from inside tasks pinned to them, meeting through the scheduler."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -188,3 +189,24 @@ def test_a_backend_the_worker_cannot_run_is_refused_before_any_rendezvous(traine
 def test_a_group_is_joined_from_inside_a_task():
     with pytest.raises(collective.CollectiveError, match="from inside a Dask task"):
         collective.join("trainer", ["trainer-0"], 1, backend="gloo", timeout=1.0)
+
+
+def _executing(dask_worker) -> int:
+    return len(dask_worker.state.executing)
+
+
+def test_a_member_waiting_for_its_peers_ends_once_its_task_is_taken_back(trainers):
+    """A member at the rendezvous whose peers never come, its timeout far off: once the
+    scheduler takes its task back (cancelled: a peer's worker lost, the step placed
+    anew), it stops waiting at once (:class:`collective.TakenBack`), which frees its
+    worker's thread for the step run again, rather than holding it until the timeout."""
+    client, members, addresses = trainers
+    address = addresses[members[0]]
+    waiting = client.submit(_join, group_name(), members, 1, 600.0, workers=[address],
+                            allow_other_workers=False, pure=False)
+    collective.poll(lambda: client.run(_executing, workers=[address])[address] or None,
+                    time.monotonic() + BOUND, lambda: "the member never started")
+    waiting.cancel()
+    collective.poll(lambda: client.run(_executing, workers=[address])[address] == 0 or None,
+                    time.monotonic() + BOUND,
+                    lambda: "the member still waits after its task was taken back")
