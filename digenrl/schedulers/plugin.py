@@ -356,8 +356,13 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         for gid in ended:
             entries.pop(str(gid), None)
         for gid, addresses, failed in formed:
-            entries[str(gid)] = {"workers": [str(s.workers[a].name) for a in addresses],
-                                 "failed": failed}
+            names = [str(s.workers[a].name) for a in addresses]
+            entries[str(gid)] = {"workers": names, "failed": failed}
+            if len(set(names)) < len(names):
+                logger.warning("context-parallel gang %d of %d members runs at degree %d "
+                               "on %s: its pool had fewer workers than members for "
+                               "schedule.context_parallel_wait seconds", gid, len(names),
+                               len(set(names)), ", ".join(dict.fromkeys(names)))
 
     # ----------------------------------------------------------------- telemetry
 

@@ -23,12 +23,17 @@ rank is its index in that list. Every member runs :func:`join` in a task of its 
    shared file) and publishes ``store`` = its ``host:port``, a token naming this
    formation and the token of every member it answers;
 3. each member waits for a published store that names its own token (an address
-   published for an earlier join of the same generation is never used), and the
-   default process group is created on it (``init_process_group``) with its rank, the
-   group's size and ``timeout``.
+   published for an earlier join of the same generation is never used), connects to it
+   and says so in it; rank 0 waits until every member has, then gives the go-ahead in
+   the store, and the default process group is created on it (``init_process_group``)
+   with each member's rank, the group's size and ``timeout``: every member is connected
+   before any of them waits inside torch's own rendezvous, where nothing interrupts it.
 
 **Timeouts.** Each wait of the rendezvous gives up after ``timeout`` seconds
-(:class:`RendezvousTimeout`, naming the members that did not come), and the process
+(:class:`RendezvousTimeout`, naming the members that did not come), or as soon as the
+scheduler takes the waiting task back (:class:`TakenBack`: cancelled, or sent to its
+worker again; :class:`Attempt`), so a member whose peer was lost does not hold its
+worker's thread until the timeout; and the process
 group is created with ``timeout=timedelta(seconds=timeout)``: a collective whose peer is
 lost fails after that long instead of hanging. With gloo it raises in the task; with NCCL
 torch's watchdog ends the worker process (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's
@@ -357,13 +362,21 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                 f"{what}: members {_missing(client, key, others)} did not arrive within "
                 f"{timeout:g} s ({TIMEOUT_FIELD})"), attempt)
             tokens[me] = token
-            store = dist.TCPStore(get_address_host(worker.address), 0, world_size=len(members),
-                                  is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=timeout))
-            address = f"{get_address_host(worker.address)}:{store.port}"
+            store = master = dist.TCPStore(get_address_host(worker.address), 0,
+                                           world_size=len(members), is_master=True,
+                                           wait_for_workers=False,
+                                           timeout=timedelta(seconds=timeout))
+            address = f"{get_address_host(worker.address)}:{master.port}"
             formation = token
             client.set_metadata(key + ["store"], {"address": address, "formation": formation,
                                                   "backend": backend, "tokens": tokens})
+            # Every member connected to the store before any waits in torch's own
+            # rendezvous, which no take-back interrupts.
+            poll(lambda: True if master.check([f"{_CONNECTED}/{m}" for m in others]) else None,
+                 deadline, lambda: (f"{what}: members {list(others)} did not connect to rank "
+                                    f"0's store within {timeout:g} s ({TIMEOUT_FIELD})"),
+                 attempt)
+            master.set(_FORM, formation)
         else:
             client.set_metadata(key + ["arrived", me], token)
 
@@ -381,9 +394,11 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
                     f"{what}: rank 0 ({members[0]!r}) runs {published['backend']}, worker "
                     f"{me!r} {backend}: every member runs one backend (set {BACKEND_FIELD})")
             host, port = address.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), world_size=len(members), is_master=False,
-                                  timeout=timedelta(seconds=max(deadline - time.monotonic(),
-                                                                1.0)))
+            store = joined = _connect(host, int(port), len(members), deadline, attempt, what)
+            joined.set(f"{_CONNECTED}/{me}", token)
+            poll(lambda: True if joined.check([_FORM]) else None, deadline, lambda: (
+                f"{what}: rank 0 ({members[0]!r}) did not see every member connect within "
+                f"{timeout:g} s ({TIMEOUT_FIELD})"), attempt)
         device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                   else None)
         dist.init_process_group(backend, store=store, rank=rank, world_size=len(members),
@@ -425,6 +440,33 @@ def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], st
             raise RendezvousTimeout(message())
         time.sleep(min(pause, left))
         pause = min(pause * 2, 0.1)
+
+
+#: Keys of a formation's store: each member's connection, then rank 0's go-ahead.
+_CONNECTED, _FORM = "digenrl/connected", "digenrl/form"
+#: Seconds of one attempt to connect to rank 0's store (tried again until the deadline).
+_CONNECT_TRY = 2.0
+
+
+def _connect(host: str, port: int, size: int, deadline: float, attempt: Attempt | None,
+             what: str) -> Any:
+    """A client of rank 0's store at ``host:port``, tried in short attempts until
+    ``deadline`` (rank 0 lost after it published the store: no one answers), each
+    followed by a look at whether the scheduler took this task back."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store = dist.TCPStore(host, port, world_size=size, is_master=False,
+                                  timeout=timedelta(seconds=max(min(_CONNECT_TRY, left), 0.1)))
+        except dist.DistError:
+            if attempt is not None and (attempt.cancelled or attempt.sent_again):
+                raise TakenBack(f"the scheduler took this task back while it connected to "
+                                f"{what}'s store") from None
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+        return store
 
 
 def _missing(client: Any, key: list[str], others: Sequence[str]) -> list[str]:

@@ -500,6 +500,10 @@ class Gang(Rule):
                         "gang {} needs {} workers of the trainer pool and {} of the rollout "
                         "pool: {} and {} serve them", gid, g.trainers, g.size - g.trainers,
                         len(policy.pool_workers(TRAINER)), len(policy.pool_workers(ROLLOUT)))
+        elif g.placed and len(policy.pool_workers(g.pool)) >= g.size:
+            policy.note(info, WAITS, self.name, None, "gang {} needs {} workers of its "
+                        "pool: of its {}, too many are kept for older gangs or for their "
+                        "chunks' next steps", gid, g.size, len(policy.pool_workers(g.pool)))
         else:
             policy.note(info, WAITS, self.name, None, "gang {} needs {} workers of its "
                         "pool: {} serve it", gid, g.size, len(policy.pool_workers(g.pool)))
