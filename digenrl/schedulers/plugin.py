@@ -329,8 +329,9 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self.telemetry.sample(self.policy)
 
     def decide_when_due(self) -> None:
-        """Run a decision round if the policy's :meth:`deadline` has passed (called
-        periodically: a wait a rule measures ends with no event)."""
+        """Run a decision round once the policy's deadline has passed
+        (:meth:`SchedulingPolicy.deadline`; the progress guard calls this at each tick):
+        a wait a rule measures ends with no event."""
         if self.policy is None:
             return
         due = self.policy.deadline()

@@ -200,7 +200,6 @@ class ProgressGuard(SchedulerPlugin):
         assert s is not None        # (asked once started)
         if plugin.run != self._run:
             self._new_run()
-        plugin.decide_when_due()
         now = time.time()
         timeout = stall_timeout(plugin.policy.options.stall_timeout,
                                 plugin.policy.longest_expected())

@@ -122,9 +122,9 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     the result it holds for them (:data:`_HELD`)."""
     attempt = collective.Attempt.current()
     placed = _placement(context, gang, attempt)
+    last = t >= len(spec.sigmas) - 2
     while True:
         k = len(_workers(placed))
-        last = t >= len(spec.sigmas) - 2
         if member >= k:
             return None if last else _from_leader(gang, placed, member, k)
         group = None
