@@ -3,7 +3,8 @@
 each denoise step of a chunk is a gang of two tasks, one on each rollout worker, which
 form a gloo group and compute the step together. Against the run at degree 1: the same
 rewards (bar 1e-4) and log-probabilities; the same run twice is the same bits; a rollout
-worker killed while it computes its part of a step costs the run nothing."""
+worker killed while it computes its part of a step costs the run nothing, and with no wait
+for the pool to grow back the step runs again at degree 1."""
 
 from __future__ import annotations
 
