@@ -413,3 +413,19 @@ def test_a_lower_degrees_follower_lost_with_its_leaders_worker_runs_the_step_aga
     assert {d.key: d.worker for d in p.decide()} == {members[0].key: "r2"}
     p.task_done(members[0].key, "r2", 1.0)
     assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members[1:])
+
+
+def test_a_follower_forgotten_before_its_turn_is_never_released():
+    """A run given up (its tasks forgotten) between a leader's end and its follower's
+    turn: the follower is not released."""
+    p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=0.0),
+                    rollout=1, trainer=0)
+    members = [info(("s", 0, m), DENOISE, chunk=0, timestep=0, gang=(50, m, 2))
+               for m in range(2)]
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    assert [d.key for d in p.decide()] == [members[0].key]
+    p.task_done(members[0].key, "r0", 1.0)
+    p.task_forgotten(members[1].key)
+    assert p.decide() == []

@@ -207,6 +207,10 @@ class Gang(Rule):
             return
         del g.members[index]
         self._not_ready(gid, g, index)
+        # (A member waiting to run after its leader is never released once forgotten.)
+        g.after.pop(index, None)
+        if self.due:
+            self.due = [(d, w) for d, w in self.due if d is not info]
         if not g.members:
             del self.gangs[gid]
             self.short.pop(gid, None)
@@ -254,10 +258,11 @@ class Gang(Rule):
         assert info.gang is not None    # (a member of g)
         gid, member = info.gang[:2]
         # A lower degree's members not released yet wait with the others.
-        g.ready.update(g.after)
-        g.ready.update(d.gang[1] for d, _ in self.due if d.gang[0] == gid)  # type: ignore[index]
-        self.due = [(d, w) for d, w in self.due if d.gang[0] != gid]  # type: ignore[index]
-        g.after.clear()
+        if g.after or self.due:
+            g.ready.update(g.after)
+            g.ready.update(d.gang[1] for d, _ in self.due if d.gang[0] == gid)  # type: ignore[index]
+            self.due = [(d, w) for d, w in self.due if d.gang[0] != gid]  # type: ignore[index]
+            g.after.clear()
         self._failing = True
         try:
             withdrawn = 0
@@ -333,8 +338,9 @@ class Gang(Rule):
         if serving >= g.size:
             self.short.pop(gid, None)
             return g.size
-        since = self.short.setdefault(gid, self.policy.clock())
-        if self.policy.clock() - since < self.options.context_parallel_wait:
+        now = self.policy.clock()
+        since = self.short.setdefault(gid, now)
+        if now - since < self.options.context_parallel_wait:
             return 0
         return max((k for k in range(1, serving + 1) if g.size % k == 0), default=0)
 
