@@ -158,6 +158,11 @@ class Attempt:
     def sent_again(self) -> bool:
         return not self.cancelled and self._task.run_id != self.run_id
 
+    @property
+    def taken_back(self) -> bool:
+        """Cancelled, or sent again: this execution no longer serves the run it began."""
+        return self.cancelled or self.sent_again
+
     def renew(self) -> None:
         """This execution now serves the task's latest run."""
         self.run_id = self._task.run_id
@@ -432,7 +437,7 @@ def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], st
         value = read()
         if value is not None:
             return value
-        if attempt is not None and (attempt.cancelled or attempt.sent_again):
+        if attempt is not None and attempt.taken_back:
             raise TakenBack("the scheduler took this task back while it waited: "
                             + message())
         left = deadline - time.monotonic()
@@ -459,7 +464,7 @@ def _connect(host: str, port: int, size: int, deadline: float, attempt: Attempt 
             store = dist.TCPStore(host, port, world_size=size, is_master=False,
                                   timeout=timedelta(seconds=max(min(_CONNECT_TRY, left), 0.1)))
         except dist.DistError:
-            if attempt is not None and (attempt.cancelled or attempt.sent_again):
+            if attempt is not None and attempt.taken_back:
                 raise TakenBack(f"the scheduler took this task back while it connected to "
                                 f"{what}'s store") from None
             if time.monotonic() >= deadline:
