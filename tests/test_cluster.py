@@ -144,3 +144,14 @@ def test_a_local_clusters_workers_report_the_hosts_clock(cluster_1x1):
     [computed] = [ss for task in stream.data for ss in task["startstops"]
                   if ss["action"] == "compute"]
     assert computed["start"] <= inside <= computed["stop"], (computed, inside)
+
+
+def test_a_gpu_workers_memory_is_what_dasks_nvml_diagnostics_report():
+    """The scheduler's worker information: a worker started on a GPU carries Dask's NVML
+    startup information (``gpu``: ``memory-total`` in bytes); one on the CPU none."""
+    from digenrl.run.cluster import gpu_memory_of
+
+    workers = {"tcp://a:1": {"name": "rollout-0", "gpu": {"name": "NVIDIA H200",
+                                                         "memory-total": 143771566080}},
+               "tcp://b:1": {"name": "trainer-0"}}
+    assert gpu_memory_of(workers) == {"rollout-0": 143.77156608}

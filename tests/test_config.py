@@ -90,6 +90,8 @@ def test_derived_totals():
     ({"cluster.scheduler": "nowhere"}, r"cluster.scheduler: expected a scheduler address"),
     ({"cluster.collective_timeout": 0},
      r"cluster.collective_timeout: expected a finite number > 0.0, got 0"),
+    ({"cluster.gpu_memory_gb": -1},
+     r"cluster.gpu_memory_gb: expected a finite number >= 0.0, got -1"),
     ({"cluster.collective_backend": "mpi"},
      r"cluster.collective_backend: expected one of \['auto', 'gloo', 'nccl'\], got 'mpi'"),
     # A cluster started here runs this process's torch: refused before it starts.

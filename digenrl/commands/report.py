@@ -114,7 +114,8 @@ def summarise(ds, profile: Path | None = None) -> str:
         lines.append("context parallelism (auto), each iteration's mean and highest degree: "
                      + ", ".join(f"{a:g}/{b:g}" for a, b in zip(mean, top))
                      + (f"; a degree not measured before was probed in iterations {probed}"
-                        if probed else ""))
+                        if probed else "")
+                     + _memory_bound(m))
     if n >= 2 and "cpu_seconds" in m:
         lines.append(cpu_line(m.cpu_seconds.values[1:], m.model_cpu_seconds.values[1:]))
     e = ds[EVAL_GROUP]
@@ -175,3 +176,17 @@ def write_report(store: str | Path, out_dir: str | Path | None = None) -> tuple[
     (out / "summary.txt").write_text(text + "\n")
     written.append(out / "summary.txt")
     return written, text
+
+
+def _memory_bound(m) -> str:
+    """The memory ``auto`` kept a chunk within, in its newest iteration (empty where no
+    GPU memory was known)."""
+    if "context_parallel_free_gb" not in m:
+        return ""
+    free, sample = m.context_parallel_free_gb.values, m.context_parallel_sample_gb.values
+    known = np.isfinite(free) & np.isfinite(sample)
+    if not known.any():
+        return ""
+    i = int(np.flatnonzero(known)[-1])
+    return (f"; a sample's activations {sample[i]:.3g} GB / degree within {free[i]:.3g} GB "
+            f"free per rollout GPU (iteration {i})")

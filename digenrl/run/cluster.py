@@ -28,6 +28,7 @@ from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resource
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
            "PooledLocalCluster", "PooledSpecCluster", "QuietReportedErrors", "worker_resources",
+           "worker_gpu_memory", "gpu_memory_of",
            "HeadlessScheduler", "OneClockWorker", "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
@@ -323,6 +324,22 @@ def worker_speeds(client: Client) -> dict[str, float]:
     """Each worker's declared speed (its ``speed`` resource; 1 when absent), by name."""
     return {str(w.get("name", addr)): float((w.get("resources") or {}).get("speed", 1.0))
             for addr, w in _workers_info(client).items()}
+
+
+def worker_gpu_memory(client: Client) -> dict[str, float]:
+    """Each worker's GPU memory in GB, by name, where it reports one: the total Dask's
+    NVML diagnostics record when a worker starts on a GPU (its ``gpu`` information)."""
+    return gpu_memory_of(_workers_info(client))
+
+
+def gpu_memory_of(workers: dict[str, dict]) -> dict[str, float]:
+    """:func:`worker_gpu_memory` of the scheduler's worker information."""
+    out = {}
+    for addr, w in workers.items():
+        total = (w.get("gpu") or {}).get("memory-total")
+        if total:
+            out[str(w.get("name", addr))] = float(total) / 1e9
+    return out
 
 
 def pool_counts(client: Client) -> dict[str, list[str]]:

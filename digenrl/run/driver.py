@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import platform
 import statistics
 import time
@@ -28,7 +29,7 @@ from digenrl import __version__
 from digenrl.figures.analysis import optimize_stop, pools_served, window_metrics
 from digenrl.store.checkpoints import complete_checkpoints, drop_checkpoints
 from digenrl.store.sharded import drop_sharded, sharded_checkpoints
-from digenrl.run.cluster import ClusterHandle
+from digenrl.run.cluster import ClusterHandle, pool_counts, worker_gpu_memory
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import (checkpoint_key, kind_of, optimize_key, publish_key,
@@ -47,6 +48,9 @@ from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.parallelism import DegreePlan, plan_degrees
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
+from digenrl.checks import ConfigError
+from digenrl.sim.memory import GB
+from digenrl.tasks.footprint import EVENT_TOPIC as STEP_MEMORY_TOPIC
 from digenrl.tasks.sharded_steps import GangLost
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
@@ -280,15 +284,47 @@ class Driver:
         (:func:`~digenrl.schedulers.parallelism.plan_degrees`), logged and kept for the
         iteration's metrics."""
         assert self._degrees is not None
-        workers = sum(len(ns) for p, ns in self.pools().items() if p != TRAINER)
+        client = self.handle.client
+        generating = [n for p, ns in pools_served(pool_counts(client), self.w.options.pools).items()
+                      if p != TRAINER for n in ns]
         size = plan.num_samples // len(plan.chunks)
-        chosen = plan_degrees(len(plan.chunks), size, workers, self._degrees,
-                              self._step_seconds)
+        sample_gb, free_gb = self._rollout_memory(generating)
+        try:
+            chosen = plan_degrees(len(plan.chunks), size, len(generating), self._degrees,
+                                  self._step_seconds, sample_gb=sample_gb, free_gb=free_gb)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self._degree_plans[plan.iteration] = chosen
         logger.info("iteration %d: context parallelism on %d rollout workers: %s",
-                    plan.iteration, workers, chosen.describe())
+                    plan.iteration, len(generating), chosen.describe())
         degrees = chosen.degrees if max(chosen.degrees, default=1) > 1 else ()
         return dataclasses.replace(plan, context_parallel=degrees)
+
+    def _rollout_memory(self, generating: list[str]) -> tuple[float, float]:
+        """``auto``: one sample's activations in a degree-1 step, in GB (the most per
+        sample the workers measured for the newest latent shape: :mod:`digenrl.tasks.footprint`),
+        and the least a ``generating`` worker's GPU has free for a chunk's beside what
+        the worker keeps resident (its GPU's memory, else ``cluster.gpu_memory_gb``;
+        infinite where neither is known). 0 and infinite before any measurement."""
+        client = self.handle.client
+        mine = getattr(self.w, "model_key", None)
+        events = [msg for _, msg in client.get_events(STEP_MEMORY_TOPIC)
+                  if msg.get("model") == mine]
+        if not events:
+            return 0.0, math.inf
+        newest = events[-1]["shape"][1:]
+        sample = max(e["transient_bytes"] / e["samples"] for e in events
+                     if e["shape"][1:] == newest)
+        resident = {e["name"]: e["resident_bytes"] for e in events}
+        fallback = float(getattr(self.w, "gpu_memory_gb", 0.0))
+        total = worker_gpu_memory(client)
+        free = math.inf
+        for name in generating:
+            gb = total.get(name) or fallback
+            if gb:
+                kept = resident.get(name, max(resident.values())) / GB
+                free = min(free, gb - kept)
+        return sample / GB, free
 
     def _measure_degrees(self, records: list[dict]) -> None:
         """``auto``: each degree's seconds of a sample's step, the median over the
@@ -319,10 +355,14 @@ class Driver:
             return {}
         if chosen is None:
             return dict.fromkeys(("context_parallel_mean", "context_parallel_max",
-                                  "context_parallel_probes"), float("nan"))
+                                  "context_parallel_probes", "context_parallel_sample_gb",
+                                  "context_parallel_free_gb"), float("nan"))
         return {"context_parallel_mean": float(np.mean(chosen.degrees)),
                 "context_parallel_max": float(max(chosen.degrees)),
-                "context_parallel_probes": float(len(chosen.probes))}
+                "context_parallel_probes": float(len(chosen.probes)),
+                "context_parallel_sample_gb": chosen.sample_gb or float("nan"),
+                "context_parallel_free_gb": (chosen.free_gb if math.isfinite(chosen.free_gb)
+                                             else float("nan"))}
 
     def _speeds(self) -> dict[str, float]:
         """Each worker's declared speed, by name (as the cluster description has them)."""

@@ -46,6 +46,7 @@ from digenrl.store import (ADVANTAGE_COLUMN, EVAL_GROUP, REWARD_COLUMN, SOURCES_
 from digenrl.tasks.advantage import scored_samples
 from digenrl.tasks import context_parallel, sharded_steps
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state, save_state
+from digenrl.tasks.footprint import model_key
 from digenrl.tasks.sharded_steps import ShardSpec
 from digenrl.tasks.resident import ResidentPlugin, sharded_weights
 from digenrl.tasks.types import DecodeOut, IterationStats, PolicyWeights, RewardOut
@@ -107,6 +108,17 @@ class RLWorkload:
             return None
         fam = family(self.config.model)
         return tuple(d for d in DEGREES if fam.takes_degree(d))
+
+    @property
+    def model_key(self) -> str:
+        """What names this run's model among the step measurements of a cluster's runs
+        (:func:`digenrl.tasks.footprint.model_key`)."""
+        return model_key(self.config.model)
+
+    @property
+    def gpu_memory_gb(self) -> float:
+        """A worker's GPU memory where the worker reports none: ``cluster.gpu_memory_gb``."""
+        return self.config.cluster.gpu_memory_gb
 
     def eval_nodes(self, version: int):
         """The held-out evaluation of policy ``version`` (none when not evaluated)."""

@@ -147,39 +147,59 @@ def speedup(degree: int, efficiency: float = CP_EFFICIENCY) -> float:
 @dataclass(frozen=True)
 class DegreePlan:
     """A run's iteration: each chunk's degree, the degrees used without a measurement
-    (probes, predicted from the lowest measured degree by :func:`speedup`), and the
-    predicted seconds of its generation (NaN with nothing measured)."""
+    (probes, predicted from the lowest measured degree by :func:`speedup`), the
+    predicted seconds of its generation (NaN with nothing measured), and the memory
+    that bounded it: one sample's activations at degree 1 and what a rollout GPU has
+    free for a chunk's (0 and infinite while unmeasured or undeclared)."""
 
     degrees: tuple[int, ...]
     probes: tuple[int, ...]
     seconds: float
+    sample_gb: float = 0.0
+    free_gb: float = math.inf
 
     def describe(self) -> str:
         counts = {d: self.degrees.count(d) for d in sorted(set(self.degrees))}
         text = ", ".join(f"{n} chunk{'s' * (n != 1)} at {d}" for d, n in counts.items())
         if self.probes:
             text += f" (probing {', '.join(map(str, self.probes))}: not measured yet)"
+        if self.sample_gb and math.isfinite(self.free_gb):
+            text += (f"; a sample's activations {self.sample_gb:.3g} GB / degree within "
+                     f"{self.free_gb:.3g} GB free per rollout GPU")
         return text
 
 
 def plan_degrees(chunks: int, chunk_size: int, workers: int, allowed: Sequence[int],
-                 measured: Mapping[int, float]) -> DegreePlan:
+                 measured: Mapping[int, float], *, sample_gb: float = 0.0,
+                 free_gb: float = math.inf) -> DegreePlan:
     """Each of an iteration's ``chunks`` (of ``chunk_size`` samples) degree, from the
     ``allowed`` degrees that ``workers`` free rollout workers hold, by
     :func:`choose_parallelism` and :func:`degree_plan` over ``measured`` (per degree,
     seconds of one sample's step) and, for the degrees not measured, their prediction
-    from the lowest measured one. With nothing measured every chunk is at degree 1,
-    which measures it."""
+    from the lowest measured one; a chunk's ``chunk_size x sample_gb / degree`` within
+    ``free_gb``. With nothing measured every chunk is at the lowest degree whose chunk
+    fits (1 unless its memory says otherwise), which measures it. Raises ValueError
+    when no allowed degree fits a chunk."""
     usable = sorted(d for d in set(allowed) | {1} if d <= max(workers, 1))
+    fitting = [d for d in usable if chunk_size * sample_gb / d <= free_gb]
+    if not fitting:
+        raise ValueError(
+            f"rollout.chunk_size: expected a chunk whose activations fit a rollout GPU at "
+            f"a degree of at most {usable[-1]} ({chunk_size} x {sample_gb:.3g} GB / degree "
+            f"within the {free_gb:.3g} GB free), got {chunk_size} samples")
+    memory = {"sample_gb": sample_gb, "free_gb": free_gb}
     if not measured or chunks < 1:
-        return DegreePlan((1,) * chunks, (), math.nan)
+        first = fitting[0]
+        return DegreePlan((first,) * chunks, (first,) if first > 1 else (), math.nan,
+                          **memory)
     lowest = min(measured)
     base = measured[lowest] * speedup(lowest)
     predicted = {d: base / speedup(d) for d in usable}
     known = {d: s for d, s in measured.items() if d in predicted}
 
     choice = choose_parallelism(chunks * chunk_size, max(workers, 1), predicted=predicted,
-                                measured=known, sizes=(chunk_size,))
+                                measured=known, sizes=(chunk_size,), sample_gb=sample_gb,
+                                free_gb=free_gb)
     degrees = degree_plan(chunks, max(workers, 1), choice)
     probes = tuple(sorted({d for d in degrees if d not in known}))
-    return DegreePlan(tuple(degrees), probes, choice.seconds)
+    return DegreePlan(tuple(degrees), probes, choice.seconds, **memory)

@@ -28,6 +28,7 @@ from digenrl.models.parts import BUILDING
 from digenrl.process import freeze_collector, tune_malloc
 from digenrl.prompts import read_source
 from digenrl.store import SAMPLING_PART
+from digenrl.tasks.footprint import tensor_bytes
 from digenrl.tasks.types import PolicyWeights
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME",
@@ -172,6 +173,16 @@ class ResidentModels:
                 return 0
             caches = [getattr(self._encoder, name, None) for name in ("cache", "source_cache")]
             return sum(c.encoded for c in caches if c is not None)
+
+    def nbytes(self) -> int:
+        """The bytes of every tensor it holds on its device (versions, VAE, text encoders
+        unless offloaded to the CPU; shared weights once)."""
+        with self._lock:
+            encoders = getattr(self._encoder, "modules", None)
+            modules = [*self._versions.values(), self._base, self._vae,
+                       *(encoders() if callable(encoders) else ())]
+            return tensor_bytes((m for m in modules if isinstance(m, torch.nn.Module)),
+                                self.device)
 
     def resident_versions(self) -> list[int]:
         with self._lock:

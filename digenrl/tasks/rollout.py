@@ -24,6 +24,7 @@ from digenrl.models.lora import Trainable
 from digenrl.models import Conditioning, decode_latents, latent_shape, predict_velocity
 from digenrl.prompts import PromptInputs
 from digenrl.seeding import EVAL_NOISE_DRAW, GROUP_NOISE_DRAW, NOISE_DRAW, SDE_DRAW, stable_seed
+from digenrl.tasks.footprint import measured_step
 from digenrl.tasks.resident import resident
 from digenrl.tasks.sde import euler_step, sde_step
 from digenrl.tasks.slowdown import stretch
@@ -125,8 +126,8 @@ def denoise(spec: RolloutSpec, weights: PolicyWeights, prompts: tuple[str, ...],
     cond = chunk_conditioning(prompts, previous)
     alg = spec.algorithm
     log_prob = mean = None
-    with torch.no_grad():
-        model = models.policy(weights)
+    model = models.policy(weights)
+    with torch.no_grad(), measured_step(spec.model, tuple(x.shape), models):
         v = predict_velocity(spec.model, model, x, sigma, cond.to(dev),
                              spec.sampler.guidance_scale)
         if t in alg.sde_steps(iteration):

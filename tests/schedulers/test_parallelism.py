@@ -151,3 +151,22 @@ def test_a_pool_that_shrinks_lowers_the_degree():
     assert [plan_degrees(1, 2, w, (1, 2, 4), measured).degrees for w in (4, 3, 2, 1)] == [
         (4,), (2,), (2,), (1,)]
     assert plan_degrees(1, 2, 4, (1,), measured).degrees == (1,)
+
+
+def test_a_chunk_that_does_not_fit_one_gpu_takes_the_degree_that_fits():
+    """A run's measured memory (plan_degrees): 8 chunks of 4 samples on 4 workers stay
+    at degree 1 by time, but 4 x 10 GB does not fit the 25 GB a GPU has free; 4 x 10 / 2
+    does. Before any step time is measured the lowest fitting degree is probed; a chunk
+    no allowed degree fits is refused, naming rollout.chunk_size."""
+    from digenrl.schedulers.parallelism import plan_degrees
+
+    measured = {1: 1.0}
+    assert plan_degrees(8, 4, 4, (1, 2, 4), measured).degrees == (1,) * 8
+    bounded = plan_degrees(8, 4, 4, (1, 2, 4), measured, sample_gb=10.0, free_gb=25.0)
+    assert bounded.degrees == (2,) * 8 and bounded.probes == (2,)
+    assert "a sample's activations 10 GB / degree within 25 GB free" in bounded.describe()
+    first = plan_degrees(8, 4, 4, (1, 2, 4), {}, sample_gb=10.0, free_gb=15.0)
+    assert first.degrees == (4,) * 8 and first.probes == (4,)
+    with pytest.raises(ValueError, match=r"^rollout\.chunk_size: expected a chunk whose "
+                       r"activations fit a rollout GPU at a degree of at most 2 "):
+        plan_degrees(8, 4, 2, (1, 2, 4), measured, sample_gb=10.0, free_gb=15.0)
