@@ -435,7 +435,7 @@ class RolloutConfig:
     chunking: str = "fixed"
     """fixed: every chunk holds chunk_size samples (results bit-identical across clusters). adaptive: each iteration's chunk size is chosen from measured step times and per-task costs so every generating slot holds a chain (results equal up to floating-point summation order)."""
     max_chunk_size: int = 16
-    """Adaptive chunking: the most samples one denoise task may hold (its memory bound)."""
+    """Adaptive chunking: the most samples one denoise task may hold (its memory bound); lowered to the samples whose measured activations fit what a rollout GPU has free, where its memory is known (cluster.gpu_memory_gb)."""
     context_parallel: int | str = 1
     """Processes that compute one chunk's denoise step together (Ulysses context parallelism through diffusers: each holds the whole transformer and 1/degree of the tokens; the transformer's attention heads must divide by it, and its family must have a plan: every family but HunyuanVideo). 1: each step on one worker. Above 1: each step of every chunk is a gang of that many denoise tasks, placed on any that many workers of the rollout pool and released together (docs/architecture.md, "Context parallelism"); decoding stays per chunk. auto: the run chooses each iteration's degrees (powers of two the heads divide, at most the rollout workers at the time) from each degree's measured step seconds, predicting a degree not yet measured from a measured one (probing it when chosen), the chunks, the rollout workers and a sample's measured activations (a chunk's, over the degree, within what a rollout GPU has free: cluster.gpu_memory_gb where workers report no GPU): degree 1 while chunks outnumber the workers, a higher one when an iteration has fewer chunks than workers (a few long videos), some chunks widened onto the workers its gangs leave idle (docs/architecture.md, "Context parallelism")."""
 
@@ -974,7 +974,7 @@ class ClusterConfig:
     memory_limit: str = "auto"
     """Memory limit per local worker (Dask syntax, e.g. 4GiB, or auto)."""
     gpu_memory_gb: float = 0.0
-    """GPU memory of each worker, in GB (1e9 bytes), for workers that report none (a worker on a GPU reports its device's total through Dask's NVML diagnostics): what rollout.context_parallel auto keeps a chunk's activations within, beside what the worker keeps resident. 0: not bounded (the emulated GPU slots of a local CPU cluster have no memory of their own)."""
+    """GPU memory of each worker, in GB (1e9 bytes), for workers that report none (a worker on a GPU reports its device's total through Dask's NVML diagnostics): 90% of it is what rollout.context_parallel auto and adaptive chunking keep a chunk's measured activations within, beside what the worker keeps resident. 0: not bounded (the emulated GPU slots of a local CPU cluster have no memory of their own)."""
     connect_timeout: float = 10.0
     """Seconds to wait for an existing scheduler."""
     collective_timeout: float = 300.0

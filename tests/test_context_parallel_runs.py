@@ -103,10 +103,10 @@ def test_auto_keeps_a_chunks_activations_within_a_gpus_memory(runs, cluster_2x2)
     """The rollout workers measured a step's activations in the runs before (the first
     degree-1 step of each process: ``digenrl-step-memory`` events). With
     ``cluster.gpu_memory_gb`` leaving room for three quarters of a chunk's beside the
-    models a worker keeps, ``auto`` runs every chunk at degree 2, though there are as
+    models a worker keeps (in the fraction of a GPU's memory tensors may take), ``auto`` runs every chunk at degree 2, though there are as
     many chunks as workers (degree 1 by time), and stores the figures it used; the
     rewards are those of the run at degree 1."""
-    from digenrl.tasks.footprint import EVENT_TOPIC, model_key
+    from digenrl.tasks.footprint import EVENT_TOPIC, USABLE_FRACTION, model_key
 
     one = open_run(runs(1))
     key = model_key(config(1).model)
@@ -117,19 +117,20 @@ def test_auto_keeps_a_chunks_activations_within_a_gpus_memory(runs, cluster_2x2)
     resident = max(e["resident_bytes"] for e in measured)
     chunk = config(1).rollout.chunk_size
     assert one["samples"].sizes["sample"] == 2 * chunk    # two chunks, two workers
-    memory_gb = (resident + 0.75 * chunk * per_sample) / 1e9
+    memory_gb = (resident + 0.75 * chunk * per_sample) / 1e9 / USABLE_FRACTION
+    free_gb = USABLE_FRACTION * memory_gb - resident / 1e9
 
     bounded = open_run(runs("auto", **{"cluster.gpu_memory_gb": memory_gb}))
     m = bounded["metrics"]
     assert list(m["context_parallel_max"].values) == [2, 2]
     assert list(m["context_parallel_mean"].values) == [2, 2]
     assert np.allclose(m["context_parallel_sample_gb"].values, per_sample / 1e9)
-    assert np.allclose(m["context_parallel_free_gb"].values, memory_gb - resident / 1e9)
+    assert np.allclose(m["context_parallel_free_gb"].values, free_gb)
     from digenrl.commands.report import summarise
 
     assert (f"2/2, 2/2; a degree not measured before was probed in iterations [0, 1]; a "
             f"sample's activations {per_sample / 1e9:.3g} GB / degree within "
-            f"{memory_gb - resident / 1e9:.3g} GB free per rollout GPU (iteration 1)"
+            f"{free_gb:.3g} GB free per rollout GPU (iteration 1)"
             ) in summarise(bounded)
     assert np.max(np.abs(bounded["samples"]["reward"].values
                          - one["samples"]["reward"].values)) <= 1e-4

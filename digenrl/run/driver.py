@@ -43,14 +43,14 @@ from digenrl.graph.structure import (GraphLayout, chain_keys_trained, eval_itera
                                      train_nodes, train_outputs)
 from digenrl.records import task_columns
 from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_chunk_size,
-                                         measure_chunks)
+                                         fitting_chunk, measure_chunks)
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.parallelism import DegreePlan, plan_degrees
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.checks import ConfigError
 from digenrl.sim.memory import GB
-from digenrl.tasks.footprint import EVENT_TOPIC as STEP_MEMORY_TOPIC
+from digenrl.tasks.footprint import EVENT_TOPIC as STEP_MEMORY_TOPIC, USABLE_FRACTION
 from digenrl.tasks.sharded_steps import GangLost
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
@@ -268,8 +268,9 @@ class Driver:
             if spec is None:
                 plan = self.w.plan(j)
             else:
+                largest = fitting_chunk(spec.largest, *self._rollout_memory(self._generating()))
                 size = choose_chunk_size(
-                    self.w.images_per_iteration, spec.samples_per_prompt, spec.largest,
+                    self.w.images_per_iteration, spec.samples_per_prompt, largest,
                     capacity=self._generating_capacity(), slots=self.w.options.slots_per_worker,
                     measured=self._measured, fallback=spec.start)
                 plan = self.w.plan(j, size)
@@ -284,9 +285,7 @@ class Driver:
         (:func:`~digenrl.schedulers.parallelism.plan_degrees`), logged and kept for the
         iteration's metrics."""
         assert self._degrees is not None
-        client = self.handle.client
-        generating = [n for p, ns in pools_served(pool_counts(client), self.w.options.pools).items()
-                      if p != TRAINER for n in ns]
+        generating = self._generating()
         size = plan.num_samples // len(plan.chunks)
         sample_gb, free_gb = self._rollout_memory(generating)
         try:
@@ -300,11 +299,20 @@ class Driver:
         degrees = chosen.degrees if max(chosen.degrees, default=1) > 1 else ()
         return dataclasses.replace(plan, context_parallel=degrees)
 
+    def _generating(self) -> list[str]:
+        """The names of the workers that generate now (the rollout pool; every worker
+        when the mode has no pools), asked of the scheduler: a pool that shrank or grew
+        is counted as it is."""
+        counts = pool_counts(self.handle.client)
+        return [n for p, ns in pools_served(counts, self.w.options.pools).items()
+                if p != TRAINER for n in ns]
+
     def _rollout_memory(self, generating: list[str]) -> tuple[float, float]:
-        """``auto``: one sample's activations in a degree-1 step, in GB (the most per
-        sample the workers measured for the newest latent shape: :mod:`digenrl.tasks.footprint`),
-        and the least a ``generating`` worker's GPU has free for a chunk's beside what
-        the worker keeps resident (its GPU's memory, else ``cluster.gpu_memory_gb``;
+        """For ``auto`` and adaptive chunking: one sample's activations in a degree-1
+        step, in GB (the most per sample the workers measured for the newest latent
+        shape: :mod:`digenrl.tasks.footprint`), and the least a ``generating`` worker's
+        GPU has free for a chunk's beside what the worker keeps resident (the
+        ``USABLE_FRACTION`` of its GPU's memory, else of ``cluster.gpu_memory_gb``;
         infinite where neither is known). 0 and infinite before any measurement."""
         client = self.handle.client
         mine = getattr(self.w, "model_key", None)
@@ -323,7 +331,7 @@ class Driver:
             gb = total.get(name) or fallback
             if gb:
                 kept = resident.get(name, max(resident.values())) / GB
-                free = min(free, gb - kept)
+                free = min(free, USABLE_FRACTION * gb - kept)
         return sample / GB, free
 
     def _measure_degrees(self, records: list[dict]) -> None:

@@ -22,7 +22,8 @@ from typing import Any, Iterable, Mapping
 
 from digenrl.vocabulary import DENOISE
 
-__all__ = ["ChunkingSpec", "ChunkMeasurement", "valid_chunk_sizes", "choose_chunk_size", "measure_chunks"]
+__all__ = ["ChunkingSpec", "ChunkMeasurement", "valid_chunk_sizes", "choose_chunk_size",
+           "fitting_chunk", "measure_chunks"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ def choose_chunk_size(samples: int, samples_per_prompt: int, largest: int, *,
         amortised = [b for b in sizes if cost <= overhead_share * b * measured.step_per_sample]
         pick = amortised[0] if amortised else sizes[-1]
     return pick
+
+
+def fitting_chunk(largest: int, sample_gb: float, free_gb: float) -> int:
+    """``largest`` (``rollout.max_chunk_size``), lowered to the samples whose activations
+    fit the memory a generating GPU has free (``sample_gb`` each: one sample's in a
+    degree-1 step, 0 while unmeasured), at least 1: a sample that fits no GPU alone is
+    context parallelism's to split."""
+    if sample_gb <= 0 or free_gb == float("inf"):
+        return largest
+    return max(1, min(largest, int(free_gb // sample_gb)))
 
 
 def measure_chunks(records: Iterable[Mapping[str, Any]],

@@ -34,10 +34,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["PeakBytes", "tensor_bytes", "measured_step", "model_key", "EVENT_TOPIC"]
+__all__ = ["PeakBytes", "tensor_bytes", "measured_step", "model_key", "EVENT_TOPIC",
+           "USABLE_FRACTION"]
 
 #: The Dask event topic of a worker's step measurements.
 EVENT_TOPIC = "digenrl-step-memory"
+
+#: What the tensors a run measures may take of a GPU's memory: the rest is for what
+#: the measurement does not see (the CUDA context, the caching allocator's
+#: fragmentation, kernels' workspaces, collectives' buffers). A margin chosen, not
+#: measured.
+USABLE_FRACTION = 0.9
 
 
 class PeakBytes(TorchDispatchMode):
@@ -113,17 +120,21 @@ def measured_step(model: object, shape: tuple[int, ...],
                   resident: ResidentLike) -> Iterator[None]:
     """Around a degree-1 step of ``model`` (its settings) on a chunk whose latents have
     ``shape`` (samples first): the first such step of this process on a Dask worker is
-    measured and reported (:data:`EVENT_TOPIC`); every other runs as it is."""
+    measured and reported (:data:`EVENT_TOPIC`); every other runs as it is (a step that
+    fails is measured again next time)."""
     worker = _worker()
     key = (model_key(model), tuple(shape))
     with _LOCK:
         first = worker is not None and key not in _MEASURED
-        _MEASURED.add(key)
     if not first:
         yield
         return
     with PeakBytes() as peak:
         yield
+    with _LOCK:
+        if key in _MEASURED:    # (another thread measured it meanwhile)
+            return
+        _MEASURED.add(key)
     worker.log_event(EVENT_TOPIC, {
         "model": key[0], "name": str(worker.name), "shape": list(shape),
         "samples": int(shape[0]), "transient_bytes": int(peak.peak),

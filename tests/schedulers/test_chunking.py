@@ -67,3 +67,16 @@ def test_measurements_are_medians_at_speed_one():
     assert got.step_per_sample == pytest.approx(0.1)
     assert got.overhead == pytest.approx(0.003)
     assert measure_chunks(records[-1:], sizes, {}) is None
+
+
+def test_the_largest_chunk_is_what_a_gpu_has_room_for():
+    """Adaptive chunking's largest chunk, once a sample's memory is measured: 7 samples
+    of 3 GB fit 22 GB free; never above rollout.max_chunk_size, never below 1 (a sample
+    too big for one GPU is split by context parallelism); unbounded while unmeasured."""
+    from digenrl.schedulers.chunking import fitting_chunk
+
+    assert fitting_chunk(16, 3.0, 22.0) == 7
+    assert fitting_chunk(4, 3.0, 22.0) == 4
+    assert fitting_chunk(16, 30.0, 22.0) == 1
+    assert fitting_chunk(16, 0.0, 22.0) == 16
+    assert fitting_chunk(16, 3.0, float("inf")) == 16
