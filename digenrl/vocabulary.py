@@ -1,4 +1,5 @@
-"""The words every part of a run shares: task kinds, worker pools, and what each kind is.
+"""The words every part of a run shares: task kinds, worker pools, what each kind is, and
+the unit memory is given in.
 
 The graph builders write them into each task's ``digenrl`` annotation; the scheduling
 policy, the Dask plugin, the simulator, the emulator and the analysis of a run's task
@@ -16,7 +17,11 @@ __all__ = ["Key", "ROLLOUT", "TRAINER", "COLOCATED", "POOLS", "ANNOTATION", "CON
            "OPTIMIZE", "PUBLISH", "TRAINED", "STATS", "CHECKPOINT", "RESTORE", "EVAL",
            "EVAL_REWARD", "GROUP_REWARD",
            "KINDS", "KIND_POOL", "GPU_KINDS", "ROLLOUT_KINDS", "TRAINING_KINDS",
-           "BACKGROUND_KINDS", "READS_NO_WEIGHTS", "stage_of"]
+           "BACKGROUND_KINDS", "READS_NO_WEIGHTS", "stage_of", "GB"]
+
+#: Bytes in a gigabyte wherever memory is given in GB (cost profiles,
+#: ``cluster.gpu_memory_gb``, a GPU's total, the metrics of a run).
+GB = 1e9
 
 # ----------------------------------------------------------------------- pools
 

@@ -23,7 +23,7 @@ from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.utils import get_mp_context
 
 from digenrl.config import ClusterConfig, ConfigError
-from digenrl.vocabulary import ROLLOUT, TRAINER
+from digenrl.vocabulary import GB, ROLLOUT, TRAINER
 from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resources
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
@@ -338,7 +338,7 @@ def gpu_memory_of(workers: dict[str, dict]) -> dict[str, float]:
     for addr, w in workers.items():
         total = (w.get("gpu") or {}).get("memory-total")
         if total:
-            out[str(w.get("name", addr))] = float(total) / 1e9
+            out[str(w.get("name", addr))] = float(total) / GB
     return out
 
 

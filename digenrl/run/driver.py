@@ -49,12 +49,11 @@ from digenrl.schedulers.parallelism import DegreePlan, plan_degrees
 from digenrl.schedulers.policy import TaskInfo, validate_task
 from digenrl.metering import CpuMeter
 from digenrl.checks import ConfigError
-from digenrl.sim.memory import GB
 from digenrl.tasks.footprint import EVENT_TOPIC as STEP_MEMORY_TOPIC, USABLE_FRACTION
 from digenrl.tasks.sharded_steps import GangLost
 from digenrl.store import (EVAL_GROUP, RunStore, StoreError, StoreWriter, committed_iterations,
                            evaluation_means, read_attrs)
-from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GROUP_REWARD, INIT,
+from digenrl.vocabulary import (Key, ADVANTAGE, DECODE, DENOISE, GB, GROUP_REWARD, INIT,
                                 REWARD, STATS, TRAINER)
 from digenrl.run.weight_receipts import WeightReceipts, drain as drain_weight_receipts
 

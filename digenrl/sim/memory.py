@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from digenrl.checks import require
+from digenrl.vocabulary import GB
 
 __all__ = ["Model", "MemoryPerGpu", "BF16_BYTES", "FP32_BYTES", "TRAINER_BYTES_PER_PARAM",
-           "SHARDINGS", "GB"]
+           "SHARDINGS"]
 
 #: Bytes of one parameter in the weights a rollout GPU samples with (bf16).
 BF16_BYTES = 2
@@ -37,7 +38,6 @@ FP32_BYTES = 4
 TRAINER_BYTES_PER_PARAM = 16
 #: ``model.sharding``: ``none`` (each trainer holds the whole state) or ``fsdp``.
 SHARDINGS = ("none", "fsdp")
-GB = 1e9
 
 
 @dataclass(frozen=True)
