@@ -315,12 +315,20 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         for key in failed:
             self.policy.release_failed(key)
         # Releases (or results) the policy took back: each goes back to waiting, and is
-        # reported ready again once its inputs exist.
+        # reported ready again once its inputs exist. A result that nothing waits for
+        # any more (a gang member whose dependents hold theirs, while its lost partner's
+        # must be computed again) is left released by Dask: it is sent to waiting, since
+        # the policy took it back to run again (its gang runs together).
         back: dict[DaskKey, TaskStateState] = {
             key: "released" for key in self.policy.take_withdrawn()
             if key in s.tasks and s.tasks[key].state in ("processing", "memory")}
         if back:
             s.transitions(back, stimulus_id)
+            again: dict[DaskKey, TaskStateState] = {
+                key: "waiting" for key in back
+                if key in s.tasks and s.tasks[key].state == "released"}
+            if again:
+                s.transitions(again, stimulus_id)
         for key, address in self.policy.take_copies():
             ts, ws = s.tasks.get(key), s.workers.get(address)
             if ts is not None and ts.state == "memory" and ws is not None \

@@ -131,14 +131,17 @@ class Attempt:
     send it to this worker again (a new run id: Dask takes this execution's outcome for
     the new run)."""
 
-    __slots__ = ("_task", "run_id")
+    __slots__ = ("_task", "run_id", "_stale")
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: Any, stale: Callable[[], bool] | None = None) -> None:
         self._task = task           # (the worker's TaskState)
         self.run_id = task.run_id
+        #: What the caller knows makes the wait pointless besides the scheduler's own
+        #: take-back (a gang placed anew: its group's generation is no longer wanted).
+        self._stale = stale
 
     @classmethod
-    def current(cls) -> "Attempt | None":
+    def current(cls, stale: Callable[[], bool] | None = None) -> "Attempt | None":
         """This thread's task on its worker (None outside a Dask task)."""
         try:
             from distributed import get_worker
@@ -148,7 +151,7 @@ class Attempt:
             return None
         key = worker.active_threads.get(threading.get_ident())
         task = worker.state.tasks.get(key) if key is not None else None
-        return cls(task) if task is not None else None
+        return cls(task, stale) if task is not None else None
 
     @property
     def cancelled(self) -> bool:
@@ -160,8 +163,9 @@ class Attempt:
 
     @property
     def taken_back(self) -> bool:
-        """Cancelled, or sent again: this execution no longer serves the run it began."""
-        return self.cancelled or self.sent_again
+        """Cancelled, or sent again: this execution no longer serves the run it began; or
+        stale, as the caller says."""
+        return self.cancelled or self.sent_again or (self._stale is not None and self._stale())
 
     def renew(self) -> None:
         """This execution now serves the task's latest run."""
@@ -292,7 +296,8 @@ def failed(e: BaseException) -> bool:
 
 
 def join(name: str, members: Sequence[str], generation: int, *, backend: str,
-         timeout: float, subgroups: Mapping[str, Sequence[str]] | None = None) -> Group:
+         timeout: float, subgroups: Mapping[str, Sequence[str]] | None = None,
+         stale: Callable[[], bool] | None = None) -> Group:
     """Form generation ``generation`` of the group ``name`` with ``members`` (worker
     names, in their pool's order) from inside a Dask task on each member, and keep it in
     this process for later tasks (:func:`group`). ``backend`` and ``timeout`` are the
@@ -300,7 +305,9 @@ def join(name: str, members: Sequence[str], generation: int, *, backend: str,
     ``subgroups`` declares named subsets of the members to make process groups of (see
     the module's text). A live group of the same name and an older or the same
     generation is torn down first; one of a newer generation raises
-    :class:`StaleGeneration`."""
+    :class:`StaleGeneration`. Every wait of the formation ends with :class:`TakenBack`
+    once the scheduler takes the task back, or once ``stale()`` says this generation is
+    no longer wanted (its peers form another)."""
     worker = _worker()
     me = str(worker.name)
     members = _check_members(members)
@@ -329,7 +336,7 @@ def join(name: str, members: Sequence[str], generation: int, *, backend: str,
                 f"torch.distributed's default process group of worker {me!r} was "
                 f"initialised outside digenrl.tasks.collective: a collective group "
                 f"cannot be formed beside it")
-        g = _form(worker, name, members, generation, backend, float(timeout), subs)
+        g = _form(worker, name, members, generation, backend, float(timeout), subs, stale)
         _LIVE[name] = g
         logger.info("worker %s joined %s as rank %d (backend %s, store %s)", me,
                     _describe(g), g.rank, backend, g.address)
@@ -340,7 +347,8 @@ def join(name: str, members: Sequence[str], generation: int, *, backend: str,
 
 
 def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, backend: str,
-          timeout: float, subgroups: dict[str, tuple[str, ...]]) -> Group:
+          timeout: float, subgroups: dict[str, tuple[str, ...]],
+          stale: Callable[[], bool] | None = None) -> Group:
     from distributed import get_client
     from distributed.comm import get_address_host
 
@@ -351,7 +359,7 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
     deadline = time.monotonic() + timeout
     what = f"collective group {name!r} generation {generation}"
     token = uuid.uuid4().hex
-    attempt = Attempt.current()
+    attempt = Attempt.current(stale)
     store = None
     try:
         if rank == 0:

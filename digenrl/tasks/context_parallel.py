@@ -124,7 +124,8 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     placed = _placement(context, gang, attempt)
     last = t >= len(spec.sigmas) - 2
     while True:
-        k = len(_workers(placed))
+        workers = _workers(placed)
+        k = len(workers)
         if member >= k:
             return None if last else _from_leader(gang, placed, member, k)
         group = None
@@ -132,7 +133,7 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
             if k == 1:
                 out = rollout.denoise(spec, weights, prompts, iteration, t, previous)
             else:
-                group = _group_of(context, placed, member)
+                group = _group_of(context, gang, workers, placed["failed"], member)
                 out = denoise(spec, weights, prompts, iteration, t, previous, group)
             break
         except BaseException as e:
@@ -140,7 +141,7 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
                 collective.leave(group.name, group.generation)
             if not collective.failed(e):    # (forming the group, or a collective of it)
                 raise
-            anew = _after_failure(context, gang, attempt)
+            anew = _after_failure(context, gang, member, placed, attempt)
             if anew is None:
                 raise
             placed = anew
@@ -179,36 +180,48 @@ def _from_leader(gang: int, placed: dict, member: int, k: int) -> StepOut:
 
 def _placement(context: ContextSpec, gang: int, attempt: collective.Attempt | None) -> dict:
     """The scheduler's placement of gang ``gang`` (set as it releases the gang)."""
-    from distributed import get_client
-
-    client = get_client()
     return collective.poll(
-        lambda: client.get_metadata([CONTEXT_METADATA, str(gang)], default=None),
-        time.monotonic() + context.timeout,
+        lambda: _placed_now(gang), time.monotonic() + context.timeout,
         lambda: (f"context-parallel gang {gang}: no placement of its members within "
                  f"{context.timeout:g} s ({collective.TIMEOUT_FIELD})"), attempt)
 
 
-def _after_failure(context: ContextSpec, gang: int,
-                   attempt: collective.Attempt | None) -> dict | None:
-    """After this member's group failed: wait until the scheduler takes the step back,
-    at most ``context.timeout`` seconds. None once this attempt is cancelled (the member
-    raises, and Dask drops the error), or the time is up; the new placement when the
-    step was placed anew with this member on this worker again while this attempt still
-    runs (Dask then takes this execution for the new run)."""
+def _placed_now(gang: int) -> dict | None:
+    """The scheduler's latest placement of gang ``gang`` (None before the first)."""
     from distributed import get_client
 
+    return get_client().get_metadata([CONTEXT_METADATA, str(gang)], default=None)
+
+
+def _worker_name() -> str:
+    """The name of the Dask worker this task runs on."""
+    from distributed import get_worker
+
+    return str(get_worker().name)
+
+
+def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
+                   attempt: collective.Attempt | None) -> dict | None:
+    """After this member's group failed (member ``member`` of the step ``placed``):
+    wait until the scheduler takes the step back, at most ``context.timeout`` seconds.
+    None once this attempt is cancelled (the member raises, and Dask drops the error),
+    or the time is up; the new placement when the step was placed anew with this
+    member on this worker while this attempt still runs (sent again: Dask then takes
+    this execution for the new run; or placed anew while this execution still serves
+    it, as when its peer's step failed while this member formed the group)."""
     if attempt is None:
         return None
-    client = get_client()
+    me = _worker_name()
 
     def taken_back() -> tuple[dict | None] | None:
         if attempt.cancelled:
             return (None,)
-        if not attempt.sent_again:
-            return None
         # (The scheduler writes a placement before it sends the members.)
-        now = client.get_metadata([CONTEXT_METADATA, str(gang)], default=None)
+        now = _placed_now(gang)
+        moved = (isinstance(now, dict) and now["failed"] != placed["failed"]
+                 and now["workers"][member] == me)
+        if not (attempt.sent_again or moved):
+            return None
         attempt.renew()
         return (now,)
 
@@ -217,11 +230,14 @@ def _after_failure(context: ContextSpec, gang: int,
     return None
 
 
-def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
-    """This member's group: the live one where it is the placement's, else joined."""
-    workers = tuple(_workers(placed))
+def _group_of(context: ContextSpec, gang: int, workers: list[str], failed: int,
+              member: int) -> Group:
+    """This member's group over the distinct ``workers`` of gang ``gang``'s placement
+    after ``failed`` failed steps: the live one where it is theirs, else joined. Its
+    formation gives up once the gang is placed anew (a peer that read the newer
+    placement forms another generation)."""
     name = GROUP_PREFIX + "+".join(workers)
-    generation = context.generation + int(placed["failed"])
+    generation = context.generation + int(failed)
     live = collective.live()
     if live is not None and live.name == name and live.generation == generation:
         group = collective.group(name, generation)
@@ -233,8 +249,12 @@ def _group_of(context: ContextSpec, placed: dict, member: int) -> Group:
                     f"collective group {live.name!r}, and a process is in one group at a "
                     f"time: its context-parallel steps cannot form their own")
             collective.leave(live.name)
-        group = collective.join(name, workers, generation, backend=context.backend,
-                                timeout=context.timeout)
+        def replaced() -> bool:
+            now = _placed_now(gang)
+            return isinstance(now, dict) and now["failed"] != failed
+
+        group = collective.join(name, tuple(workers), generation, backend=context.backend,
+                                timeout=context.timeout, stale=replaced)
     if group.rank != member:
         raise CollectiveError(f"context-parallel group {name!r}: member {member} joined "
                               f"as rank {group.rank}")
