@@ -53,6 +53,17 @@ def _join(name, members, generation, timeout, backend="auto"):
     collective.join(name, members, generation, backend=backend, timeout=timeout)
 
 
+def _join_while_wanted(name, members, generation, timeout, flag):
+    """Join, giving up once the scheduler's metadata ``flag`` says the generation is
+    no longer wanted (as a context-parallel member does once its gang is placed anew)."""
+    from distributed import get_client
+
+    def stale() -> bool:
+        return bool(get_client().get_metadata([flag], default=False))
+
+    collective.join(name, members, generation, backend="auto", timeout=timeout, stale=stale)
+
+
 def _leave():
     return collective.leave()
 
@@ -210,3 +221,21 @@ def test_a_member_waiting_for_its_peers_ends_once_its_task_is_taken_back(trainer
     collective.poll(lambda: client.run(_executing, workers=[address])[address] == 0 or None,
                     time.monotonic() + BOUND,
                     lambda: "the member still waits after its task was taken back")
+
+
+def test_a_member_stops_waiting_once_its_generation_is_no_longer_wanted(trainers):
+    """A member at the rendezvous whose peer forms another generation (its gang placed
+    anew meanwhile), its timeout far off: once the caller's ``stale`` says so, it stops
+    waiting (:class:`collective.TakenBack`) instead of waiting for a peer that never
+    comes."""
+    client, members, addresses = trainers
+    flag = f"stale-{group_name()}"
+    waiting = client.submit(_join_while_wanted, group_name(), members, 1, 600.0, flag,
+                            workers=[addresses[members[0]]], allow_other_workers=False,
+                            pure=False)
+    address = addresses[members[0]]
+    collective.poll(lambda: client.run(_executing, workers=[address])[address] or None,
+                    time.monotonic() + BOUND, lambda: "the member never started")
+    client.set_metadata([flag], True)
+    with pytest.raises(collective.TakenBack, match="no longer wants it"):
+        waiting.result(timeout=BOUND)

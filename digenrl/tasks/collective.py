@@ -446,8 +446,8 @@ def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], st
         if value is not None:
             return value
         if attempt is not None and attempt.taken_back:
-            raise TakenBack("the scheduler took this task back while it waited: "
-                            + message())
+            raise TakenBack("this task was taken back while it waited (by the scheduler, "
+                            "or its caller no longer wants it): " + message())
         left = deadline - time.monotonic()
         if left <= 0:
             raise RendezvousTimeout(message())
@@ -465,7 +465,7 @@ def _connect(host: str, port: int, size: int, deadline: float, attempt: Attempt 
              what: str) -> Any:
     """A client of rank 0's store at ``host:port``, tried in short attempts until
     ``deadline`` (rank 0 lost after it published the store: no one answers), each
-    followed by a look at whether the scheduler took this task back."""
+    followed by a look at whether the task was taken back."""
     while True:
         left = deadline - time.monotonic()
         try:
@@ -473,8 +473,9 @@ def _connect(host: str, port: int, size: int, deadline: float, attempt: Attempt 
                                   timeout=timedelta(seconds=max(min(_CONNECT_TRY, left), 0.1)))
         except dist.DistError:
             if attempt is not None and attempt.taken_back:
-                raise TakenBack(f"the scheduler took this task back while it connected to "
-                                f"{what}'s store") from None
+                raise TakenBack(f"this task was taken back while it connected to {what}'s "
+                                f"store (by the scheduler, or its caller no longer wants "
+                                f"it)") from None
             if time.monotonic() >= deadline:
                 raise
             continue
