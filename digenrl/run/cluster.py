@@ -28,7 +28,7 @@ from digenrl.schedulers.plugin import DigenRLSchedulerPlugin, pool_from_resource
 
 __all__ = ["ClusterHandle", "start_cluster", "start_emulated_cluster", "pool_counts",
            "PooledLocalCluster", "PooledSpecCluster", "QuietReportedErrors", "worker_resources",
-           "worker_gpu_memory", "gpu_memory_of",
+           "workers_now", "gpu_memory_of",
            "HeadlessScheduler", "OneClockWorker", "DASK_CONFIG"]
 
 logger = logging.getLogger(__name__)
@@ -326,14 +326,17 @@ def worker_speeds(client: Client) -> dict[str, float]:
             for addr, w in _workers_info(client).items()}
 
 
-def worker_gpu_memory(client: Client) -> dict[str, float]:
-    """Each worker's GPU memory in GB, by name, where it reports one: the total Dask's
-    NVML diagnostics record when a worker starts on a GPU (its ``gpu`` information)."""
-    return gpu_memory_of(_workers_info(client))
+def workers_now(client: Client) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """The workers by pool (:func:`pool_counts`) and their GPUs' memory
+    (:func:`gpu_memory_of`), from one fetch of the scheduler's view of them."""
+    workers = _workers_info(client)
+    return pools_of(workers), gpu_memory_of(workers)
 
 
 def gpu_memory_of(workers: dict[str, dict]) -> dict[str, float]:
-    """:func:`worker_gpu_memory` of the scheduler's worker information."""
+    """Each worker's GPU memory in GB, by name, where it reports one (``workers``: the
+    scheduler's view of them): the total Dask's NVML diagnostics record when a worker
+    starts on a GPU (its ``gpu`` information)."""
     out = {}
     for addr, w in workers.items():
         total = (w.get("gpu") or {}).get("memory-total")
@@ -344,8 +347,13 @@ def gpu_memory_of(workers: dict[str, dict]) -> dict[str, float]:
 
 def pool_counts(client: Client) -> dict[str, list[str]]:
     """Worker names per pool tag (and ``untagged``), from the workers' resources."""
+    return pools_of(_workers_info(client))
+
+
+def pools_of(workers: dict[str, dict]) -> dict[str, list[str]]:
+    """:func:`pool_counts` of the scheduler's view of the workers."""
     out: dict[str, list[str]] = {ROLLOUT: [], TRAINER: [], "untagged": []}
-    for addr, w in _workers_info(client).items():
+    for addr, w in workers.items():
         res = w.get("resources") or {}
         if res.get("GPU", 0) <= 0:
             out["untagged"].append(str(w.get("name", addr)))

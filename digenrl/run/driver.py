@@ -29,7 +29,7 @@ from digenrl import __version__
 from digenrl.figures.analysis import optimize_stop, pools_served, window_metrics
 from digenrl.store.checkpoints import complete_checkpoints, drop_checkpoints
 from digenrl.store.sharded import drop_sharded, sharded_checkpoints
-from digenrl.run.cluster import ClusterHandle, pool_counts, worker_gpu_memory
+from digenrl.run.cluster import ClusterHandle, workers_now
 from digenrl.graph.dask_graph import IterationGraph, iteration_outputs
 from digenrl.graph.plan import IterationPlan
 from digenrl.graph.keys import (checkpoint_key, kind_of, optimize_key, publish_key,
@@ -82,6 +82,17 @@ class IterationSummary:
     metrics: dict[str, float]
     #: (policy version, mean reward, prompts scored) of each evaluation stored with it
     evaluations: list[tuple[int, float, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RolloutNow:
+    """The workers that generate now, by name, and the memory that bounds a chunk on
+    them: one sample's activations at degree 1 and the least a GPU has free for a
+    chunk's, in GB (0 and infinite while unknown)."""
+
+    workers: list[str]
+    sample_gb: float
+    free_gb: float
 
 
 @dataclass
@@ -264,74 +275,74 @@ class Driver:
         plan = self._plans.get(j)
         if plan is None:
             spec = getattr(self.w, "chunking", None)
+            rollout = (self._rollout_now() if spec is not None or self._degrees is not None
+                       else None)
             if spec is None:
                 plan = self.w.plan(j)
             else:
-                largest = fitting_chunk(spec.largest, *self._rollout_memory(self._generating()))
+                assert rollout is not None
+                largest = fitting_chunk(spec.largest, rollout.sample_gb, rollout.free_gb)
                 size = choose_chunk_size(
                     self.w.images_per_iteration, spec.samples_per_prompt, largest,
                     capacity=self._generating_capacity(), slots=self.w.options.slots_per_worker,
                     measured=self._measured, fallback=spec.start)
                 plan = self.w.plan(j, size)
             if self._degrees is not None:
-                plan = self._choose_degrees(plan)
+                assert rollout is not None
+                plan = self._choose_degrees(plan, rollout)
             self._plans[j] = plan
         return plan
 
-    def _choose_degrees(self, plan: IterationPlan) -> IterationPlan:
+    def _choose_degrees(self, plan: IterationPlan, rollout: RolloutNow) -> IterationPlan:
         """``rollout.context_parallel: auto``: ``plan`` with each chunk's degree, chosen
-        for the generating workers there are now from the degrees' measured step times
-        (:func:`~digenrl.schedulers.parallelism.plan_degrees`), logged and kept for the
-        iteration's metrics."""
+        for the generating workers there are now (``rollout``) from the degrees'
+        measured step times (:func:`~digenrl.schedulers.parallelism.plan_degrees`),
+        logged and kept for the iteration's metrics."""
         assert self._degrees is not None
-        generating = self._generating()
         size = plan.num_samples // len(plan.chunks)
-        sample_gb, free_gb = self._rollout_memory(generating)
+        workers = len(rollout.workers)
         try:
-            chosen = plan_degrees(len(plan.chunks), size, len(generating), self._degrees,
-                                  self._step_seconds, sample_gb=sample_gb, free_gb=free_gb)
+            chosen = plan_degrees(len(plan.chunks), size, workers, self._degrees,
+                                  self._step_seconds, sample_gb=rollout.sample_gb,
+                                  free_gb=rollout.free_gb)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._degree_plans[plan.iteration] = chosen
         logger.info("iteration %d: context parallelism on %d rollout workers: %s",
-                    plan.iteration, len(generating), chosen.describe())
+                    plan.iteration, workers, chosen.describe())
         degrees = chosen.degrees if max(chosen.degrees, default=1) > 1 else ()
         return dataclasses.replace(plan, context_parallel=degrees)
 
-    def _generating(self) -> list[str]:
-        """The names of the workers that generate now (the rollout pool; every worker
-        when the mode has no pools), asked of the scheduler: a pool that shrank or grew
-        is counted as it is."""
-        counts = pool_counts(self.handle.client)
-        return [n for p, ns in pools_served(counts, self.w.options.pools).items()
-                if p != TRAINER for n in ns]
-
-    def _rollout_memory(self, generating: list[str]) -> tuple[float, float]:
-        """For ``auto`` and adaptive chunking: one sample's activations in a degree-1
-        step, in GB (the most per sample the workers measured for the newest latent
-        shape: :mod:`digenrl.tasks.footprint`), and the least a ``generating`` worker's
-        GPU has free for a chunk's beside what the worker keeps resident (the
+    def _rollout_now(self) -> RolloutNow:
+        """For ``auto`` and adaptive chunking, asked of the scheduler once: the workers
+        that generate now (the rollout pool; every worker when the mode has no pools),
+        so a pool that shrank or grew is counted as it is; one sample's activations in
+        a degree-1 step, in GB (the most per sample the workers measured for the newest
+        latent shape: :mod:`digenrl.tasks.footprint`); and the least a generating
+        worker's GPU has free for a chunk's beside what the worker keeps resident (the
         ``USABLE_FRACTION`` of its GPU's memory, else of ``cluster.gpu_memory_gb``;
         infinite where neither is known). 0 and infinite before any measurement."""
         client = self.handle.client
+        pools, total = workers_now(client)
+        generating = [n for p, ns in pools_served(pools, self.w.options.pools).items()
+                      if p != TRAINER for n in ns]
         mine = getattr(self.w, "model_key", None)
         events = [msg for _, msg in client.get_events(STEP_MEMORY_TOPIC)
                   if msg.get("model") == mine]
         if not events:
-            return 0.0, math.inf
+            return RolloutNow(generating, 0.0, math.inf)
         newest = events[-1]["shape"][1:]
         sample = max(e["transient_bytes"] / e["samples"] for e in events
                      if e["shape"][1:] == newest)
         resident = {e["name"]: e["resident_bytes"] for e in events}
         fallback = float(getattr(self.w, "gpu_memory_gb", 0.0))
-        total = worker_gpu_memory(client)
         free = math.inf
         for name in generating:
             gb = total.get(name) or fallback
             if gb:
                 kept = resident.get(name, max(resident.values())) / GB
                 free = min(free, USABLE_FRACTION * gb - kept)
-        return sample / GB, free
+        return RolloutNow(generating, sample / GB, free)
 
     def _measure_degrees(self, records: list[dict]) -> None:
         """``auto``: each degree's seconds of a sample's step, the median over the
