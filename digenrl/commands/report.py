@@ -23,6 +23,7 @@ import yaml
 from digenrl.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from digenrl.figures.analysis import (busy_shares, dispatch_overhead, split_advice, store_pools,
                               window_stats)
+from digenrl.schedulers.parallelism import memory_bound
 from digenrl.sim.measured import measured_profile
 from digenrl.config import EvalConfig, stored_section
 from digenrl.store import (EVAL_GROUP, REWARD_COLUMN, SOURCES_ATTRIBUTE, open_run,
@@ -188,5 +189,4 @@ def _memory_bound(m) -> str:
     if not known.any():
         return ""
     i = int(np.flatnonzero(known)[-1])
-    return (f"; a sample's activations {sample[i]:.3g} GB / degree within {free[i]:.3g} GB "
-            f"free per rollout GPU (iteration {i})")
+    return f"; {memory_bound(sample[i], free[i])} (iteration {i})"

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 __all__ = ["ParallelChoice", "generation_seconds", "choose_parallelism", "degree_plan",
-           "widen", "DEGREES", "CP_EFFICIENCY", "speedup", "DegreePlan", "plan_degrees"]
+           "widen", "DEGREES", "CP_EFFICIENCY", "speedup", "DegreePlan", "plan_degrees",
+           "memory_bound"]
 
 #: The degrees ``auto`` considers: powers of two, as attention heads divide by them.
 DEGREES = (1, 2, 4, 8)
@@ -164,9 +165,14 @@ class DegreePlan:
         if self.probes:
             text += f" (probing {', '.join(map(str, self.probes))}: not measured yet)"
         if self.sample_gb and math.isfinite(self.free_gb):
-            text += (f"; a sample's activations {self.sample_gb:.3g} GB / degree within "
-                     f"{self.free_gb:.3g} GB free per rollout GPU")
+            text += "; " + memory_bound(self.sample_gb, self.free_gb)
         return text
+
+
+def memory_bound(sample_gb: float, free_gb: float) -> str:
+    """The memory a run's chunks were kept within, as the log and the report say it."""
+    return (f"a sample's activations {sample_gb:.3g} GB / degree within {free_gb:.3g} GB "
+            f"free per rollout GPU")
 
 
 def plan_degrees(chunks: int, chunk_size: int, workers: int, allowed: Sequence[int],

@@ -45,6 +45,7 @@ from digenrl.tasks import collective, rollout
 from digenrl.tasks.collective import CollectiveError, Group, RendezvousTimeout
 from digenrl.tasks.resident import resident
 from digenrl.tasks.rollout import RolloutSpec
+from digenrl.tasks.slowdown import this_worker
 from digenrl.tasks.types import Latents, PolicyWeights, StepOut
 from digenrl.tasks.ulysses import degree, parallel
 from digenrl.vocabulary import CONTEXT_METADATA
@@ -193,13 +194,6 @@ def _placed_now(gang: int) -> dict | None:
     return get_client().get_metadata([CONTEXT_METADATA, str(gang)], default=None)
 
 
-def _worker_name() -> str:
-    """The name of the Dask worker this task runs on."""
-    from distributed import get_worker
-
-    return str(get_worker().name)
-
-
 def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
                    attempt: collective.Attempt | None) -> dict | None:
     """After this member's group failed (member ``member`` of the step ``placed``):
@@ -211,7 +205,7 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
     it, as when its peer's step failed while this member formed the group)."""
     if attempt is None:
         return None
-    me = _worker_name()
+    me = this_worker()
 
     def taken_back() -> tuple[dict | None] | None:
         if attempt.cancelled:
