@@ -27,6 +27,13 @@ Dask behaviours relied on (each is checked by ``tests/schedulers/test_dask_contr
 10. The scheduler's batched stream to each worker (``Scheduler.stream_comms[address]``,
     a ``BatchedSend``) exists when ``add_worker`` runs, and its ``interval`` is the
     least time between two of its sends (see :data:`WORKER_SEND_INTERVAL`).
+11. A worker registers before it runs: plugins hear ``add_worker`` while its status is
+    ``init`` and it is not among ``Scheduler.running``, where Dask sends no task (one
+    released to it stays ``no-worker``). Its change to ``running`` is logged as a
+    ``worker-status-change`` event under its address, which plugins hear in
+    ``log_event``. So the policy is told of a worker only once it runs: a gang whose
+    members went to a worker still starting would have one member sent and the other
+    refused, and failed at once, round after round, until the worker ran.
 """
 
 from __future__ import annotations
@@ -36,12 +43,13 @@ import time
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol import pickle
 
 from digenrl.process import freeze_collector
 from digenrl.schedulers.options import ScheduleOptions
-from digenrl.schedulers.policy import SchedulingPolicy, TaskInfo
+from digenrl.schedulers.policy import Decision, SchedulingPolicy, TaskInfo
 from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.progress import ProgressGuard
 from digenrl.schedulers.telemetry import Telemetry
@@ -79,6 +87,11 @@ def pool_from_resources(resources: dict[str, float]) -> str | None:
     """A worker's pool: the pool-named resource it advertises (``rollout=1``)."""
     tags = [p for p in POOLS if resources.get(p, 0) > 0]
     return tags[0] if len(tags) == 1 else None
+
+
+def _gang_of(d: Decision) -> int | None:
+    """The gang of a released task, None when it is in none."""
+    return d.info.gang[0] if d.info is not None and d.info.gang is not None else None
 
 
 class DigenRLSchedulerPlugin(SchedulerPlugin):
@@ -121,6 +134,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             "digenrl_timeline": self.timeline_since,
             "digenrl_metrics": self.report_metrics,
             "digenrl_gang_failed": self.gang_failed,
+            "digenrl_gang_rerun": self.gang_rerun,
         })
         use_kind_colours()
         # The progress watchdog and the stall check (digenrl.schedulers.progress).
@@ -169,9 +183,12 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
     # -------------------------------------------------------------------- workers
 
     def _add_worker(self, address: str) -> None:
+        """Tell the policy of worker ``address`` once Dask runs tasks on it (a worker
+        joins before it runs: contract 11), and once only."""
         assert self.scheduler is not None    # (set when it starts)
         ws = self.scheduler.workers.get(address)
-        if ws is None or self.policy is None:
+        if ws is None or self.policy is None or ws.status != Status.running \
+                or address in self.policy.workers:
             return
         resources = dict(ws.resources or {})
         pool = pool_from_resources(resources)
@@ -187,6 +204,14 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
         self._tune_stream(worker)
         self._add_worker(worker)
         self._schedule_flush()
+
+    def log_event(self, topic, msg) -> None:
+        """A worker that joined before it ran is now running (contract 11): the policy
+        may release work to it."""
+        if isinstance(msg, dict) and msg.get("action") == "worker-status-change" \
+                and msg.get("status") == "running" and isinstance(topic, str):
+            self._add_worker(topic)
+            self._schedule_flush()
 
     def _tune_stream(self, address: str) -> None:
         """The scheduler's messages to worker ``address`` go out at most
@@ -293,14 +318,19 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                                 stimulus_id=stimulus_id)
             s.transitions(recs, stimulus_id)
         releases: dict[DaskKey, TaskStateState] = {}
+        decisions = self.policy.decide()
+        # A release Dask would not apply (the task is no longer waiting for one, its
+        # worker left or does not run tasks now) is not applied, nor are the releases of
+        # the other members of its gang this round: a gang starts whole or not at all.
+        refused = {d.key for d in decisions if not self._applicable(d.key, d.worker)}
+        gangs = {_gang_of(d) for d in decisions if d.key in refused} - {None}
         failed: list[Key] = []
         released: list[Key] = []
-        for d in self.policy.decide():
-            ts = s.tasks.get(d.key)
-            if ts is None or ts.state != "no-worker" or d.worker not in s.workers:
+        for d in decisions:
+            if d.key in refused or _gang_of(d) in gangs:
                 failed.append(d.key)
                 continue
-            ts.worker_restrictions = {d.worker}
+            s.tasks[d.key].worker_restrictions = {d.worker}
             releases[d.key] = "processing"
             released.append(d.key)
             self.telemetry.released(d)
@@ -312,8 +342,7 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             if ts is not None and ts.state == "no-worker":
                 ts.worker_restrictions = {PARKED}
                 failed.append(key)
-        for key in failed:
-            self.policy.release_failed(key)
+        self.policy.release_failed(failed)
         # Releases (or results) the policy took back: each goes back to waiting, and is
         # reported ready again once its inputs exist. A result that nothing waits for
         # any more (a gang member whose dependents hold theirs, while its lost partner's
@@ -335,6 +364,14 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
                     and ws not in (ts.who_has or ()):
                 s.request_acquire_replicas(address, [key], stimulus_id=stimulus_id)
         self.telemetry.sample(self.policy)
+
+    def _applicable(self, key: Key, address: str) -> bool:
+        """Whether Dask sends task ``key`` to worker ``address`` when told to."""
+        assert self.scheduler is not None    # (set when it starts)
+        ts = self.scheduler.tasks.get(key)
+        ws = self.scheduler.workers.get(address)
+        return ts is not None and ts.state == "no-worker" and ws is not None \
+            and ws in self.scheduler.running
 
     def decide_when_due(self) -> None:
         """Run a decision round once the policy's deadline has passed
@@ -394,6 +431,14 @@ class DigenRLSchedulerPlugin(SchedulerPlugin):
             return None
         gang = self._gang()
         return gang.failed[0] if gang.failed else None
+
+    def gang_rerun(self, gang: int, failed: int) -> bool:
+        """The ``digenrl_gang_rerun`` handler: :meth:`Gang.rerun` (a member's word that
+        its group failed with nothing lost), the members taken back at once."""
+        if self.policy is None or not self._gang().rerun(int(gang), int(failed)):
+            return False
+        self._schedule_flush()
+        return True
 
     def state(self) -> dict[str, Any]:
         snap = self.policy.snapshot() if self.policy is not None else {}

@@ -109,8 +109,9 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     the chunk's last step only member 0 does (its decoding reads every member, so that
     each runs, and needs the latents once).
 
-    When the group fails under it (a peer lost), the member leaves the group, so its
-    other peers fail at once too, and waits for the scheduler to take the step back
+    When the group fails under it (a peer lost, a rendezvous timed out), the member
+    leaves the group, so its other peers fail at once too, tells the scheduler (which
+    may see nothing lost) and waits for it to take the step back
     (:func:`_after_failure`): once this attempt is cancelled it raises, and Dask drops the
     error of a cancelled task; if the step was placed anew on this worker while the
     attempt still ran (Dask then takes this execution for the new attempt), it computes
@@ -142,7 +143,8 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
                 collective.leave(group.name, group.generation)
             if not collective.failed(e):    # (forming the group, or a collective of it)
                 raise
-            anew = _after_failure(context, gang, member, placed, attempt)
+            anew = _after_failure(context, gang, member, placed, attempt,
+                                  asked=isinstance(e, collective.TakenBack))
             if anew is None:
                 raise
             placed = anew
@@ -195,9 +197,13 @@ def _placed_now(gang: int) -> dict | None:
 
 
 def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
-                   attempt: collective.Attempt | None) -> dict | None:
+                   attempt: collective.Attempt | None, asked: bool) -> dict | None:
     """After this member's group failed (member ``member`` of the step ``placed``):
-    wait until the scheduler takes the step back, at most ``context.timeout`` seconds.
+    unless the scheduler already took the step back (``asked``), tell it the group
+    failed (its rendezvous timed out, or a collective erred: it may see nothing lost),
+    so that it runs the step again now (:meth:`Gang.rerun
+    <digenrl.schedulers.policy.rules.gang.Gang.rerun>`); then wait until it takes the
+    step back, at most ``context.timeout`` seconds.
     None once this attempt is cancelled (the member raises, and Dask drops the error),
     or the time is up; the new placement when the step was placed anew with this
     member on this worker while this attempt still runs (sent again: Dask then takes
@@ -206,6 +212,13 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
     if attempt is None:
         return None
     me = this_worker()
+    if not asked:
+        from distributed import get_client
+
+        client = get_client()
+        with contextlib.suppress(OSError):   # (a lost scheduler: the error stands)
+            client.sync(client.scheduler.digenrl_gang_rerun, gang=gang,
+                        failed=placed["failed"])
 
     def taken_back() -> tuple[dict | None] | None:
         if attempt.cancelled:

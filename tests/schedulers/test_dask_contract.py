@@ -11,6 +11,7 @@ import pytest
 from dask._task_spec import Task
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Worker
+from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, inc, slowinc
 from distributed.worker_state_machine import (ComputeTaskEvent, FreeKeysEvent,
@@ -176,3 +177,40 @@ async def test_10_a_workers_stream_exists_when_plugins_hear_it_joined(c, s, a, b
         stream = plugin.streams[w.address]
         assert stream is not None and stream is s.stream_comms[w.address]
         assert isinstance(stream.interval, float) and stream.interval > 0
+
+
+class StatusAtJoin(SchedulerPlugin):
+    name = "status-at-join"
+
+    def __init__(self):
+        self.heard = []
+
+    def add_worker(self, scheduler, worker):
+        ws = scheduler.workers[worker]
+        self.heard.append(("joined", worker, ws.status.name, ws in scheduler.running))
+
+    def log_event(self, topic, msg):
+        if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
+            self.heard.append(("status", topic, msg["status"]))
+
+
+@pooled_cluster(NTHREADS, config={"distributed.worker.memory.pause": False})
+async def test_11_a_worker_joins_before_it_runs_and_its_running_is_an_event(c, s, a, b):
+    """A joining worker is heard in add_worker before it runs tasks; its change to
+    running reaches plugins' log_event under its address. A task released to a worker
+    that does not run tasks stays no-worker."""
+    plugin = StatusAtJoin()
+    s.add_plugin(plugin)
+    async with Worker(s.address, nthreads=1) as w:
+        await async_poll_for(lambda: ("status", w.address, "running") in plugin.heard,
+                             timeout=20)
+        assert plugin.heard[0] == ("joined", w.address, "init", False)
+        assert s.workers[w.address] in s.running
+        f = await submit_parked(c, s, "to-a-paused-worker")
+        w.status = Status.paused
+        await async_poll_for(lambda: s.workers[w.address] not in s.running, timeout=20)
+        s.tasks["to-a-paused-worker"].worker_restrictions = {w.address}
+        s.transitions({"to-a-paused-worker": "processing"}, "test-11")
+        assert s.tasks["to-a-paused-worker"].state == "no-worker"
+        w.status = Status.running
+        assert await f == 2

@@ -194,3 +194,56 @@ async def test_a_gang_member_lost_with_its_worker_takes_the_other_back_and_the_g
     recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
     withdrawn = [rec["key"] for rec in recs if "\tlost\tgang\t" in rec["decisions"]]
     assert withdrawn == [str(keys[1])]
+
+
+
+async def set_status(s, worker, status):
+    """``worker`` sets its own status (``paused``, ``running``), and tells the scheduler,
+    as a worker over its memory bound does."""
+    from distributed.core import Status
+
+    worker.status = Status[status]
+    await async_poll_for(lambda: s.workers[worker.address].status == Status[status],
+                         timeout=20)
+
+
+#: Workers whose memory monitor leaves their status as the test sets it.
+UNPAUSED = {"distributed.worker.memory.pause": False}
+
+
+@pooled_cluster(POOLED + [("127.0.0.1", 2, TRAINER)], config=UNPAUSED)
+async def test_a_worker_is_used_once_dask_runs_tasks_on_it(c, s, r, t1, t2):
+    """A worker that does not run tasks when the run begins (one still starting, or
+    paused) is not the policy's until its status changes to running."""
+    await set_status(s, t1, "paused")
+    plugin = await install(s)
+    assert t1.address not in plugin.policy.workers and t2.address in plugin.policy.workers
+    await set_status(s, t1, "running")
+    assert t1.address in plugin.policy.workers
+
+
+@pooled_cluster(POOLED + [("127.0.0.1", 2, TRAINER)], config=UNPAUSED)
+async def test_a_gang_is_not_started_on_a_worker_that_does_not_run_tasks(c, s, r, t1, t2):
+    """A gang of two goes to the two trainers; the first is paused (Dask sends it
+    nothing): neither member is sent, and no step fails, until it runs again; then both
+    run, each on its own trainer, once."""
+    plugin = await install(s)
+    await set_status(s, t1, "paused")
+    keys = [("grad", 0, j, 0) for j in range(2)]
+    tasks = {k: (name_after_event, ("gang-resumed",),
+                 task_meta("grad", 0, 0, chunk=j, timestep=0, behaviour_version=0,
+                           gang=(0, j, 2)))
+             for j, k in enumerate(keys)}
+    futs = c.get(annotated(tasks), keys, sync=False)
+    policy = plugin.policy
+    # The policy released the gang, and its release was taken back whole.
+    await async_poll_for(lambda: all(k in policy.tasks and "retried" in
+                                     [e.verb for e in policy.trail_of(k)] for k in keys),
+                         timeout=20)
+    assert [s.tasks[k].state for k in keys] == ["no-worker", "no-worker"]
+    assert plugin._gang().retried == 0 and plugin._gang().failed == []
+    await set_status(s, t1, "running")
+    await Event("gang-resumed").set()
+    assert await c.gather(futs) == [t1.name, t2.name]
+    recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
+    assert not [rec["key"] for rec in recs if "\tlost\t" in rec["decisions"]]

@@ -102,7 +102,7 @@ def test_lost_and_retried_tasks_say_so():
     p.task_lost(key)
     p.task_ready(key, {})
     [again] = p.decide()
-    p.release_failed(again.key)
+    p.release_failed([again.key])
     verbs = [s.verb for s in parse_trail(trail_text(p.trail_of(key)))]
     assert verbs == ["released", "lost", "released", "retried"]
 

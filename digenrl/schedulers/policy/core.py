@@ -401,18 +401,24 @@ class SchedulingPolicy:
         for forgotten in self._on["forgotten"]:
             forgotten(info, held)
 
-    def release_failed(self, key: Key) -> None:
-        """The adapter could not place a released task (its worker vanished): retry."""
-        info = self.tasks.get(key)
-        if info is None or info.state is not RELEASED:
-            return
-        if self.trail_length:
-            self.note(info, RETRIED, "", None, "its worker vanished before the release")
-        self._unrelease(info)
-        self.facts.back(info)
-        for back in self._on["back"]:
-            back(info)
-        self.enqueue(info)
+    def release_failed(self, keys: Iterable[Key]) -> None:
+        """The adapter could not apply these releases (the worker vanished, or does not
+        run tasks yet): each is queued again. All are taken back before any rule hears
+        of one, so a gang whose release was not applied is not a failed step: none of
+        its members ran."""
+        infos = [info for info in map(self.tasks.get, keys)
+                 if info is not None and info.state is RELEASED]
+        for info in infos:
+            if self.trail_length:
+                self.note(info, RETRIED, "", None, "its release could not be applied "
+                          "(its worker vanished, or does not run tasks yet)")
+            self._unrelease(info)
+            info.state = ADDED
+        for info in infos:
+            self.facts.back(info)
+            for back in self._on["back"]:
+                back(info)
+            self.enqueue(info)
 
     def _unrelease(self, info: TaskInfo) -> None:
         addr = info.where

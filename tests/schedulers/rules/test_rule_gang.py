@@ -316,6 +316,34 @@ def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_cou
     assert [(gid, n) for gid, _, n in formed] == [(9, 1)]
 
 
+def test_a_members_word_that_its_group_failed_runs_the_step_again_once():
+    """A member whose group failed where nothing is lost (its rendezvous timed out)
+    says so: every member is taken back and the step runs again, counted; the other
+    member's word of the same release, and a word of an older release, change
+    nothing. A release the adapter could not apply is no failed step: none ran."""
+    p = policy_with(opts("digenrl", slots_per_worker=2), rollout=2, trainer=0)
+    p.rule(Gang).handing = True
+    members = gang(9, 2, kind=DENOISE)
+    p.add_tasks(members)
+    for m in members:
+        p.task_ready(m.key)
+    out = p.decide()
+    p.release_failed([d.key for d in out])
+    assert p.rule(Gang).retried == 0 and p.take_withdrawn() == []
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members)
+    p.task_done(members[1].key, members[1].where, 1.0)
+    assert not p.rule(Gang).rerun(9, 1)                   # not this release's count
+    assert p.rule(Gang).rerun(9, 0)
+    assert sorted(p.take_withdrawn()) == sorted(m.key for m in members)
+    assert p.rule(Gang).retried == 1 and p.rule(Gang).failed == []
+    assert not p.rule(Gang).rerun(9, 0)                   # the other member's word
+    for m in members:
+        p.task_ready(m.key)
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members)
+    formed = p.rule(Gang).take_formations()[0]
+    assert [(gid, n) for gid, _, n in formed] == [(9, 0), (9, 0), (9, 1)]
+
+
 def test_a_chunks_workers_are_kept_for_its_next_step_while_its_step_ends():
     """A member of a chunk's context-parallel step is done while the other still runs:
     its worker takes no other chunk's step (nor a micro-step) but stays for the chunk's

@@ -46,6 +46,10 @@ them: TAG, RAT and rebalancing never move one.
   together, and member ``i >= k`` after member ``i % k`` on its worker (it gives the
   result that member holds for it). The chunk's next gang is placed at full degree as
   soon as the pool is whole.
+* **Run again on a member's word**: a member whose group failed where Dask sees
+  nothing lost (its rendezvous timed out, a collective erred) says so
+  (:meth:`Gang.rerun`, the plugin's ``digenrl_gang_rerun``): the step fails as if a
+  member were lost, rather than wait for a loss that never comes.
 * **Formations**: each release of a placed gang is noted in :attr:`Gang.formed` (its id,
   its members' workers by index and how many placed steps had failed before it), which
   the plugin hands to the members (the scheduler's metadata under
@@ -78,7 +82,7 @@ class _Members:
     """One gang: its members by index, and which of them are ready to be released."""
 
     __slots__ = ("size", "members", "ready", "pool", "trainers", "placed", "degree",
-                 "after")
+                 "after", "released_after")
 
     def __init__(self, size: int, pool: str, trainers: int, placed: bool = False) -> None:
         self.size = size
@@ -95,6 +99,9 @@ class _Members:
         self.after: dict[int, WorkerInfo] = {}
         #: The degree of its last release (a placed gang's; ``size`` unless lower).
         self.degree = size
+        #: How many placed gangs' steps had failed at its last release (a placed
+        #: gang's: :attr:`Gang.retried`, which its members read with its placement).
+        self.released_after: int | None = None
 
     def complete(self) -> bool:
         return len(self.ready) == self.size
@@ -465,6 +472,7 @@ class Gang(Rule):
                 first = g.members[0]
                 addresses = [w.address for w in workers]
                 self.homes[(first.iteration, first.chunk)] = (gid, addresses)
+                g.released_after = self.retried
                 if self.handing:
                     self.formed.append((gid, addresses, self.retried))
                 self._unkeep(gid)
@@ -521,6 +529,25 @@ class Gang(Rule):
     def _unreserve(self, gid: int) -> None:
         for a in [a for a, g in self.reserved.items() if g == gid]:
             del self.reserved[a]
+
+    def rerun(self, gid: int, failed: int) -> bool:
+        """A member of placed gang ``gid``, released after ``failed`` failed steps,
+        says its group failed where Dask sees nothing lost (a rendezvous that timed out,
+        a collective that erred): the step fails, and runs again together (the members
+        are taken back). Once per release: the word of another member of the same
+        release, or of an older one, changes nothing. Returns whether it failed the
+        step."""
+        g = self.gangs.get(gid)
+        if g is None or not g.placed or g.released_after != failed:
+            return False
+        out = [m for m in g.members.values() if m.state is RELEASED or m.state is DONE]
+        if not out:
+            return False
+        g.released_after = None
+        # (Taking one back fails the step: the others are taken back with it.)
+        self.policy.withdraw(out[0], self.name, "gang {}'s group failed on its workers, "
+                             "with nothing lost: its step runs again", gid)
+        return True
 
     def take_formations(self) -> tuple[list[tuple[int, list[str], int]], list[int]]:
         """The placed gangs released (:attr:`formed`) and ended (:attr:`ended`) since
