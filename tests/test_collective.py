@@ -239,3 +239,27 @@ def test_a_member_stops_waiting_once_its_generation_is_no_longer_wanted(trainers
     client.set_metadata([flag], True)
     with pytest.raises(collective.TakenBack, match="no longer wants it"):
         waiting.result(timeout=BOUND)
+
+
+def test_rank_0_answers_a_member_that_announced_itself_again(trainers):
+    """A member's announcement given up (its task taken back and sent again while rank 0
+    waited, as when the scheduler fails a step and releases it anew) is still on the
+    scheduler when rank 0 reads it; the member's new announcement is answered anew, with
+    the same store, and the group forms within the bound, its timeout far off."""
+    client, members, addresses = trainers
+    name = group_name()
+    key = [collective.METADATA, name, "1"]
+    client.set_metadata(key + ["arrived", members[1]], "a-token-given-up")
+    first = client.submit(_join_and_sum, name, members, 1, 600.0,
+                          workers=[addresses[members[0]]], allow_other_workers=False,
+                          pure=False)
+    published = collective.poll(
+        lambda: client.get_metadata(key + ["store"], default=None),
+        time.monotonic() + BOUND, lambda: "rank 0 published no store")
+    assert published["tokens"][members[1]] == "a-token-given-up"
+    second = client.submit(_join_and_sum, name, members, 1, 600.0,
+                           workers=[addresses[members[1]]], allow_other_workers=False,
+                           pure=False)
+    results = [f.result(timeout=BOUND) for f in (first, second)]  # (not the 600 s timeout)
+    assert [r[3] for r in results] == [3.0, 3.0]
+    assert results[0][1] == results[1][1] == published["formation"]

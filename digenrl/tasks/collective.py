@@ -18,16 +18,21 @@ rank is its index in that list. Every member runs :func:`join` in a task of its 
 
 1. each member other than rank 0 announces itself: ``arrived/<its name>`` = a token new
    to this join;
-2. rank 0 waits until every other member has announced, starts a
-   ``torch.distributed.TCPStore`` on a port the OS picks (nothing fixed: no port, no
-   shared file) and publishes ``store`` = its ``host:port``, a token naming this
-   formation and the token of every member it answers;
+2. rank 0 starts a ``torch.distributed.TCPStore`` on a port the OS picks (nothing
+   fixed: no port, no shared file), waits until every other member has announced, and
+   publishes ``store`` = its ``host:port``, a token naming this formation and the token
+   of every member it answers; it keeps reading the announcements, and answers a member
+   that announced itself again (its task taken back and sent again meanwhile) anew, with
+   the same store, so it never waits for an announcement its member gave up;
 3. each member waits for a published store that names its own token (an address
    published for an earlier join of the same generation is never used), connects to it
-   and says so in it; rank 0 waits until every member has, then gives the go-ahead in
-   the store, and the default process group is created on it (``init_process_group``)
-   with each member's rank, the group's size and ``timeout``: every member is connected
-   before any of them waits inside torch's own rendezvous, where nothing interrupts it.
+   and says so in it with its token; once every member has, with its latest token, rank
+   0 gives the go-ahead in the store (the tokens it answers), each member says there that
+   it goes ahead, and once every member has, the default process group is created on
+   the store (``init_process_group``) with each member's rank, the group's size and
+   ``timeout``. Before its word a member still gives up when its task is taken back;
+   after it, it no longer does: so rank 0 enters torch's own rendezvous, where nothing
+   interrupts it, only once every member is bound to enter it too.
 
 **Timeouts.** Each wait of the rendezvous gives up after ``timeout`` seconds
 (:class:`RendezvousTimeout`, naming the members that did not come), or as soon as the
@@ -363,33 +368,16 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
     store = None
     try:
         if rank == 0:
-            others = members[1:]
-
-            def arrivals() -> dict[str, str] | None:
-                got = client.get_metadata(key + ["arrived"], default=None) or {}
-                if not all(got.get(m) for m in others):
-                    return None
-                return {m: str(got[m]) for m in others}
-
-            tokens = poll(arrivals, deadline, lambda: (
-                f"{what}: members {_missing(client, key, others)} did not arrive within "
-                f"{timeout:g} s ({TIMEOUT_FIELD})"), attempt)
-            tokens[me] = token
             store = master = dist.TCPStore(get_address_host(worker.address), 0,
                                            world_size=len(members), is_master=True,
                                            wait_for_workers=False,
                                            timeout=timedelta(seconds=timeout))
             address = f"{get_address_host(worker.address)}:{master.port}"
             formation = token
-            client.set_metadata(key + ["store"], {"address": address, "formation": formation,
-                                                  "backend": backend, "tokens": tokens})
-            # Every member connected to the store before any waits in torch's own
-            # rendezvous, which no take-back interrupts.
-            poll(lambda: True if master.check([f"{_CONNECTED}/{m}" for m in others]) else None,
-                 deadline, lambda: (f"{what}: members {list(others)} did not connect to rank "
-                                    f"0's store within {timeout:g} s ({TIMEOUT_FIELD})"),
-                 attempt)
-            master.set(_FORM, formation)
+            rendezvous = _Rendezvous(client, key, master, members, token, address, backend)
+            poll(rendezvous.formed, deadline, lambda: (
+                f"{what}: members {rendezvous.missing()} did not {rendezvous.stage} "
+                f"within {timeout:g} s ({TIMEOUT_FIELD})"), attempt)
         else:
             client.set_metadata(key + ["arrived", me], token)
 
@@ -409,9 +397,12 @@ def _form(worker: Any, name: str, members: tuple[str, ...], generation: int, bac
             host, port = address.rsplit(":", 1)
             store = joined = _connect(host, int(port), len(members), deadline, attempt, what)
             joined.set(f"{_CONNECTED}/{me}", token)
-            poll(lambda: True if joined.check([_FORM]) else None, deadline, lambda: (
-                f"{what}: rank 0 ({members[0]!r}) did not see every member connect within "
-                f"{timeout:g} s ({TIMEOUT_FIELD})"), attempt)
+            poll(lambda: True if token in _read(joined, _FORM).split() else None, deadline,
+                 lambda: (f"{what}: rank 0 ({members[0]!r}) gave worker {me!r} no go-ahead "
+                          f"within {timeout:g} s ({TIMEOUT_FIELD})"), attempt)
+            # From here this member no longer looks back: rank 0 waits for every
+            # member to say so before it enters torch's own rendezvous.
+            joined.set(f"{_GOING}/{me}", token)
         device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                   else None)
         dist.init_process_group(backend, store=store, rank=rank, world_size=len(members),
@@ -455,8 +446,72 @@ def poll(read: Callable[[], T | None], deadline: float, message: Callable[[], st
         pause = min(pause * 2, 0.1)
 
 
-#: Keys of a formation's store: each member's connection, then rank 0's go-ahead.
-_CONNECTED, _FORM = "digenrl/connected", "digenrl/form"
+#: Keys of a formation's store: each member's connection, rank 0's go-ahead (the
+#: tokens it answers), each member's word that it goes ahead.
+_CONNECTED, _FORM, _GOING = "digenrl/connected", "digenrl/form", "digenrl/going"
+
+
+def _read(store: Any, key: str) -> str:
+    """The value of ``key`` in ``store``, empty while it has none."""
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+class _Rendezvous:
+    """Rank 0's side of a formation (see the module's text), one look at a time
+    (:meth:`formed`). It follows each member's latest announcement: a member that
+    announced itself again (its task taken back and sent again while rank 0 waited) is
+    answered anew, with the same store, so that rank 0 never waits for an announcement
+    its member gave up."""
+
+    #: What rank 0 waits for at each stage, and the store key that holds each member's
+    #: word (None: the scheduler's metadata).
+    ARRIVE, CONNECT, GO = "arrive", "connect to rank 0's store", "take rank 0's go-ahead"
+    STAGES = {ARRIVE: None, CONNECT: _CONNECTED, GO: _GOING}
+
+    def __init__(self, client: Any, key: list[str], master: Any, members: tuple[str, ...],
+                 token: str, address: str, backend: str) -> None:
+        self.client, self.key, self.master = client, key, master
+        self.members, self.others = members, members[1:]
+        self.token, self.address, self.backend = token, address, backend
+        self.tokens: dict[str, str] = {}         # the announcements answered
+        self.go = ""                             # the go-ahead given
+        self.stage = self.ARRIVE
+
+    def formed(self) -> bool | None:
+        """True once every member announced itself, connected to the store with its
+        latest announcement and goes ahead; None before."""
+        got = self.client.get_metadata(self.key + ["arrived"], default=None) or {}
+        if not all(got.get(m) for m in self.others):
+            self.stage = self.ARRIVE
+            return None
+        tokens = {m: str(got[m]) for m in self.others}
+        if tokens != self.tokens:
+            self.tokens = tokens
+            self.client.set_metadata(self.key + ["store"], {
+                "address": self.address, "formation": self.token, "backend": self.backend,
+                "tokens": {**tokens, self.members[0]: self.token}})
+        if self.missing(self.CONNECT):
+            self.stage = self.CONNECT
+            return None
+        go = " ".join(tokens.values())
+        if go != self.go:
+            self.master.set(_FORM, go)
+            self.go = go
+        if self.missing(self.GO):
+            self.stage = self.GO
+            return None
+        return True
+
+    def missing(self, stage: str | None = None) -> list[str]:
+        """The members that have not reached ``stage`` (the one waited for last)."""
+        held = self.STAGES[stage or self.stage]
+        if held is None:
+            got = self.client.get_metadata(self.key + ["arrived"], default=None) or {}
+            return [m for m in self.others if not got.get(m)]
+        return [m for m in self.others
+                if _read(self.master, f"{held}/{m}") != self.tokens.get(m)]
+
+
 #: Seconds of one attempt to connect to rank 0's store (tried again until the deadline).
 _CONNECT_TRY = 2.0
 
@@ -481,11 +536,6 @@ def _connect(host: str, port: int, size: int, deadline: float, attempt: Attempt 
             continue
         store.set_timeout(timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
         return store
-
-
-def _missing(client: Any, key: list[str], others: Sequence[str]) -> list[str]:
-    got = client.get_metadata(key + ["arrived"], default=None) or {}
-    return [m for m in others if not got.get(m)]
 
 
 def _tear_down(g: Group) -> None:
