@@ -180,7 +180,8 @@ def test_a_step_whose_pool_shrank_runs_at_a_lower_degree(runs, tmp_path, cluster
     assert np.max(np.abs(ds["samples"]["reward"].values
                          - reference["samples"]["reward"].values)) <= 1e-4
     # Each member's last run (a step run again has a record per run): some steps of
-    # iteration 1 ran alone on rollout-0; those before the kill on both workers.
+    # iteration 1 ran alone on rollout-0 (and any of iteration 0 whose result was lost
+    # with rollout-1 and computed again); those before the kill on both workers.
     t = ds["tasks"].to_dataframe()
     steps = t[t.kind == DENOISE].sort_values("stop").drop_duplicates("key", keep="last")
     members = steps.key.map(ast.literal_eval)
@@ -188,5 +189,5 @@ def test_a_step_whose_pool_shrank_runs_at_a_lower_degree(runs, tmp_path, cluster
     assert (per_step.size() == 2).all()
     workers = per_step.worker_name.nunique()
     alone = workers[workers == 1].index
-    assert len(alone) >= 1 and all(step[1] == 1 for step in alone)
+    assert any(step[1] == 1 for step in alone)
     assert (workers == 2).sum() >= 1
