@@ -166,6 +166,17 @@ def name_after_event(name):
     return get_worker().name
 
 
+def submit_gang(c, event):
+    """A gang of two grad members, each giving its worker's name once ``event`` is set:
+    (their keys, their futures)."""
+    keys = [("grad", 0, j, 0) for j in range(2)]
+    tasks = {k: (name_after_event, (event,),
+                 task_meta("grad", 0, 0, chunk=j, timestep=0, behaviour_version=0,
+                           gang=(0, j, 2)))
+             for j, k in enumerate(keys)}
+    return keys, c.get(annotated(tasks), keys, sync=False)
+
+
 @pooled_cluster(POOLED + [("127.0.0.1", 2, TRAINER)] * 2)
 async def test_a_gang_member_lost_with_its_worker_takes_the_other_back_and_the_gang_reruns(
         c, s, r, t1, t2, t3):
@@ -173,12 +184,7 @@ async def test_a_gang_member_lost_with_its_worker_takes_the_other_back_and_the_g
     both run: the plugin sends the other member back to waiting (the policy took it
     back), and both run again together, on the second and the third trainer."""
     await install(s)
-    keys = [("grad", 0, j, 0) for j in range(2)]
-    tasks = {k: (name_after_event, ("gang-go",),
-                 task_meta("grad", 0, 0, chunk=j, timestep=0, behaviour_version=0,
-                           gang=(0, j, 2)))
-             for j, k in enumerate(keys)}
-    futs = c.get(annotated(tasks), keys, sync=False)
+    keys, futs = submit_gang(c, "gang-go")
 
     def running_on():
         states = [s.tasks.get(k) for k in keys]
@@ -229,12 +235,7 @@ async def test_a_gang_is_not_started_on_a_worker_that_does_not_run_tasks(c, s, r
     run, each on its own trainer, once."""
     plugin = await install(s)
     await set_status(s, t1, "paused")
-    keys = [("grad", 0, j, 0) for j in range(2)]
-    tasks = {k: (name_after_event, ("gang-resumed",),
-                 task_meta("grad", 0, 0, chunk=j, timestep=0, behaviour_version=0,
-                           gang=(0, j, 2)))
-             for j, k in enumerate(keys)}
-    futs = c.get(annotated(tasks), keys, sync=False)
+    keys, futs = submit_gang(c, "gang-resumed")
     policy = plugin.policy
     # The policy released the gang, and its release was taken back whole.
     await async_poll_for(lambda: all(k in policy.tasks and "retried" in

@@ -285,18 +285,24 @@ def kept_off(p: SchedulingPolicy, task: TaskInfo, reason: str) -> bool:
     return p.decide() == [] and any(s.reason.startswith(reason) for s in steps(p, task.key))
 
 
-def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_count_up():
-    """A context-parallel step (a gang of denoise members): its release is noted with
-    its members' workers for the plugin to hand over; lost mid-step, it is counted as
-    retried (not as a failure a driver must act on), and its next release carries the
-    count; while a member computes, its worker takes no other GPU task."""
+def placed_gang_released():
+    """A policy with two rollout workers of two slots each that released gang 9, a
+    context-parallel step of two members: (policy, members, the decisions)."""
     p = policy_with(opts("digenrl", slots_per_worker=2), rollout=2, trainer=0)
     p.rule(Gang).handing = True
     members = gang(9, 2, kind=DENOISE)
     p.add_tasks(members)
     for m in members:
         p.task_ready(m.key)
-    out = p.decide()
+    return p, members, p.decide()
+
+
+def test_a_placed_gang_hands_over_its_workers_and_a_failed_step_runs_again_a_count_up():
+    """A context-parallel step (a gang of denoise members): its release is noted with
+    its members' workers for the plugin to hand over; lost mid-step, it is counted as
+    retried (not as a failure a driver must act on), and its next release carries the
+    count; while a member computes, its worker takes no other GPU task."""
+    p, members, out = placed_gang_released()
     assert sorted(d.key for d in out) == sorted(m.key for m in members)
     formed, ended = p.rule(Gang).take_formations()
     workers = sorted(d.worker for d in out)
@@ -321,13 +327,7 @@ def test_a_members_word_that_its_group_failed_runs_the_step_again_once():
     says so: every member is taken back and the step runs again, counted; the other
     member's word of the same release, and a word of an older release, change
     nothing. A release the adapter could not apply is no failed step: none ran."""
-    p = policy_with(opts("digenrl", slots_per_worker=2), rollout=2, trainer=0)
-    p.rule(Gang).handing = True
-    members = gang(9, 2, kind=DENOISE)
-    p.add_tasks(members)
-    for m in members:
-        p.task_ready(m.key)
-    out = p.decide()
+    p, members, out = placed_gang_released()
     p.release_failed([d.key for d in out])
     assert p.rule(Gang).retried == 0 and p.take_withdrawn() == []
     assert sorted(d.key for d in p.decide()) == sorted(m.key for m in members)
