@@ -34,6 +34,10 @@ Dask behaviours relied on (each is checked by ``tests/schedulers/test_dask_contr
     ``log_event``. So the policy is told of a worker only once it runs: a gang whose
     members went to a worker still starting would have one member sent and the other
     refused, and failed at once, round after round, until the worker ran.
+12. A task taken back while it runs and sent to the same worker again before its
+    execution ended is resumed there, but its outcome carries the run id the execution
+    began with, which the scheduler refuses as stale: the task is released (heard here
+    as ``processing`` -> ``released``, a loss) and sent anew.
 """
 
 from __future__ import annotations

@@ -133,8 +133,10 @@ class TakenBack(CollectiveError):
 class Attempt:
     """The Dask task this thread runs, as it was when this object was made: the
     scheduler may take it back while it runs (``cancelled``: Dask drops its outcome) or
-    send it to this worker again (a new run id: Dask takes this execution's outcome for
-    the new run)."""
+    send it to this worker again (``sent_again``: the worker resumes this execution for
+    the new run, but the execution reports the run id it began with, which the scheduler
+    refuses as stale, and the task is sent anew; ``tests/schedulers/test_dask_contract.py``
+    test 12). Either way this execution's outcome is not used."""
 
     __slots__ = ("_task", "run_id", "_stale")
 
@@ -171,10 +173,6 @@ class Attempt:
         """Cancelled, or sent again: this execution no longer serves the run it began; or
         stale, as the caller says."""
         return self.cancelled or self.sent_again or (self._stale is not None and self._stale())
-
-    def renew(self) -> None:
-        """This execution now serves the task's latest run."""
-        self.run_id = self._task.run_id
 
 
 @dataclass(eq=False)

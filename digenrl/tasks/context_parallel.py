@@ -112,11 +112,12 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
     When the group fails under it (a peer lost, a rendezvous timed out), the member
     leaves the group, so its other peers fail at once too, tells the scheduler (which
     may see nothing lost) and waits for it to take the step back
-    (:func:`_after_failure`): once this attempt is cancelled it raises, and Dask drops the
-    error of a cancelled task; if the step was placed anew on this worker while the
-    attempt still ran (Dask then takes this execution for the new attempt), it computes
-    the step again on the new placement. After ``cluster.collective_timeout`` without
-    either, it raises all the same.
+    (:func:`_after_failure`): once this attempt is cancelled, or sent to this worker
+    again (whose outcome Dask refuses: see :class:`~.collective.Attempt`), it raises, and
+    the task's new run starts afresh; if the step was placed anew with this member on
+    this worker while this attempt still serves it, it computes the step again on the
+    new placement. After ``cluster.collective_timeout`` without either, it raises all
+    the same.
 
     A gang the scheduler placed on fewer workers than members (its pool shrank: degree
     ``k``, member ``i`` on member ``i % k``'s worker) computes the step at degree ``k``
@@ -204,11 +205,11 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
     so that it runs the step again now (:meth:`Gang.rerun
     <digenrl.schedulers.policy.rules.gang.Gang.rerun>`); then wait until it takes the
     step back, at most ``context.timeout`` seconds.
-    None once this attempt is cancelled (the member raises, and Dask drops the error),
-    or the time is up; the new placement when the step was placed anew with this
-    member on this worker while this attempt still runs (sent again: Dask then takes
-    this execution for the new run; or placed anew while this execution still serves
-    it, as when its peer's step failed while this member formed the group)."""
+    None once this attempt is cancelled or sent again (the member raises: Dask drops
+    or refuses its outcome, and a sent-again task's new run starts afresh), or the time
+    is up; the new placement when the step was placed anew with this member on this
+    worker while this execution still serves it (as when its peer's step failed while
+    this member formed the group)."""
     if attempt is None:
         return None
     me = this_worker()
@@ -221,16 +222,13 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
                         failed=placed["failed"])
 
     def taken_back() -> tuple[dict | None] | None:
-        if attempt.cancelled:
+        if attempt.cancelled or attempt.sent_again:
             return (None,)
         # (The scheduler writes a placement before it sends the members.)
         now = _placed_now(gang)
         moved = (isinstance(now, dict) and now["failed"] != placed["failed"]
                  and now["workers"][member] == me)
-        if not (attempt.sent_again or moved):
-            return None
-        attempt.renew()
-        return (now,)
+        return (now,) if moved else None
 
     with contextlib.suppress(RendezvousTimeout):    # (the step's own error is raised)
         return collective.poll(taken_back, time.monotonic() + context.timeout, lambda: "")[0]

@@ -10,7 +10,7 @@ import dask
 import pytest
 from dask._task_spec import Task
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
-from distributed import Worker
+from distributed import Event, Worker
 from distributed.core import Status
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.utils_test import async_poll_for, inc, slowinc
@@ -40,11 +40,12 @@ class Parker(SchedulerPlugin):
         self.first_transition.setdefault(key, (start, finish))
 
 
-async def submit_parked(c, s, key):
-    """Submit a task that a plugin parks in update_graph, as the digenrl plugin does."""
+async def submit_parked(c, s, key, func=inc, arg=1):
+    """Submit ``func(arg)``, which a plugin parks in update_graph, as the digenrl plugin
+    does."""
     s.add_plugin(Parker())
     with dask.annotate(park=True):
-        f = c.submit(inc, 1, key=key)
+        f = c.submit(func, arg, key=key)
     await async_poll_for(lambda: key in s.tasks and s.tasks[key].state == "no-worker",
                          timeout=20)
     return f
@@ -214,3 +215,51 @@ async def test_11_a_worker_joins_before_it_runs_and_its_running_is_an_event(c, s
         assert s.tasks["to-a-paused-worker"].state == "no-worker"
         w.status = Status.running
         assert await f == 2
+
+
+def wait_for_event(name):
+    from distributed import Event
+
+    Event(name).wait()
+    return name
+
+
+class Releases(SchedulerPlugin):
+    name = "releases"
+
+    def __init__(self):
+        self.seen = []
+
+    def transition(self, key, start, finish, *args, stimulus_id=None, **kwargs):
+        if start == "processing" and finish == "released":
+            self.seen.append((key, stimulus_id))
+
+
+@pooled_cluster(NTHREADS)
+async def test_12_a_resumed_executions_outcome_is_refused_and_its_task_released(c, s, a, b):
+    """A task taken back while it runs and sent to the same worker again before its
+    execution ended is resumed there (the worker's task takes the new run id), but the
+    execution reports the run id it began with, which the scheduler refuses as stale:
+    the task is released again, to be sent anew. (So a context-parallel member sent
+    again ends at once rather than compute a result that would be refused.)"""
+    releases = Releases()
+    s.add_plugin(releases)
+    f = await submit_parked(c, s, "resumed", wait_for_event, "go-12")
+    s.tasks["resumed"].worker_restrictions = {a.address}
+    s.transitions({"resumed": "processing"}, "test-12-send")
+    await async_poll_for(lambda: "resumed" in a.state.tasks
+                         and a.state.tasks["resumed"].state == "executing", timeout=20)
+    first = a.state.tasks["resumed"].run_id
+    s.tasks["resumed"].worker_restrictions = {PARKED}
+    s.transitions({"resumed": "released"}, "test-12-back")
+    s.transitions({"resumed": "waiting"}, "test-12-back")
+    assert s.tasks["resumed"].state == "no-worker"
+    s.tasks["resumed"].worker_restrictions = {a.address}
+    s.transitions({"resumed": "processing"}, "test-12-again")
+    await async_poll_for(lambda: a.state.tasks.get("resumed") is not None
+                         and a.state.tasks["resumed"].run_id != first
+                         and a.state.tasks["resumed"].state == "executing", timeout=20)
+    await Event("go-12").set()
+    await async_poll_for(lambda: any(k == "resumed" and sid.startswith("task-finished")
+                                     for k, sid in releases.seen), timeout=20)
+    assert await f == "go-12"       # sent anew, it runs again and its outcome counts

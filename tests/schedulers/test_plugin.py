@@ -248,3 +248,41 @@ async def test_a_gang_is_not_started_on_a_worker_that_does_not_run_tasks(c, s, r
     assert await c.gather(futs) == [t1.name, t2.name]
     recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
     assert not [rec["key"] for rec in recs if "\tlost\t" in rec["decisions"]]
+
+
+@pooled_cluster([("127.0.0.1", 2, ROLLOUT)] * 2 + [("127.0.0.1", 2, TRAINER)])
+async def test_a_members_word_that_its_group_failed_runs_its_step_again(c, s, r1, r2, t):
+    """A context-parallel step (a placed gang of two denoise members) runs on the two
+    rollout workers; one member says its group failed with nothing lost (the
+    ``digenrl_gang_rerun`` handler, with the failed-step count its placement carries):
+    both members are taken back from their workers and the step runs again, its new
+    placement counting one failed step; the other member's word of the same release
+    changes nothing."""
+    from digenrl.vocabulary import CONTEXT_METADATA
+
+    plugin = await install(s)
+    keys = [("denoise", 0, 0, 0) + ((1,) if j else ()) for j in range(2)]
+    tasks = {k: (name_after_event, ("cp-go",),
+                 task_meta("denoise", 0, 0, chunk=0, timestep=0, behaviour_version=0,
+                           samples=1, sde=True, gang=(7, j, 2)))
+             for j, k in enumerate(keys)}
+    futs = c.get(annotated(tasks), keys, sync=False)
+
+    def placed():
+        return s.task_metadata.get(CONTEXT_METADATA, {}).get("7")
+
+    def processing():
+        return all(s.tasks.get(k) is not None and s.tasks[k].state == "processing"
+                   for k in keys)
+
+    await async_poll_for(lambda: placed() is not None and processing(), timeout=20)
+    assert placed()["failed"] == 0
+    assert await c.scheduler.digenrl_gang_rerun(gang=7, failed=0)
+    assert not await c.scheduler.digenrl_gang_rerun(gang=7, failed=0)
+    await async_poll_for(lambda: placed()["failed"] == 1 and processing(), timeout=20)
+    assert plugin._gang().retried == 1
+    await Event("cp-go").set()
+    assert sorted(await c.gather(futs)) == sorted([r1.name, r2.name])
+    recs = (await c.scheduler.digenrl_tasks(start=0))["records"]
+    assert {rec["key"] for rec in recs if "\tlost\tgang\t" in rec["decisions"]} \
+        == set(map(str, keys))
