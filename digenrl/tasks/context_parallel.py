@@ -145,7 +145,7 @@ def denoise_member(spec: RolloutSpec, context: ContextSpec, gang: int, member: i
             if not collective.failed(e):    # (forming the group, or a collective of it)
                 raise
             anew = _after_failure(context, gang, member, placed, attempt,
-                                  asked=isinstance(e, collective.TakenBack))
+                                  known=isinstance(e, collective.TakenBack))
             if anew is None:
                 raise
             placed = anew
@@ -198,9 +198,9 @@ def _placed_now(gang: int) -> dict | None:
 
 
 def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
-                   attempt: collective.Attempt | None, asked: bool) -> dict | None:
+                   attempt: collective.Attempt | None, known: bool) -> dict | None:
     """After this member's group failed (member ``member`` of the step ``placed``):
-    unless the scheduler already took the step back (``asked``), tell it the group
+    unless the scheduler already took the step back (``known``), tell it the group
     failed (its rendezvous timed out, or a collective erred: it may see nothing lost),
     so that it runs the step again now (:meth:`Gang.rerun
     <digenrl.schedulers.policy.rules.gang.Gang.rerun>`); then wait until it takes the
@@ -213,7 +213,7 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
     if attempt is None:
         return None
     me = this_worker()
-    if not asked:
+    if not known:
         from distributed import get_client
 
         client = get_client()
