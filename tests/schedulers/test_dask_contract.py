@@ -22,6 +22,7 @@ from distributed.worker_state_machine import (ComputeTaskEvent, FreeKeysEvent,
 from digenrl.schedulers.plugin import PARKED
 
 from inprocess import pooled_cluster
+from plugin_helpers import wait_for_event
 
 NTHREADS = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 
@@ -215,13 +216,6 @@ async def test_11_a_worker_joins_before_it_runs_and_its_running_is_an_event(c, s
         assert s.tasks["to-a-paused-worker"].state == "no-worker"
         w.status = Status.running
         assert await f == 2
-
-
-def wait_for_event(name):
-    from distributed import Event
-
-    Event(name).wait()
-    return name
 
 
 class Releases(SchedulerPlugin):

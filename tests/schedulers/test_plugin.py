@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from distributed import Event, Worker
+from distributed.core import Status
 from distributed.utils_test import async_poll_for, inc
 
 from digenrl.records import TASK_COLUMNS
 from digenrl.schedulers.options import MODES, ScheduleOptions
 from digenrl.schedulers.plugin import WORKER_SEND_INTERVAL, DigenRLSchedulerPlugin
+from digenrl.vocabulary import CONTEXT_METADATA
 
 from inprocess import pooled_cluster
 from plugin_helpers import annotated, task_meta, wait_for_event, worker_name
@@ -202,12 +204,9 @@ async def test_a_gang_member_lost_with_its_worker_takes_the_other_back_and_the_g
     assert withdrawn == [str(keys[1])]
 
 
-
 async def set_status(s, worker, status):
     """``worker`` sets its own status (``paused``, ``running``), and tells the scheduler,
     as a worker over its memory bound does."""
-    from distributed.core import Status
-
     worker.status = Status[status]
     await async_poll_for(lambda: s.workers[worker.address].status == Status[status],
                          timeout=20)
@@ -258,8 +257,6 @@ async def test_a_members_word_that_its_group_failed_runs_its_step_again(c, s, r1
     both members are taken back from their workers and the step runs again, its new
     placement counting one failed step; the other member's word of the same release
     changes nothing."""
-    from digenrl.vocabulary import CONTEXT_METADATA
-
     plugin = await install(s)
     keys = [("denoise", 0, 0, 0) + ((1,) if j else ()) for j in range(2)]
     tasks = {k: (name_after_event, ("cp-go",),
