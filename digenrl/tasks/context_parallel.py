@@ -197,6 +197,13 @@ def _placed_now(gang: int) -> dict | None:
     return get_client().get_metadata([CONTEXT_METADATA, str(gang)], default=None)
 
 
+def _placed_anew(gang: int, failed: int) -> dict | None:
+    """The scheduler's placement of gang ``gang`` when it is newer than the one made
+    after ``failed`` failed steps (the step was placed anew), else None."""
+    now = _placed_now(gang)
+    return now if isinstance(now, dict) and now["failed"] != failed else None
+
+
 def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
                    attempt: collective.Attempt | None, known: bool) -> dict | None:
     """After this member's group failed (member ``member`` of the step ``placed``):
@@ -225,10 +232,8 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
         if attempt.cancelled or attempt.sent_again:
             return (None,)
         # (The scheduler writes a placement before it sends the members.)
-        now = _placed_now(gang)
-        moved = (isinstance(now, dict) and now["failed"] != placed["failed"]
-                 and now["workers"][member] == me)
-        return (now,) if moved else None
+        now = _placed_anew(gang, placed["failed"])
+        return (now,) if now is not None and now["workers"][member] == me else None
 
     with contextlib.suppress(RendezvousTimeout):    # (the step's own error is raised)
         return collective.poll(taken_back, time.monotonic() + context.timeout, lambda: "")[0]
@@ -254,12 +259,9 @@ def _group_of(context: ContextSpec, gang: int, workers: list[str], failed: int,
                     f"collective group {live.name!r}, and a process is in one group at a "
                     f"time: its context-parallel steps cannot form their own")
             collective.leave(live.name)
-        def replaced() -> bool:
-            now = _placed_now(gang)
-            return isinstance(now, dict) and now["failed"] != failed
-
         group = collective.join(name, tuple(workers), generation, backend=context.backend,
-                                timeout=context.timeout, stale=replaced)
+                                timeout=context.timeout,
+                                stale=lambda: _placed_anew(gang, failed) is not None)
     if group.rank != member:
         raise CollectiveError(f"context-parallel group {name!r}: member {member} joined "
                               f"as rank {group.rank}")
