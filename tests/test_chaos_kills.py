@@ -26,7 +26,7 @@ from digenrl.vocabulary import ROLLOUT, TRAINER
 
 from conftest import assert_same_results, small_config
 from invariants import assert_schedule_invariants
-from test_worker_loss import _all_processing, _in_background, _processing
+from test_worker_loss import _in_background, _processing, _stuck
 
 ITERATIONS = 14
 #: The small config made smaller still (one prompt of two samples, two sampler steps):
@@ -83,9 +83,9 @@ def kill_repeatedly(cluster, path, seed: int) -> list[tuple[str, list]]:
     deadline = time.monotonic() + 600
     while not run.done():
         if time.monotonic() > deadline:
-            stuck = client.run_on_scheduler(_all_processing)
+            stuck = client.run_on_scheduler(_stuck)
             raise AssertionError(f"the run did not finish within 600 s, {len(kills)} kills "
-                                 f"in; processing per worker: {stuck}")
+                                 f"in; it waits on:\n{stuck}")
         pools = workers_by_pool(client)
         done = records(client)
         if done is None or not ready(client, pools):

@@ -88,8 +88,35 @@ def _in_background(fn) -> Future:
     return fut
 
 
-def _all_processing(dask_scheduler):
-    return {a: _processing(dask_scheduler, a) for a in dask_scheduler.workers}
+def _stuck(dask_scheduler) -> str:
+    """What a run that does not finish waits on: each worker's status and the keys it
+    computes, the run's tasks the scheduler holds outside memory (by state), and the
+    policy's view (each worker's pool and tasks in flight, the tasks it has not
+    released, and the gang rule's waiting gangs and kept workers)."""
+    from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+    lines = [f"{a} {ws.name} {ws.status.name}: processing {[ts.key for ts in ws.processing]}"
+             for a, ws in dask_scheduler.workers.items()]
+    [plugin] = [p for p in dask_scheduler.plugins.values()
+                if isinstance(p, DigenRLSchedulerPlugin)]
+    states: dict[str, list] = {}
+    for key in plugin._meta:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and ts.state != "memory":
+            states.setdefault(ts.state, []).append(key)
+    lines.append(f"scheduler, run's tasks not in memory: {states}")
+    policy = plugin.policy
+    if policy is not None:
+        for w in policy.workers.values():
+            lines.append(f"policy worker {w.name} ({w.pool}): in flight {sorted(w.inflight)}")
+        waiting = [(info.key, info.state, info.gang) for info in policy.tasks.values()
+                   if info.state not in ("done", "released")]
+        lines.append(f"policy, tasks not released: {waiting[:40]}")
+        gang = next((r for r in policy.rules if r.name == "gang"), None)
+        if gang is not None:
+            lines.append(f"gang rule: waiting {list(gang.waiting)}, reserved {gang.reserved}, "
+                         f"kept_for {gang.kept_for}, short {gang.short}, due {gang.due}, "
+                         f"gangs {({g: (sorted(m.ready), m.size, m.degree, m.after) for g, m in gang.gangs.items()})}")
+    return "\n".join(lines)
 
 
 def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=None,
@@ -123,9 +150,9 @@ def run_killing(cluster, path, pool: str, kind: str, min_iteration: int, cfg=Non
     try:
         run.result(timeout=bound)
     except TimeoutError:  # (concurrent.futures raises the builtin since 3.11)
-        stuck = client.run_on_scheduler(_all_processing)
+        stuck = client.run_on_scheduler(_stuck)
         raise AssertionError(f"the run did not finish within {bound:.0f} s of the kill; "
-                             f"processing per worker: {stuck}") from None
+                             f"it waits on:\n{stuck}") from None
     # The nanny's new process joins again (the next tests use the whole cluster).
     client.wait_for_workers(count, timeout=120)
     return address, hit
