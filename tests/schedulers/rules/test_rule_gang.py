@@ -373,6 +373,36 @@ def test_a_chunks_workers_are_kept_for_its_next_step_while_its_step_ends():
     assert p.rule(Gang).kept_for == {}
 
 
+def test_a_step_computed_again_keeps_no_worker_for_a_next_step_already_computed():
+    """A chunk's two steps are done; the first one's result is lost and needed again (a
+    micro-step still reads it), the second's is not. The first step runs again and
+    keeps no worker for the second, which will not run again: another chunk's step
+    takes both workers."""
+    p = policy_with(opts("digenrl", slots_per_worker=1), rollout=2, trainer=0)
+    first = [info(("s", 0, m), DENOISE, chunk=0, timestep=0, gang=(20, m, 2)) for m in (0, 1)]
+    second = [info(("s", 1, m), DENOISE, chunk=0, timestep=1, gang=(21, m, 2)) for m in (0, 1)]
+    p.add_tasks(first + second)
+    for step in (first, second):
+        for m in step:
+            p.task_ready(m.key)
+        for d in p.decide():
+            p.task_done(d.key, d.worker, 1.0)
+    p.task_ready(first[0].key)          # (lost with its worker; Dask computes it again)
+    assert p.take_withdrawn() == [first[1].key]
+    p.task_ready(first[1].key)
+    again = p.decide()
+    assert sorted(d.key for d in again) == sorted(m.key for m in first)
+    for d in again:
+        p.task_done(d.key, d.worker, 1.0)
+    assert p.rule(Gang).kept_for == {}
+    other = [info(("o", m), DENOISE, chunk=5, iteration=1, timestep=0, gang=(30, m, 2))
+             for m in (0, 1)]
+    p.add_tasks(other)
+    for m in other:
+        p.task_ready(m.key)
+    assert sorted(d.worker for d in p.decide()) == ["r0", "r1"]
+
+
 def test_a_placed_gang_short_of_workers_waits_then_runs_at_a_lower_degree():
     """A chunk's step of 4 members with 2 rollout workers left: it waits
     ``context_parallel_wait`` seconds for the pool to grow back (the policy's deadline

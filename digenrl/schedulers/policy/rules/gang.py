@@ -34,8 +34,9 @@ them: TAG, RAT and rebalancing never move one.
   (a chunk's context-parallel step) keeps no state: it simply runs again, on the workers
   placed then, and is counted in :attr:`Gang.retried` instead.
 * **Kept for the chunk's next step**: a worker whose member of a placed gang is done
-  is kept for the gang of the chunk's next step (:attr:`Gang.kept_for`) until that gang
-  is released: it takes no other task that computes with the transformer, and no other
+  is kept for the gang of the chunk's next step (:attr:`Gang.kept_for`), when that step
+  is still to run (a step computed again because its result was lost is often followed
+  by one whose results are all held), until that gang is released: it takes no other task that computes with the transformer, and no other
   chunk's gang is placed on it (a gang of the same chunk may be: a step run again). So
   the workers of a chunk's step, ending one by one, are not taken by other chunks'
   steps or lent micro-steps, and the chunk's next step finds them free together.
@@ -185,7 +186,8 @@ class Gang(Rule):
 
     def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """A placed gang's member is done: its worker is kept for the chunk's next step
-        (when the chunk has one), while the step's other members finish."""
+        (when the chunk has one that is still to run), while the step's other members
+        finish."""
         if info.gang is None or info.kind != DENOISE or info.where is None \
                 or info.timestep is None:
             return
@@ -194,8 +196,16 @@ class Gang(Rule):
             for index in [i for i in g.after if i % g.degree == info.gang[1]]:
                 self.due.append((g.members[index], g.after.pop(index)))
         following = self.steps.get((info.iteration, info.chunk, info.timestep + 1))
-        if following is not None:
+        if following is not None and self._to_run(following):
             self.kept_for[info.where] = (following, info.iteration, info.chunk)
+
+    def _to_run(self, gid: int) -> bool:
+        """Whether gang ``gid`` has a member still to run. A step computed again (its
+        result was lost, and something still needs it) is often followed by a step whose
+        results are all held: that one is not released again, and a worker kept for it
+        would never be freed."""
+        g = self.gangs.get(gid)
+        return g is not None and any(m.state is not DONE for m in g.members.values())
 
     def back(self, info: TaskInfo) -> None:
         """A member waits to be released again (lost, or its release failed)."""
