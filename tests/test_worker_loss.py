@@ -103,14 +103,16 @@ def _stuck(dask_scheduler) -> str:
         ts = dask_scheduler.tasks.get(key)
         if ts is not None and ts.state != "memory":
             states.setdefault(ts.state, []).append(key)
-    lines.append(f"scheduler, run's tasks not in memory: {states}")
+    lines.append("scheduler, the run's tasks: " + ", ".join(
+        f"{state} {len(keys)}" if state in ("released", "waiting") else f"{state} {keys}"
+        for state, keys in states.items()))
     policy = plugin.policy
     if policy is not None:
         for w in policy.workers.values():
             lines.append(f"policy worker {w.name} ({w.pool}): in flight {sorted(w.inflight)}")
-        waiting = [(info.key, info.state, info.gang) for info in policy.tasks.values()
-                   if info.state not in ("done", "released")]
-        lines.append(f"policy, tasks not released: {waiting[:40]}")
+        ready = [(info.key, info.state, info.gang) for info in policy.tasks.values()
+                 if info.state in ("ready", "held")]
+        lines.append(f"policy, ready or held: {ready}")
         gang = next((r for r in policy.rules if r.name == "gang"), None)
         if gang is not None:
             lines.append(f"gang rule: waiting {list(gang.waiting)}, reserved {gang.reserved}, "
