@@ -14,7 +14,7 @@ from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.schedulers.policy.state import DONE, RELEASED
 from digenrl.vocabulary import DENOISE, GRAD, ROLLOUT, TRAINER
 
-from rule_helpers import grads, info, opts, policy_with, said, steps
+from rule_helpers import Clock, grads, info, opts, policy_with, said, steps
 
 
 def gang(gid, size, kind=GRAD, iteration=0, trainers=None):
@@ -403,6 +403,43 @@ def test_a_step_computed_again_keeps_no_worker_for_a_next_step_already_computed(
     assert sorted(d.worker for d in p.decide()) == ["r0", "r1"]
 
 
+def test_chunks_whose_next_steps_keep_each_others_workers_go_on_oldest_first():
+    """Three rollout workers, chunks of steps of three members; one worker leaves, and
+    after ``context_parallel_wait`` each chunk's first step runs at degree 1 on a worker
+    of its own, which it keeps for its next step. The worker back, each next step needs
+    all three workers, one of them kept for the other chunk: the older chunk's goes
+    first, then the other's."""
+    clock = Clock()
+    p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=10.0),
+                    rollout=3, trainer=0, clock=clock)
+    steps_of = [[[info(("s", c, t, m), DENOISE, chunk=c, timestep=t,
+                       gang=(10 * c + t, m, 3)) for m in range(3)] for t in range(2)]
+                for c in range(2)]
+    p.add_tasks([m for chunk in steps_of for step in chunk for m in step])
+    p.remove_worker("r0")
+    for c in range(2):
+        for m in steps_of[c][0]:
+            p.task_ready(m.key)
+    assert p.decide() == []
+    clock.now = 10.0
+    first_steps = steps_of[0][0] + steps_of[1][0]
+    for _ in range(6):           # (each member runs after its leader, one at a time)
+        p.decide()
+        for m in first_steps:
+            if m.state is RELEASED:
+                p.task_done(m.key, m.where, 1.0)
+    assert all(m.state is DONE for m in first_steps)
+    assert sorted(p.rule(Gang).kept_for.values()) == [(1, 0, 0), (11, 0, 1)]
+    p.add_worker("r0", "rollout-0", ROLLOUT, 1)
+    for c in range(2):
+        for m in steps_of[c][1]:
+            p.task_ready(m.key)
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in steps_of[0][1])
+    for m in steps_of[0][1]:
+        p.task_done(m.key, m.where, 1.0)
+    assert sorted(d.key for d in p.decide()) == sorted(m.key for m in steps_of[1][1])
+
+
 def test_a_placed_gang_short_of_workers_waits_then_runs_at_a_lower_degree():
     """A chunk's step of 4 members with 2 rollout workers left: it waits
     ``context_parallel_wait`` seconds for the pool to grow back (the policy's deadline
@@ -487,3 +524,79 @@ def test_a_follower_forgotten_before_its_turn_is_never_released():
     p.task_done(members[0].key, "r0", 1.0)
     p.task_forgotten(members[1].key)
     assert p.decide() == []
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rollout=st.integers(1, 5), size=st.integers(1, 4), chunks=st.integers(1, 3),
+       length=st.integers(2, 3), plain=st.integers(0, 2),
+       actions=st.lists(st.tuples(st.sampled_from(["done", "lose", "recompute", "leave",
+                                                   "join", "wait"]),
+                                  st.integers(0, 50)), max_size=40))
+def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, chunks,
+                                                                length, plain, actions):
+    """Chunks of ``length`` context-parallel steps (a placed gang of ``size`` members
+    each; a step is ready once its chunk's previous step is done) beside plain steps;
+    steps lost while they run, results lost and computed again (a micro-step still reads
+    them; the steps after them keep theirs), workers leaving and joining, the pool short
+    for longer than ``context_parallel_wait``: once every worker is back, every step
+    finishes, and no worker stays kept or reserved."""
+    clock = Clock()
+    p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=10.0),
+                    rollout=rollout, trainer=0, clock=clock)
+    steps_of = [[[info(("s", c, t, m), DENOISE, chunk=c, timestep=t,
+                       gang=(100 * c + t, m, size)) for m in range(size)]
+                 for t in range(length)] for c in range(chunks)]
+    others = [info(("d", j), DENOISE, chunk=10 + j, timestep=0) for j in range(plain)]
+    tasks = [m for chunk in steps_of for step in chunk for m in step] + others
+    p.add_tasks(tasks)
+    addresses = [f"r{j}" for j in range(rollout)]
+
+    def inputs_held(t: TaskInfo) -> bool:
+        return t.gang is None or t.timestep == 0 or all(
+            m.state is DONE for m in steps_of[t.chunk][t.timestep - 1])
+
+    def settle():
+        """Dask's part: what the policy took back waits again; then every task whose
+        inputs are held and that waits is ready; the policy's releases are sent."""
+        for key in p.take_withdrawn():
+            p.task_lost(key)
+        for t in tasks:
+            if t.state == "added" and inputs_held(t):
+                p.task_ready(t.key, {})
+        p.decide()
+
+    settle()
+    for action, n in actions:
+        running = [t for t in tasks if t.state is RELEASED]
+        recomputable = [t for t in tasks if t.state is DONE and inputs_held(t)]
+        if action == "done" and running:
+            t = running[n % len(running)]
+            p.task_done(t.key, t.where, 1.0)
+        elif action == "lose" and running:
+            p.task_lost(running[n % len(running)].key)
+        elif action == "recompute" and recomputable:
+            p.task_ready(recomputable[n % len(recomputable)].key, {})
+        elif action == "leave":
+            for key in p.remove_worker(addresses[n % len(addresses)]):
+                p.task_lost(key)
+        elif action == "join":
+            a = addresses[n % len(addresses)]
+            if a not in p.workers:
+                p.add_worker(a, f"rollout-{a[1:]}", ROLLOUT, 1)
+        elif action == "wait":
+            clock.now += 6.0
+        settle()
+    for a in addresses:
+        if a not in p.workers:
+            p.add_worker(a, f"rollout-{a[1:]}", ROLLOUT, 1)
+    for _ in range(4 * len(tasks) + 4):
+        settle()
+        running = [t for t in tasks if t.state is RELEASED]
+        if not running and all(t.state is DONE for t in tasks):
+            break
+        for t in running:
+            p.task_done(t.key, t.where, 1.0)
+        clock.now += 6.0
+    if size <= rollout:
+        assert [t.key for t in tasks if t.state is not DONE] == []
+    assert p.rule(Gang).kept_for == {} and p.rule(Gang).reserved == {}

@@ -34,12 +34,16 @@ them: TAG, RAT and rebalancing never move one.
   (a chunk's context-parallel step) keeps no state: it simply runs again, on the workers
   placed then, and is counted in :attr:`Gang.retried` instead.
 * **Kept for the chunk's next step**: a worker whose member of a placed gang is done
-  is kept for the gang of the chunk's next step (:attr:`Gang.kept_for`), when that step
-  is still to run (a step computed again because its result was lost is often followed
-  by one whose results are all held), until that gang is released: it takes no other task that computes with the transformer, and no other
+  is kept for the gang of the chunk's next step (:attr:`Gang.kept_for`) until that gang
+  is released: it takes no other task that computes with the transformer, and no other
   chunk's gang is placed on it (a gang of the same chunk may be: a step run again). So
   the workers of a chunk's step, ending one by one, are not taken by other chunks'
-  steps or lent micro-steps, and the chunk's next step finds them free together.
+  steps or lent micro-steps, and the chunk's next step finds them free together. Only
+  a step still to be released is kept for (a step computed again because its result
+  was lost is often followed by one that already runs or whose results are all held).
+  A chunk under way that finds too few workers takes those kept for younger chunks'
+  steps too: chunks whose next steps each keep a worker another needs (after a loss,
+  two chunks ran at a lower degree on workers of their own) go on oldest first.
 * **At a lower degree**: a placed gang whose pool has fewer workers than members waits
   ``options.context_parallel_wait`` seconds for it to grow back (:meth:`Gang.deadline`
   tells the plugin when a round is due), then runs at the largest degree ``k`` dividing
@@ -200,12 +204,14 @@ class Gang(Rule):
             self.kept_for[info.where] = (following, info.iteration, info.chunk)
 
     def _to_run(self, gid: int) -> bool:
-        """Whether gang ``gid`` has a member still to run. A step computed again (its
-        result was lost, and something still needs it) is often followed by a step whose
-        results are all held: that one is not released again, and a worker kept for it
-        would never be freed."""
+        """Whether gang ``gid`` is still to be released: none of its members runs or
+        is done. A step computed again (its result was lost, and something still needs
+        it) is often followed by a step that runs already or whose results are all
+        held: that one is not released again, and a worker kept for it would never be
+        freed."""
         g = self.gangs.get(gid)
-        return g is not None and any(m.state is not DONE for m in g.members.values())
+        return g is not None and not any(m.state is RELEASED or m.state is DONE
+                                         for m in g.members.values())
 
     def back(self, info: TaskInfo) -> None:
         """A member waits to be released again (lost, or its release failed)."""
@@ -324,11 +330,20 @@ class Gang(Rule):
         chunk = (first.iteration, first.chunk)
         whole = self.policy.pool_workers(g.pool)
         size = self.degree(gid, g, len(whole))
+        if not size:
+            return None
         pool = [w for w in whole if w.address not in taken
                 and self.kept_for.get(w.address, (0, *chunk))[1:] == chunk]
-        if not size or len(pool) < size:
+        if len(pool) < size and chunk in self.homes:
+            # Too few for a chunk under way: it takes workers kept for younger chunks'
+            # next steps too. Chunks whose next steps each keep a worker another needs
+            # (after a loss, two chunks ran at a lower degree on workers of their own)
+            # never wait for each other: the oldest chunk's step goes on.
+            pool = [w for w in whole if w.address not in taken
+                    and self.kept_for.get(w.address, (0, *chunk))[1:] >= chunk]
+        if len(pool) < size:
             return None
-        home = self.homes.get((first.iteration, first.chunk), (0, []))[1]
+        home = self.homes.get(chunk, (0, []))[1]
         holders: dict[str, int] = {}
         for held, a in enumerate(home[:size]):
             holders.setdefault(a, held)
