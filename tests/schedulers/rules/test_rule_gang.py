@@ -530,7 +530,7 @@ def test_a_follower_forgotten_before_its_turn_is_never_released():
 @given(rollout=st.integers(1, 5), size=st.integers(1, 4), chunks=st.integers(1, 3),
        length=st.integers(2, 3), plain=st.integers(0, 2),
        actions=st.lists(st.tuples(st.sampled_from(["done", "lose", "recompute", "leave",
-                                                   "join", "wait"]),
+                                                   "join", "wait", "refuse", "rerun"]),
                                   st.integers(0, 50)), max_size=40))
 def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, chunks,
                                                                 length, plain, actions):
@@ -538,7 +538,8 @@ def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, c
     each; a step is ready once its chunk's previous step is done) beside plain steps;
     steps lost while they run, results lost and computed again (a micro-step still reads
     them; the steps after them keep theirs), workers leaving and joining, the pool short
-    for longer than ``context_parallel_wait``: once every worker is back, every step
+    for longer than ``context_parallel_wait``, a round's releases refused by the adapter,
+    a member's word that its group failed: once every worker is back, every step
     finishes, and no worker stays kept or reserved."""
     clock = Clock()
     p = policy_with(opts("digenrl", slots_per_worker=1, context_parallel_wait=10.0),
@@ -555,17 +556,24 @@ def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, c
         return t.gang is None or t.timestep == 0 or all(
             m.state is DONE for m in steps_of[t.chunk][t.timestep - 1])
 
+    refuse = [False]
+
     def settle():
         """Dask's part: what the policy took back waits again; then every task whose
-        inputs are held and that waits is ready; the policy's releases are sent."""
+        inputs are held and that waits is ready; the policy's releases are sent (or,
+        once, refused)."""
         for key in p.take_withdrawn():
             p.task_lost(key)
         for t in tasks:
             if t.state == "added" and inputs_held(t):
                 p.task_ready(t.key, {})
-        p.decide()
+        out = p.decide()
+        if refuse[0]:
+            p.release_failed([d.key for d in out])
+            refuse[0] = False
 
     settle()
+    gang_rule = p.rule(Gang)
     for action, n in actions:
         running = [t for t in tasks if t.state is RELEASED]
         recomputable = [t for t in tasks if t.state is DONE and inputs_held(t)]
@@ -585,6 +593,12 @@ def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, c
                 p.add_worker(a, f"rollout-{a[1:]}", ROLLOUT, 1)
         elif action == "wait":
             clock.now += 6.0
+        elif action == "refuse":
+            refuse[0] = True
+        elif action == "rerun" and running:
+            gid = running[n % len(running)].gang
+            if gid is not None:
+                gang_rule.rerun(gid[0], gang_rule.gangs[gid[0]].released_after)
         settle()
     for a in addresses:
         if a not in p.workers:
