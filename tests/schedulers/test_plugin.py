@@ -33,7 +33,9 @@ async def install(s, **kw):
 
 @pooled_cluster(POOLED)
 async def test_pools_come_from_the_workers_own_resources(c, s, r, t):
-    plugin = await install(s, tag=False)
+    """With no lending (TAG, RAT), each kind runs on the pool its worker's resources
+    name."""
+    plugin = await install(s, tag=False, rat=False)
     tasks = {}
     for j in range(6):
         tasks[("denoise", 0, j, 0)] = (worker_name, (j,), task_meta("denoise", 0, 0, chunk=j, timestep=0))
