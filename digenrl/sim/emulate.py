@@ -32,6 +32,7 @@ from digenrl.sim.costs import Extras, TaskCosts, WorkerHeld, planned
 from digenrl.sim.profile import Profile, Slowdown, slowdown_at
 from digenrl.tasks import slowdown as injected
 from digenrl.tasks.slowdown import set_slowdown
+from digenrl.tasks.worker import current_worker
 from digenrl.vocabulary import ROLLOUT, STATS
 
 __all__ = ["EmulatedTask", "EmulatedWorkload", "run_emulated", "set_slowdown", "worker_held"]
@@ -68,13 +69,10 @@ def worker_held(name: str) -> WorkerHeld:
 
 
 def _this_worker() -> tuple[str, dict[str, float]]:
-    try:
-        from distributed import get_worker
-
-        w = get_worker()
-        return str(w.name), dict(w.state.total_resources)
-    except ValueError:
+    w = current_worker()
+    if w is None:
         return "local", {}
+    return str(w.name), dict(w.state.total_resources)
 
 
 def run_emulated(task: EmulatedTask, *inputs: Any) -> EmulatedOut:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Sequence, cast
 
 import numpy as np
-from distributed import get_worker, secede
+from distributed import secede
 
 from digenrl.prompts import PromptInputs, read_source
 from digenrl.tasks.rewards import RewardSpec, decode_metadata, evaluate_rewards, rewards_wait
 from digenrl.tasks.types import AdvantageOut, DecodeOut, RewardOut
+from digenrl.tasks.worker import current_worker
 
 __all__ = ["score", "score_group", "scored_samples", "group_advantages", "advantage"]
 
@@ -105,11 +106,8 @@ def scored_samples(parts: Sequence[RewardOut]) -> tuple[list[int], np.ndarray, n
 
 def _leave_thread_pool() -> None:
     """Secede from the Dask worker's thread pool (nothing outside a worker)."""
-    try:
-        get_worker()
-    except ValueError:
-        return
-    secede()
+    if current_worker() is not None:
+        secede()
 
 
 def group_advantages(rewards: np.ndarray, valid: np.ndarray, clip: float,

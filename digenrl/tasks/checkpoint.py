@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
-from distributed import get_worker
 
 from digenrl.store import SAMPLING_PART
 from digenrl.store.checkpoints import read_checkpoint, write_checkpoint
 from digenrl.tasks.train import OptimizeOut
 from digenrl.tasks.types import TrainerState
+from digenrl.tasks.worker import current_worker
 
 if TYPE_CHECKING:
     from dask.typing import Key
@@ -75,12 +75,11 @@ def load_state(spec: CheckpointSpec, version: int,
 
 def _in_memory(key: Key) -> OptimizeOut | None:
     """The result of ``key`` if the Dask worker running this task holds it."""
+    worker = current_worker()
+    if worker is None:
+        return None
     try:
-        data = get_worker().data
-    except ValueError:
-        return None  # not on a worker
-    try:
-        return cast(OptimizeOut, data[key])    # (an optimize task's result)
+        return cast(OptimizeOut, worker.data[key])    # (an optimize task's result)
     except KeyError:
         return None
 

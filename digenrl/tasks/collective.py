@@ -91,6 +91,7 @@ import torch.distributed as dist
 
 from digenrl.checks import choice, finite, is_int, require
 from digenrl.config import COLLECTIVE_BACKENDS
+from digenrl.tasks.worker import current_worker
 
 __all__ = ["Group", "join", "group", "leave", "live", "failed", "poll", "Attempt", "TakenBack",
            "resolve_backend",
@@ -150,11 +151,8 @@ class Attempt:
     @classmethod
     def current(cls, stale: Callable[[], bool] | None = None) -> "Attempt | None":
         """This thread's task on its worker (None outside a Dask task)."""
-        try:
-            from distributed import get_worker
-
-            worker = get_worker()
-        except ValueError:
+        worker = current_worker()
+        if worker is None:
             return None
         key = worker.active_threads.get(threading.get_ident())
         task = worker.state.tasks.get(key) if key is not None else None
@@ -555,13 +553,11 @@ def _tear_down(g: Group) -> None:
 
 
 def _worker() -> Any:
-    from distributed import get_worker
-
-    try:
-        return get_worker()
-    except ValueError:
+    worker = current_worker()
+    if worker is None:
         raise CollectiveError("a collective group is joined from inside a Dask task on "
-                              "each member (no worker runs this call)") from None
+                              "each member (no worker runs this call)")
+    return worker
 
 
 def _worker_name() -> str:

@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from digenrl.tasks.worker import current_worker
+
 __all__ = ["PeakBytes", "tensor_bytes", "measured_step", "model_key", "EVENT_TOPIC",
            "USABLE_FRACTION"]
 
@@ -122,11 +124,11 @@ def measured_step(model: object, shape: tuple[int, ...],
     ``shape`` (samples first): the first such step of this process on a Dask worker is
     measured and reported (:data:`EVENT_TOPIC`); every other runs as it is (a step that
     fails is measured again next time)."""
-    worker = _worker()
+    worker = current_worker()
     key = (model_key(model), tuple(shape))
     with _LOCK:
-        first = worker is not None and key not in _MEASURED
-    if not first:
+        first = key not in _MEASURED
+    if worker is None or not first:
         yield
         return
     with PeakBytes() as peak:
@@ -141,11 +143,3 @@ def measured_step(model: object, shape: tuple[int, ...],
         "resident_bytes": int(resident.nbytes())})
 
 
-def _worker():
-    """The Dask worker this thread computes for, or None outside one."""
-    try:
-        from distributed import get_worker
-
-        return get_worker()
-    except ValueError:
-        return None

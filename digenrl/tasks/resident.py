@@ -30,6 +30,7 @@ from digenrl.prompts import read_source
 from digenrl.store import SAMPLING_PART
 from digenrl.tasks.footprint import tensor_bytes
 from digenrl.tasks.types import PolicyWeights
+from digenrl.tasks.worker import current_worker
 
 __all__ = ["ResidentModels", "ResidentPlugin", "resident", "compute_device", "PLUGIN_NAME",
            "sharded_weights"]
@@ -254,12 +255,8 @@ _LOCAL_LOCK = threading.Lock()
 
 def resident(cfg: ModelConfig, seed: int, trainable: Trainable = Trainable()) -> ResidentModels:
     """The resident model state for ``cfg`` (and what of it trains) in this process."""
-    try:
-        from distributed import get_worker
-
-        plugin = get_worker().plugins.get(PLUGIN_NAME)
-    except ValueError:  # not running inside a worker
-        plugin = None
+    worker = current_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME) if worker is not None else None
     if isinstance(plugin, ResidentPlugin) and plugin.models is not None \
             and plugin.cfg == cfg and plugin.seed == seed and plugin.trainable == trainable:
         return plugin.models

@@ -63,6 +63,7 @@ from digenrl.config import (BUNDLED_MODEL_KINDS, REWARD_MODEL_KINDS, ConfigError
 from digenrl.models.parts import BUILDING, TORCH_DTYPES
 from digenrl.tasks.resident import compute_device
 from digenrl.tasks.rewards import RewardSpec
+from digenrl.tasks.worker import current_worker
 
 __all__ = ["ModelReward", "ModelSourceReward", "ModelTextReward", "ClipConsistency",
            "OcrModel", "model_reward",
@@ -324,11 +325,8 @@ def _announce(config: RewardModelConfig, device: torch.device | str) -> None:
     path = config.path if config.kind not in BUNDLED_MODEL_KINDS else f"the {config.kind} wheel"
     record = {"kind": config.kind, "path": path, "device": str(device),
               "dtype": config.dtype, "loads": sum(_LOADS.values())}
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except ValueError:  # not in a worker
+    worker = current_worker()
+    if worker is None:
         logger.info("%s", _load_line(record))
         return
     record["worker"] = worker.address

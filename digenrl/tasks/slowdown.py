@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+from digenrl.tasks.worker import current_worker
+
 __all__ = ["set_slowdown", "slowdown", "stretch", "reset"]
 
 _FACTORS: dict[str, float] = {}
@@ -20,12 +22,8 @@ _LOCK = threading.Lock()
 
 def this_worker() -> str:
     """The name of the Dask worker running the caller (``local`` outside one)."""
-    try:
-        from distributed import get_worker
-
-        return str(get_worker().name)
-    except ValueError:
-        return "local"
+    worker = current_worker()
+    return str(worker.name) if worker is not None else "local"
 
 
 def set_slowdown(factor: float, dask_worker=None) -> float:
