@@ -190,7 +190,7 @@ class Gang(Rule):
 
     def done(self, info: TaskInfo, worker: str | None, duration: float | None) -> None:
         """A placed gang's member is done: its worker is kept for the chunk's next step
-        (when the chunk has one that is still to run), while the step's other members
+        (when the chunk has one still to be released), while the step's other members
         finish."""
         if info.gang is None or info.kind != DENOISE or info.where is None \
                 or info.timestep is None:
@@ -320,9 +320,11 @@ class Gang(Rule):
 
     def placement(self, gid: int, g: _Members, taken) -> list[WorkerInfo] | None:
         """A placed gang's worker of each member (by index), among its pool's workers
-        not in ``taken`` (addresses kept for older gangs): the worker member ``i`` of
-        the chunk's previous step ran on first, then the idle workers, then the least
-        loaded; None when too few. With fewer workers in the pool than members for
+        not in ``taken`` (addresses kept for older gangs) and not kept for another
+        chunk's next step (unless too few are, for a chunk under way: those kept for
+        younger chunks too): the worker member ``i`` of the chunk's previous step ran on
+        first, then the idle workers, then the least loaded; None when too few. With
+        fewer workers in the pool than members for
         ``options.context_parallel_wait`` seconds, the gang runs at the largest degree
         ``k`` dividing its size that they can serve (:meth:`degree`): member ``i`` goes to
         member ``i % k``'s worker, and members ``k`` and above run there after it."""
