@@ -177,6 +177,36 @@ def _member_worker(p: SchedulingPolicy, m: TaskInfo) -> str:
     return p.pool_workers(ROLLOUT)[index - trainers].address
 
 
+def event(p: SchedulingPolicy, action: str, n: int, tasks: list[TaskInfo],
+          recomputable: list[TaskInfo], names: dict[str, tuple[str, str]]) -> None:
+    """One of the events the gang properties draw, on the ``n``-th of its candidates: a
+    running task ``done`` or ``lose``-t, a finished one's result lost and needed again
+    (``recompute``, among ``recomputable``), a worker (of ``names``: address -> (name,
+    pool)) that leaves with what runs on it, or that joins again."""
+    running = [t for t in tasks if t.state is RELEASED]
+    addresses = sorted(names)
+    if action == "done" and running:
+        t = running[n % len(running)]
+        p.task_done(t.key, t.where, 1.0)
+    elif action == "lose" and running:
+        p.task_lost(running[n % len(running)].key)
+    elif action == "recompute" and recomputable:
+        p.task_ready(recomputable[n % len(recomputable)].key, {})
+    elif action == "leave":
+        for key in p.remove_worker(addresses[n % len(addresses)]):
+            p.task_lost(key)
+    elif action == "join":
+        rejoin(p, names, [addresses[n % len(addresses)]])
+
+
+def rejoin(p: SchedulingPolicy, names: dict[str, tuple[str, str]], addresses) -> None:
+    """The workers at ``addresses`` that are gone join again."""
+    for a in addresses:
+        if a not in p.workers:
+            name, pool = names[a]
+            p.add_worker(a, name, pool, 1)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rollout=st.integers(1, 3), trainer=st.integers(1, 3),
        slots=st.integers(1, 2), tag=st.booleans(), rat=st.booleans(),
@@ -204,7 +234,6 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
     p.add_tasks(tasks)
     names = {f"r{j}": (f"rollout-{j}", ROLLOUT) for j in range(rollout)}
     names.update({f"t{j}": (f"trainer-{j}", TRAINER) for j in range(trainer)})
-    addresses = sorted(names)
 
     def settle():
         out = p.decide()
@@ -232,37 +261,17 @@ def test_a_gang_is_never_partly_released(rollout, trainer, slots, tag, rat, size
         return out
 
     for action, n in actions:
-        t = tasks[n % len(tasks)]
-        running = [r for r in tasks if r.state is RELEASED]
-        finished = [r for r in tasks if r.state is DONE]
         if action == "ready":
-            p.task_ready(t.key, {})
+            p.task_ready(tasks[n % len(tasks)].key, {})
         elif action == "ready all":
             for r in tasks:
                 if r.state is not DONE:
                     p.task_ready(r.key, {})
-        elif action == "done" and running:
-            r = running[n % len(running)]
-            p.task_done(r.key, r.where, 1.0)
-        elif action == "lose" and running:
-            p.task_lost(running[n % len(running)].key)
-        elif action == "recompute" and finished:
-            p.task_ready(finished[n % len(finished)].key, {})   # its result lost: again
-        elif action == "leave":
-            a = addresses[n % len(addresses)]
-            for key in p.remove_worker(a):
-                p.task_lost(key)
-        elif action == "join":
-            a = addresses[n % len(addresses)]
-            if a not in p.workers:
-                name, pool = names[a]
-                p.add_worker(a, name, pool, 1)
+        else:
+            event(p, action, n, tasks, [r for r in tasks if r.state is DONE], names)
         settle()
     # Every worker back, every task ready: everything finishes (no gang waits forever).
-    for a in addresses:
-        if a not in p.workers:
-            name, pool = names[a]
-            p.add_worker(a, name, pool, 1)
+    rejoin(p, names, names)
     for t in tasks:
         if t.state is not DONE:
             p.task_ready(t.key, {})
@@ -526,7 +535,7 @@ def test_a_follower_forgotten_before_its_turn_is_never_released():
     assert p.decide() == []
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rollout=st.integers(1, 5), size=st.integers(1, 4), chunks=st.integers(1, 3),
        length=st.integers(2, 3), plain=st.integers(0, 2),
        actions=st.lists(st.tuples(st.sampled_from(["done", "lose", "recompute", "leave",
@@ -550,7 +559,7 @@ def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, c
     others = [info(("d", j), DENOISE, chunk=10 + j, timestep=0) for j in range(plain)]
     tasks = [m for chunk in steps_of for step in chunk for m in step] + others
     p.add_tasks(tasks)
-    addresses = [f"r{j}" for j in range(rollout)]
+    names = {f"r{j}": (f"rollout-{j}", ROLLOUT) for j in range(rollout)}
 
     def inputs_held(t: TaskInfo) -> bool:
         return t.gang is None or t.timestep == 0 or all(
@@ -575,34 +584,19 @@ def test_chunks_computed_with_context_parallelism_always_finish(rollout, size, c
     settle()
     gang_rule = p.rule(Gang)
     for action, n in actions:
-        running = [t for t in tasks if t.state is RELEASED]
-        recomputable = [t for t in tasks if t.state is DONE and inputs_held(t)]
-        if action == "done" and running:
-            t = running[n % len(running)]
-            p.task_done(t.key, t.where, 1.0)
-        elif action == "lose" and running:
-            p.task_lost(running[n % len(running)].key)
-        elif action == "recompute" and recomputable:
-            p.task_ready(recomputable[n % len(recomputable)].key, {})
-        elif action == "leave":
-            for key in p.remove_worker(addresses[n % len(addresses)]):
-                p.task_lost(key)
-        elif action == "join":
-            a = addresses[n % len(addresses)]
-            if a not in p.workers:
-                p.add_worker(a, f"rollout-{a[1:]}", ROLLOUT, 1)
-        elif action == "wait":
+        running = [t for t in tasks if t.state is RELEASED and t.gang is not None]
+        if action == "wait":
             clock.now += 6.0
         elif action == "refuse":
             refuse[0] = True
         elif action == "rerun" and running:
-            gid = running[n % len(running)].gang
-            if gid is not None:
-                gang_rule.rerun(gid[0], gang_rule.gangs[gid[0]].released_after)
+            gid = running[n % len(running)].gang[0]
+            gang_rule.rerun(gid, gang_rule.gangs[gid].released_after)
+        else:
+            event(p, action, n, tasks,
+                  [t for t in tasks if t.state is DONE and inputs_held(t)], names)
         settle()
-    for a in addresses:
-        if a not in p.workers:
-            p.add_worker(a, f"rollout-{a[1:]}", ROLLOUT, 1)
+    rejoin(p, names, names)
     for _ in range(4 * len(tasks) + 4):
         settle()
         running = [t for t in tasks if t.state is RELEASED]
