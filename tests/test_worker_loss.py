@@ -26,6 +26,8 @@ from digenrl.store.checkpoints import complete_checkpoints, read_checkpoint, rea
 from digenrl.graph.keys import publish_key
 from digenrl.graph.structure import Dep, rollout_nodes, train_nodes
 from digenrl.run.runner import RLWorkload, Runner
+from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+from digenrl.schedulers.policy.rules.gang import Gang
 from digenrl.store import StoreError, open_run
 from digenrl.tasks.checkpoint import CheckpointSpec, load_state
 from digenrl.tasks.resident import PLUGIN_NAME
@@ -91,9 +93,8 @@ def _in_background(fn) -> Future:
 def _stuck(dask_scheduler) -> str:
     """What a run that does not finish waits on: each worker's status and the keys it
     computes, the run's tasks the scheduler holds outside memory (by state), and the
-    policy's view (each worker's pool and tasks in flight, the tasks it has not
-    released, and the gang rule's waiting gangs and kept workers)."""
-    from digenrl.schedulers.plugin import DigenRLSchedulerPlugin
+    policy's view (each worker's pool and tasks in flight, the tasks ready or held, and
+    the gang rule's waiting gangs and kept workers)."""
     lines = [f"{a} {ws.name} {ws.status.name}: processing {[ts.key for ts in ws.processing]}"
              for a, ws in dask_scheduler.workers.items()]
     [plugin] = [p for p in dask_scheduler.plugins.values()
@@ -107,17 +108,19 @@ def _stuck(dask_scheduler) -> str:
         f"{state} {len(keys)}" if state in ("released", "waiting") else f"{state} {keys}"
         for state, keys in states.items()))
     policy = plugin.policy
-    if policy is not None:
-        for w in policy.workers.values():
-            lines.append(f"policy worker {w.name} ({w.pool}): in flight {sorted(w.inflight)}")
-        ready = [(info.key, info.state, info.gang) for info in policy.tasks.values()
-                 if info.state in ("ready", "held")]
-        lines.append(f"policy, ready or held: {ready}")
-        gang = next((r for r in policy.rules if r.name == "gang"), None)
-        if gang is not None:
-            lines.append(f"gang rule: waiting {list(gang.waiting)}, reserved {gang.reserved}, "
-                         f"kept_for {gang.kept_for}, short {gang.short}, due {gang.due}, "
-                         f"gangs {({g: (sorted(m.ready), m.size, m.degree, m.after) for g, m in gang.gangs.items()})}")
+    if policy is None:
+        return "\n".join(lines)
+    for w in policy.workers.values():
+        lines.append(f"policy worker {w.name} ({w.pool}): in flight {sorted(w.inflight)}")
+    ready = [(info.key, info.state, info.gang) for info in policy.tasks.values()
+             if info.state in ("ready", "held")]
+    lines.append(f"policy, ready or held: {ready}")
+    gang = policy.rule(Gang)
+    members = {gid: (sorted(g.ready), g.size, g.degree, g.after)
+               for gid, g in gang.gangs.items()}
+    lines.append(f"gang rule: waiting {list(gang.waiting)}, reserved {gang.reserved}, "
+                 f"kept_for {gang.kept_for}, short {gang.short}, due {gang.due}, "
+                 f"gangs (ready members, size, degree, after) {members}")
     return "\n".join(lines)
 
 
