@@ -83,6 +83,11 @@ __all__ = ["Gang"]
 WITH_TRANSFORMER = (DENOISE, EVAL, GRAD)
 
 
+def _out(member: TaskInfo) -> bool:
+    """Whether a gang's member was released: it runs, or it is done."""
+    return member.state is RELEASED or member.state is DONE
+
+
 class _Members:
     """One gang: its members by index, and which of them are ready to be released."""
 
@@ -210,8 +215,7 @@ class Gang(Rule):
         held: that one is not released again, and a worker kept for it would never be
         freed."""
         g = self.gangs.get(gid)
-        return g is not None and not any(m.state is RELEASED or m.state is DONE
-                                         for m in g.members.values())
+        return g is not None and not any(map(_out, g.members.values()))
 
     def back(self, info: TaskInfo) -> None:
         """A member waits to be released again (lost, or its release failed)."""
@@ -290,7 +294,7 @@ class Gang(Rule):
         try:
             withdrawn = 0
             for other in list(g.members.values()):
-                if other is not info and (other.state is RELEASED or other.state is DONE):
+                if other is not info and _out(other):
                     withdrawn += 1
                     self.policy.withdraw(other, self.name,
                                          "member {} of gang {} must run again: the gang's "
@@ -324,10 +328,10 @@ class Gang(Rule):
         chunk's next step (unless too few are, for a chunk under way: those kept for
         younger chunks too): the worker member ``i`` of the chunk's previous step ran on
         first, then the idle workers, then the least loaded; None when too few. With
-        fewer workers in the pool than members for
-        ``options.context_parallel_wait`` seconds, the gang runs at the largest degree
-        ``k`` dividing its size that they can serve (:meth:`degree`): member ``i`` goes to
-        member ``i % k``'s worker, and members ``k`` and above run there after it."""
+        fewer workers in the pool than members for ``options.context_parallel_wait``
+        seconds, the gang runs at the largest degree ``k`` dividing its size that they
+        can serve (:meth:`degree`): member ``i`` goes to member ``i % k``'s worker, and
+        members ``k`` and above run there after it."""
         first = next(iter(g.members.values()))
         chunk = (first.iteration, first.chunk)
         whole = self.policy.pool_workers(g.pool)
@@ -567,7 +571,7 @@ class Gang(Rule):
         g = self.gangs.get(gid)
         if g is None or not g.placed or g.released_after != failed:
             return False
-        out = [m for m in g.members.values() if m.state is RELEASED or m.state is DONE]
+        out = [m for m in g.members.values() if _out(m)]
         if not out:
             return False
         g.released_after = None
