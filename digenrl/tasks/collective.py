@@ -476,7 +476,7 @@ class _Rendezvous:
     def formed(self) -> bool | None:
         """True once every member announced itself, connected to the store with its
         latest announcement and goes ahead; None before."""
-        got = self.client.get_metadata(self.key + ["arrived"], default=None) or {}
+        got = self._announced()
         if not all(got.get(m) for m in self.others):
             self.stage = self.ARRIVE
             return None
@@ -498,11 +498,15 @@ class _Rendezvous:
             return None
         return True
 
+    def _announced(self) -> dict[str, Any]:
+        """Each member's latest announcement (the scheduler's metadata)."""
+        return self.client.get_metadata(self.key + ["arrived"], default=None) or {}
+
     def missing(self, stage: str | None = None) -> list[str]:
         """The members that have not reached ``stage`` (the one waited for last)."""
         held = self.STAGES[stage or self.stage]
         if held is None:
-            got = self.client.get_metadata(self.key + ["arrived"], default=None) or {}
+            got = self._announced()
             return [m for m in self.others if not got.get(m)]
         return [m for m in self.others
                 if _read(self.master, f"{held}/{m}") != self.tokens.get(m)]

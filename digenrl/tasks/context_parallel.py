@@ -39,6 +39,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
+from distributed import get_client
+
 from digenrl.config import ModelConfig
 from digenrl.models import family
 from digenrl.tasks import collective, rollout
@@ -192,8 +194,6 @@ def _placement(context: ContextSpec, gang: int, attempt: collective.Attempt | No
 
 def _placed_now(gang: int) -> dict | None:
     """The scheduler's latest placement of gang ``gang`` (None before the first)."""
-    from distributed import get_client
-
     return get_client().get_metadata([CONTEXT_METADATA, str(gang)], default=None)
 
 
@@ -221,8 +221,6 @@ def _after_failure(context: ContextSpec, gang: int, member: int, placed: dict,
         return None
     me = this_worker()
     if not known:
-        from distributed import get_client
-
         client = get_client()
         with contextlib.suppress(OSError):   # (a lost scheduler: the error stands)
             client.sync(client.scheduler.digenrl_gang_rerun, gang=gang,
