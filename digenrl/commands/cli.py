@@ -22,8 +22,8 @@ import yaml
 
 from digenrl.config import (ConfigError, RewardModelConfig, RunConfig, apply_overrides,
                             config_from_dict, load_config)
-from digenrl.run.driver import RunStalled
 from digenrl.schedulers.switches import MODE_NAMES, switches
+from digenrl.schedulers.watchdog import RunStalled
 from digenrl.store import StoreError, committed_iterations
 from digenrl.tasks.rewards import RewardError
 

@@ -47,6 +47,7 @@ from digenrl.schedulers.chunking import (ChunkingSpec, ChunkMeasurement, choose_
 from digenrl.schedulers.options import ScheduleOptions
 from digenrl.schedulers.parallelism import DegreePlan, plan_degrees
 from digenrl.schedulers.policy import TaskInfo, validate_task
+from digenrl.schedulers.watchdog import RunStalled
 from digenrl.metering import CpuMeter
 from digenrl.checks import ConfigError
 from digenrl.tasks.footprint import EVENT_TOPIC as STEP_MEMORY_TOPIC, USABLE_FRACTION
@@ -64,12 +65,6 @@ logger = logging.getLogger("digenrl")
 
 #: Seconds between two asks whether a run that waits can still progress.
 STALL_POLL = 1.0
-
-
-class RunStalled(RuntimeError):
-    """No GPU task finished for the stall timeout and the progress watchdog has nothing
-    left to try (``schedule.stall_timeout``): the message names what the run waits for.
-    The store keeps the complete iterations before it."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Iterable, Mapping
 from digenrl.vocabulary import Key
 
 __all__ = ["Processing", "TakeBack", "Watchdog", "GRACE_FACTOR", "GRACE_FLOOR",
-           "STALL_FACTOR", "STALL_FLOOR", "stall_timeout"]
+           "STALL_FACTOR", "STALL_FLOOR", "stall_timeout", "RunStalled"]
 
 #: A task is overdue after this many times its expected seconds...
 GRACE_FACTOR = 10.0
@@ -42,6 +42,12 @@ GRACE_FLOOR = 30.0
 STALL_FACTOR = 50.0
 #: ...and at least this many seconds (a model's first load, a slow first step).
 STALL_FLOOR = 600.0
+
+
+class RunStalled(RuntimeError):
+    """No GPU task finished for the stall timeout and the progress watchdog has nothing
+    left to try (``schedule.stall_timeout``): the message names what the run waits for.
+    The store keeps the complete iterations before it."""
 
 
 def stall_timeout(configured: float | None, longest_expected: float | None) -> float:
